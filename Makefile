@@ -1,0 +1,38 @@
+# The two commands of the README:
+#   make demo   set up, fetch the demo model pair, run the local stack and one request
+#   make test   set up and run the test suite (what .ci/run calls)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build; a bare `torch` requirement would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test lint install slow proto bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,bench]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/specserve models fetch demo
+	$(VENV)/bin/specserve generate --local --demo
+
+test: install
+	bash scripts/ensure-redis.sh
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -m "not slow" -q
+
+slow: install
+	$(PY) -m pytest -m slow -q -s
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

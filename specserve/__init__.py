@@ -1,0 +1,3 @@
+"""specserve: speculative decoding served as draft, target and orchestrator services."""
+
+__version__ = "0.1.0"

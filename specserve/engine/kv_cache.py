@@ -1,0 +1,271 @@
+"""KV pool: paged per-session key/value storage inside a byte budget.
+
+Two layers, as in nano-vllm's block manager:
+
+* :class:`BlockAllocator` is pure bookkeeping (no torch): a free list of fixed-size
+  blocks, one block table and length per session, LRU order, and eviction of idle
+  sessions when the budget is full.
+* :class:`KVPool` owns the tensors: per layer one flat ``[num_blocks * block_size,
+  kv_heads, head_dim]`` buffer for K and one for V, addressed by *slots*
+  (``block * block_size + offset``).
+
+A session's cache is the prefix of its tokens that the model has already seen.
+``truncate`` rolls it back after a rejection; blocks past the new length return to
+the free list at once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.errors import KVBudgetExceeded, NotFound
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """A snapshot of pool use."""
+
+    sessions: int
+    tokens: int
+    blocks_used: int
+    blocks_total: int
+    block_size: int
+    bytes_per_block: int
+
+    @property
+    def bytes_used(self) -> int:
+        return self.blocks_used * self.bytes_per_block
+
+    @property
+    def bytes_total(self) -> int:
+        return self.blocks_total * self.bytes_per_block
+
+    @property
+    def bytes_free(self) -> int:
+        return self.bytes_total - self.bytes_used
+
+
+class BlockAllocator:
+    """Block tables, lengths and LRU order for sessions; no tensors.
+
+    Invariants (checked by the property tests):
+    * every block is either free or owned by exactly one session;
+    * a session owns exactly ``ceil(length / block_size)`` blocks after ``truncate``,
+      and at least that many otherwise (``reserve`` may allocate ahead);
+    * eviction only ever removes sessions that were not protected.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        assert num_blocks >= 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Pop from the end: low block ids are handed out first, which keeps tests readable.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._tables: OrderedDict[str, list[int]] = OrderedDict()  # LRU order: oldest first
+        self._lengths: dict[str, int] = {}
+
+    # -- queries ---------------------------------------------------------------
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._tables
+
+    def sessions(self) -> list[str]:
+        """Session ids, least recently used first."""
+        return list(self._tables)
+
+    def length(self, session_id: str) -> int:
+        self._require(session_id)
+        return self._lengths[session_id]
+
+    def block_table(self, session_id: str) -> list[int]:
+        self._require(session_id)
+        return self._tables[session_id]
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def total_tokens(self) -> int:
+        return sum(self._lengths.values())
+
+    def blocks_needed(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    # -- mutation --------------------------------------------------------------
+
+    def reserve(self, needs: dict[str, int], protect: Collection[str] = ()) -> list[str]:
+        """Make room for ``needs[session] `` more tokens in each session, creating
+        sessions that do not exist yet.
+
+        Evicts least recently used sessions outside ``needs`` and ``protect`` when the
+        free list is short, and returns their ids. Raises :class:`KVBudgetExceeded`
+        (changing nothing) when even eviction cannot make room.
+        """
+        shortfall = 0
+        for sid, n in needs.items():
+            assert n >= 0, n
+            have = len(self._tables.get(sid, ()))
+            shortfall += max(0, self.blocks_needed(self._lengths.get(sid, 0) + n) - have)
+        keep = set(needs) | set(protect)
+        victims: list[str] = []
+        reclaim = len(self._free)
+        if shortfall > reclaim:
+            for sid in self._tables:  # oldest first
+                if sid in keep:
+                    continue
+                victims.append(sid)
+                reclaim += len(self._tables[sid])
+                if reclaim >= shortfall:
+                    break
+        if shortfall > reclaim:
+            tokens = sum(needs.values())
+            raise KVBudgetExceeded(
+                f"the KV cache is full: {tokens} more tokens need {shortfall} blocks of "
+                f"{self.block_size} tokens but only {reclaim} of {self.num_blocks} can be "
+                "freed; retry later or lower max_new_tokens"
+            )
+        for sid in victims:
+            self.release(sid)
+        for sid, n in needs.items():
+            table = self._tables.setdefault(sid, [])
+            self._lengths.setdefault(sid, 0)
+            target = self.blocks_needed(self._lengths[sid] + n)
+            while len(table) < target:
+                table.append(self._free.pop())
+            self._tables.move_to_end(sid)
+        return victims
+
+    def advance(self, session_id: str, n: int) -> None:
+        """Record that ``n`` more tokens were written (space must be reserved)."""
+        self._require(session_id)
+        new_len = self._lengths[session_id] + n
+        assert self.blocks_needed(new_len) <= len(self._tables[session_id]), "not reserved"
+        self._lengths[session_id] = new_len
+
+    def truncate(self, session_id: str, length: int) -> None:
+        """Keep only the first ``length`` tokens; free the blocks past them."""
+        self._require(session_id)
+        if not 0 <= length <= self._lengths[session_id]:
+            raise ValueError(
+                f"cannot truncate session {session_id!r} to {length} tokens: "
+                f"it holds {self._lengths[session_id]}"
+            )
+        table = self._tables[session_id]
+        keep = self.blocks_needed(length)
+        while len(table) > keep:
+            self._free.append(table.pop())
+        self._lengths[session_id] = length
+
+    def release(self, session_id: str) -> bool:
+        """Drop a session; returns whether it existed."""
+        table = self._tables.pop(session_id, None)
+        if table is None:
+            return False
+        self._free.extend(reversed(table))
+        del self._lengths[session_id]
+        return True
+
+    def touch(self, session_id: str) -> None:
+        self._require(session_id)
+        self._tables.move_to_end(session_id)
+
+    def _require(self, session_id: str) -> None:
+        if session_id not in self._tables:
+            raise NotFound(f"session {session_id!r} has no KV cache on this replica")
+
+
+class KVPool:
+    """Paged K/V tensors for every layer, with a :class:`BlockAllocator` in front."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        budget_bytes: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        block_size: int = 16,
+    ) -> None:
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        num_blocks = budget_bytes // self.bytes_per_block
+        if num_blocks < 1:
+            raise KVBudgetExceeded(
+                f"a KV budget of {budget_bytes} bytes holds no block of {block_size} tokens "
+                f"({self.bytes_per_block} bytes); raise the budget"
+            )
+        self.num_layers = num_layers
+        self.alloc = BlockAllocator(num_blocks, block_size)
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        # [slots, kv_heads, head_dim] per layer
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    @classmethod
+    def for_model(
+        cls, config: object, budget_bytes: int, dtype: torch.dtype, device: torch.device | str
+    ) -> KVPool:
+        """A pool shaped for a :class:`~specserve.engine.config.ModelConfig`."""
+        return cls(
+            num_layers=config.num_layers,  # type: ignore[attr-defined]
+            num_kv_heads=config.num_kv_heads,  # type: ignore[attr-defined]
+            head_dim=config.head_dim,  # type: ignore[attr-defined]
+            budget_bytes=budget_bytes,
+            dtype=dtype,
+            device=device,
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.alloc.block_size
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self.alloc
+
+    def length(self, session_id: str) -> int:
+        return self.alloc.length(session_id)
+
+    def reserve(self, needs: dict[str, int], protect: Collection[str] = ()) -> list[str]:
+        """See :meth:`BlockAllocator.reserve`; returns the evicted session ids."""
+        return self.alloc.reserve(needs, protect)
+
+    def slots(self, session_id: str, start: int, end: int) -> torch.Tensor:
+        """Flat slot ids of positions ``[start, end)``; the blocks must be reserved."""
+        bs = self.alloc.block_size
+        table = self.alloc.block_table(session_id)
+        assert end <= len(table) * bs, "positions past the reserved blocks"
+        blocks = torch.tensor(table, dtype=torch.long)
+        pos = torch.arange(start, end, dtype=torch.long)
+        # [end - start]
+        return (blocks[pos // bs] * bs + pos % bs).to(self.device)
+
+    def advance(self, session_id: str, n: int) -> None:
+        self.alloc.advance(session_id, n)
+
+    def truncate(self, session_id: str, length: int) -> None:
+        self.alloc.truncate(session_id, length)
+
+    def release(self, session_id: str) -> bool:
+        return self.alloc.release(session_id)
+
+    def stats(self) -> KVStats:
+        return KVStats(
+            sessions=len(self.alloc.sessions()),
+            tokens=self.alloc.total_tokens(),
+            blocks_used=self.alloc.used_blocks,
+            blocks_total=self.alloc.num_blocks,
+            block_size=self.alloc.block_size,
+            bytes_per_block=self.bytes_per_block,
+        )

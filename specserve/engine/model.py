@@ -1,0 +1,246 @@
+"""A Llama-family decoder (Llama, Qwen2, Mistral, SmolLM2) over a paged KV pool.
+
+One :meth:`CausalLM.forward` call serves a batch of sessions with ragged cache
+lengths and a ragged number of new tokens each (a prefill, one token, or k + 1
+tokens to verify). New tokens of all sessions are packed into one ``[tokens,
+hidden]`` matrix so every projection is a single matrix product; attention reads
+each session's keys from the pool through one padded, masked SDPA call per layer.
+
+Module names follow the Hugging Face checkpoints so weights load by name. The
+model knows nothing of tensor parallelism: :mod:`specserve.engine.tp` shards
+the projections after loading and adds the all-reduce as forward hooks on
+:class:`Attention` and :class:`MLP`; head counts are read from weight shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.engine.config import ModelConfig
+from specserve.engine.kv_cache import KVPool
+from specserve.engine.ops import linear
+from specserve.engine.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """New tokens of one session for one forward.
+
+    ``token_ids`` are appended after the tokens already cached for the session;
+    logits are returned for the last ``num_logits`` of them.
+    """
+
+    session_id: str
+    token_ids: Sequence[int]
+    num_logits: int = 1
+
+    def __post_init__(self) -> None:
+        assert len(self.token_ids) > 0, "a forward needs at least one new token"
+        assert 0 <= self.num_logits <= len(self.token_ids)
+
+
+@dataclass
+class _Plan:
+    """Index tensors shared by every layer of one forward."""
+
+    positions: torch.Tensor  # [tokens] absolute position of each new token
+    write_slots: torch.Tensor  # [tokens] pool slot each new K/V goes to
+    read_slots: torch.Tensor  # [batch, max_len] pool slots of each session's keys
+    mask: torch.Tensor | None  # [batch, 1, max_new, max_len] bool, True = attend
+    pad_index: torch.Tensor | None  # [tokens] row of each packed token in [batch * max_new]
+    batch: int
+    max_new: int
+    logit_rows: torch.Tensor  # [sum(num_logits)] packed rows whose logits are returned
+
+
+def _plan(seqs: Sequence[SeqInput], kv: KVPool, sliding_window: int | None) -> _Plan:
+    device = kv.device
+    starts = [kv.length(s.session_id) for s in seqs]
+    news = [len(s.token_ids) for s in seqs]
+    ends = [a + n for a, n in zip(starts, news, strict=True)]
+    positions = torch.cat([torch.arange(a, e) for a, e in zip(starts, ends, strict=True)])
+    slots = [kv.slots(s.session_id, 0, e) for s, e in zip(seqs, ends, strict=True)]
+    write_slots = torch.cat([sl[a:] for sl, a in zip(slots, starts, strict=True)])
+    batch, max_new, max_len = len(seqs), max(news), max(ends)
+    read_slots = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+    for i, sl in enumerate(slots):
+        read_slots[i, : len(sl)] = sl
+    mask = None
+    pad_index = None
+    if batch > 1 or max_new > 1 or sliding_window is not None:
+        # query i of session b sits at position starts[b] + i; it sees keys at <= that.
+        q_pos = torch.tensor(starts).unsqueeze(1) + torch.arange(max_new).unsqueeze(0)
+        k_pos = torch.arange(max_len).unsqueeze(0).unsqueeze(0)
+        allowed = k_pos <= q_pos.unsqueeze(2)  # [batch, max_new, max_len]
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos.unsqueeze(2) - sliding_window
+        # Padding queries attend to key 0 only so that no softmax row is empty.
+        pad_q = torch.arange(max_new).unsqueeze(0) >= torch.tensor(news).unsqueeze(1)
+        allowed[pad_q] = False
+        allowed[..., 0] |= pad_q
+        mask = allowed.unsqueeze(1).to(device)
+    if batch > 1:
+        pad_index = torch.cat([torch.arange(n) + b * max_new for b, n in enumerate(news)]).to(
+            device
+        )
+    offsets = torch.tensor(news).cumsum(0)
+    logit_rows = torch.cat(
+        [torch.arange(int(o) - s.num_logits, int(o)) for o, s in zip(offsets, seqs, strict=True)]
+    ).to(device)
+    return _Plan(
+        positions=positions.to(device),
+        write_slots=write_slots,
+        read_slots=read_slots,
+        mask=mask,
+        pad_index=pad_index,
+        batch=batch,
+        max_new=max_new,
+        logit_rows=logit_rows,
+    )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [tokens, hidden]
+        plan: _Plan,
+        rope: RotaryEmbedding,
+        k_cache: torch.Tensor,  # [slots, kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [slots, kv_heads, head_dim]
+    ) -> torch.Tensor:
+        t, hd = x.shape[0], self.head_dim
+        q = linear(x, self.q_proj.weight, self.q_proj.bias).view(t, -1, hd)
+        k = linear(x, self.k_proj.weight, self.k_proj.bias).view(t, -1, hd)
+        v = linear(x, self.v_proj.weight, self.v_proj.bias).view(t, -1, hd)
+        q, k = rope(q, k, plan.positions)
+        k_cache.index_copy_(0, plan.write_slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, plan.write_slots, v.to(v_cache.dtype))
+
+        b, n = plan.batch, plan.max_new
+        heads = q.shape[1]
+        if plan.pad_index is not None:
+            q_pad = q.new_zeros(b * n, heads, hd)
+            q_pad.index_copy_(0, plan.pad_index, q)
+            q = q_pad
+        q = q.view(b, n, heads, hd).transpose(1, 2)  # [batch, heads, max_new, head_dim]
+        # [batch, kv_heads, max_len, head_dim]
+        keys = k_cache[plan.read_slots].transpose(1, 2).to(q.dtype)
+        values = v_cache[plan.read_slots].transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=plan.mask, enable_gqa=heads != keys.shape[1]
+        )
+        out = out.transpose(1, 2).reshape(b * n, heads * hd)  # [batch * max_new, q_dim]
+        if plan.pad_index is not None:
+            out = out.index_select(0, plan.pad_index)
+        return linear(out, self.o_proj.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, hidden]
+        gate = linear(x, self.gate_proj.weight)
+        up = linear(x, self.up_proj.weight)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Decoder plus LM head; :meth:`forward` reads and extends a :class:`KVPool`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def new_kv_pool(self, budget_bytes: int, block_size: int = 16) -> KVPool:
+        """A pool shaped for this model (after any tensor-parallel sharding)."""
+        attn = self.model.layers[0].self_attn
+        return KVPool(
+            num_layers=self.config.num_layers,
+            num_kv_heads=attn.k_proj.weight.shape[0] // attn.head_dim,
+            head_dim=attn.head_dim,
+            budget_bytes=budget_bytes,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=block_size,
+        )
+
+    @torch.inference_mode()
+    def forward(self, seqs: Sequence[SeqInput], kv: KVPool) -> torch.Tensor:
+        """Run the new tokens of every session in ``seqs`` and append their K/V.
+
+        Space must be reserved beforehand (:meth:`KVPool.reserve`). Returns float32
+        logits ``[sum(num_logits), vocab]`` in the order of ``seqs``.
+        """
+        plan = _plan(seqs, kv, self.config.sliding_window)
+        ids = torch.tensor(
+            [t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device
+        )
+        h = self.model.embed_tokens(ids)  # [tokens, hidden]
+        for i, layer in enumerate(self.model.layers):
+            h = h + layer.self_attn(layer.input_layernorm(h), plan, self.rope, kv.k[i], kv.v[i])
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for s in seqs:
+            kv.advance(s.session_id, len(s.token_ids))
+        h = self.model.norm(h.index_select(0, plan.logit_rows))
+        return linear(h, self.lm_head.weight).float()
