@@ -98,7 +98,15 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(attention_bias),
-            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window") else None,
+            sliding_window=_sliding_window(hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _sliding_window(hf: dict[str, Any]) -> int | None:
+    """Mistral applies its window whenever one is set; Qwen2 only with ``use_sliding_window``."""
+    window = hf.get("sliding_window")
+    if window is None or (hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window")):
+        return None
+    return int(window)

@@ -1,0 +1,123 @@
+"""The single-process speculative loop: draft -> verify -> accept -> commit.
+
+Every round, for all unfinished sessions at once:
+
+1. each drafter proposes k tokens for its sessions (one batched call per drafter);
+2. the target verifies every session's committed delta + drafts in one forward;
+3. the acceptance rule keeps a prefix of the drafts and adds the recovered or
+   bonus token; both caches roll back to what was committed;
+4. :meth:`DecodeState.commit` appends the tokens and applies the stop rules.
+
+k = 0 (drafter ``none``, or an adaptive k that found drafting unprofitable) is
+plain target-only decoding through the same code. The distributed orchestrator
+runs the same round over gRPC.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from specserve.engine.decode_state import DecodeState
+from specserve.engine.drafter import Drafter
+from specserve.engine.errors import InvalidArgument
+from specserve.engine.rejection import Proposal
+from specserve.engine.verifier import TargetVerifier
+
+DRAFTER_NONE = "none"
+
+
+@dataclass
+class Timing:
+    """Wall time of the round phases, summed over rounds."""
+
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rounds: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def draft_share(self) -> float:
+        total = self.draft_s + self.verify_s
+        return self.draft_s / total if total else 0.0
+
+
+class SpeculativeEngine:
+    """Runs rounds for a set of :class:`DecodeState` sessions in this process."""
+
+    def __init__(self, verifier: TargetVerifier, drafters: Mapping[str, Drafter]) -> None:
+        self.verifier = verifier
+        self.drafters = dict(drafters)
+        self.timing = Timing()
+
+    def run(
+        self,
+        states: Sequence[DecodeState],
+        on_tokens: Callable[[DecodeState, list[int]], None] | None = None,
+    ) -> None:
+        """Decode every session until it finishes; ``on_tokens`` sees each round's tokens."""
+        for s in states:
+            if s.drafter != DRAFTER_NONE and s.drafter not in self.drafters:
+                known = ", ".join(sorted([*self.drafters, DRAFTER_NONE]))
+                raise InvalidArgument(f"unknown drafter {s.drafter!r}; available: {known}")
+        active = [s for s in states if not s.finished]
+        while active:
+            for s, tokens in self.round(active):
+                if on_tokens is not None:
+                    on_tokens(s, tokens)
+            active = [s for s in active if not s.finished]
+        for s in states:
+            self.release(s)
+
+    def release(self, state: DecodeState) -> None:
+        self.verifier.release(state.session_id)
+        for d in self.drafters.values():
+            d.release(state.session_id)
+
+    def round(self, states: Sequence[DecodeState]) -> list[tuple[DecodeState, list[int]]]:
+        """One round for every session in ``states``; returns the tokens each added."""
+        t0 = time.perf_counter()
+        proposals = self._propose(states)
+        t1 = time.perf_counter()
+        outcomes = self.verifier.verify(
+            [s.verify_input(p) for s, p in zip(states, proposals, strict=True)]
+        )
+        stale = [i for i, o in enumerate(outcomes) if o.stale]
+        if stale:  # the target lost these caches: resend the whole history
+            again = self.verifier.verify(
+                [states[i].verify_input(proposals[i], full=True) for i in stale]
+            )
+            for i, o in zip(stale, again, strict=True):
+                outcomes[i] = o
+        t2 = time.perf_counter()
+        self.timing.draft_s += t1 - t0
+        self.timing.verify_s += t2 - t1
+        self.timing.rounds += 1
+        self.timing.batch_sizes.append(len(states))
+        out = []
+        for s, p, o in zip(states, proposals, outcomes, strict=True):
+            assert o.verdict is not None, "a full-history verify cannot be stale"
+            out.append((s, s.commit(p, o.verdict)))
+        return out
+
+    def _propose(self, states: Sequence[DecodeState]) -> list[Proposal]:
+        proposals: list[Proposal] = [Proposal(tokens=[])] * len(states)
+        groups: dict[str, list[int]] = {}
+        for i, s in enumerate(states):
+            if s.drafter != DRAFTER_NONE:
+                groups.setdefault(s.drafter, []).append(i)
+        for name, idx in groups.items():
+            drafter = self.drafters[name]
+            ks = {i: states[i].next_k() for i in idx}
+            outcomes = drafter.propose([states[i].draft_input(ks[i]) for i in idx])
+            stale = [i for i, o in zip(idx, outcomes, strict=True) if o.stale]
+            if stale:
+                again = drafter.propose([states[i].draft_input(ks[i], full=True) for i in stale])
+                fixed = dict(zip(stale, again, strict=True))
+                outcomes = [fixed.get(i, o) for i, o in zip(idx, outcomes, strict=True)]
+            for i, o in zip(idx, outcomes, strict=True):
+                assert o.proposal is not None, "a full-history draft cannot be stale"
+                proposals[i] = o.proposal
+                states[i].note_draft_synced()
+        return proposals

@@ -1,0 +1,142 @@
+"""Target-side verification: one batched forward over (committed delta + drafts).
+
+For every session the target runs the committed tokens it has not seen yet plus
+the k draft tokens, computes p at the k + 1 positions, applies the acceptance rule
+(:mod:`specserve.engine.rejection`) and rolls its KV back to the committed prefix
+plus the accepted drafts. The recovered or bonus token is not in the cache yet: it
+arrives as the first new token of the session's next round. A prefill is a verify
+with no drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.errors import InvalidArgument
+from specserve.engine.kv_cache import KVStats
+from specserve.engine.model import CausalLM, SeqInput
+from specserve.engine.rejection import Proposal, Verdict, verify
+from specserve.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    """One session's part of a batched verify."""
+
+    session_id: str
+    start: int  # committed tokens the target should already hold
+    new_tokens: Sequence[int]  # committed tokens from ``start`` on (at least one)
+    proposal: Proposal
+    params: SamplingParams
+    round_index: int
+    want_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise InvalidArgument(f"start must be >= 0, got {self.start}")
+        if not self.new_tokens:
+            raise InvalidArgument(
+                "a verify needs at least one new committed token (the last round's "
+                "recovered or bonus token, or the prompt)"
+            )
+
+    @property
+    def committed_len(self) -> int:
+        return self.start + len(self.new_tokens)
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """A verdict, or ``stale=True`` when the target needs the full history."""
+
+    verdict: Verdict | None
+    stale: bool = False
+    # log p of each emitted token (accepted drafts, then the next token), temperature 1
+    logprobs: tuple[float, ...] = ()
+
+
+class TargetVerifier:
+    """Owns the target model's KV pool and runs batched verification."""
+
+    def __init__(
+        self, model: CausalLM, kv_budget_bytes: int, *, vocab_limit: int | None = None
+    ) -> None:
+        self.model = model
+        self.kv = model.new_kv_pool(kv_budget_bytes)
+        self.vocab_limit = vocab_limit or model.config.vocab_size
+
+    def kv_stats(self) -> KVStats:
+        return self.kv.stats()
+
+    def sessions(self) -> int:
+        return self.kv.stats().sessions
+
+    def release(self, session_id: str) -> bool:
+        return self.kv.release(session_id)
+
+    def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyOutcome]:
+        """Verify a batch; sessions with a stale cache are answered ``stale`` and skipped."""
+        ids = [x.session_id for x in inputs]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("a verify batch names the same session twice")
+        for x in inputs:
+            for t in (*x.new_tokens, *x.proposal.tokens):
+                if not 0 <= t < self.vocab_limit:
+                    raise InvalidArgument(
+                        f"token id {t} of session {x.session_id!r} is outside the "
+                        f"vocabulary (0..{self.vocab_limit - 1})"
+                    )
+        live = [x for x in inputs if self._sync(x)]
+        outcomes: dict[str, VerifyOutcome] = {
+            x.session_id: VerifyOutcome(verdict=None, stale=True) for x in inputs
+        }
+        if live:
+            self.kv.reserve(
+                {x.session_id: len(x.new_tokens) + len(x.proposal.tokens) for x in live}
+            )
+            outcomes.update(self._run(live))
+        return [outcomes[x.session_id] for x in inputs]
+
+    def _sync(self, x: VerifyInput) -> bool:
+        """Roll the cache back to ``start``; False when it holds fewer tokens."""
+        if x.session_id not in self.kv:
+            return x.start == 0
+        have = self.kv.length(x.session_id)
+        if have < x.start:
+            return False
+        self.kv.truncate(x.session_id, x.start)
+        return True
+
+    @torch.inference_mode()
+    def _run(self, live: list[VerifyInput]) -> dict[str, VerifyOutcome]:
+        seqs = [
+            SeqInput(
+                x.session_id,
+                [*x.new_tokens, *x.proposal.tokens],
+                num_logits=len(x.proposal.tokens) + 1,
+            )
+            for x in live
+        ]
+        logits = self.model(seqs, self.kv)[:, : self.vocab_limit]  # [sum(k_i + 1), vocab]
+        verdicts = verify(
+            logits,
+            [x.proposal for x in live],
+            [x.params for x in live],
+            [x.round_index for x in live],
+            [x.committed_len for x in live],
+        )
+        out: dict[str, VerifyOutcome] = {}
+        row = 0
+        for x, v in zip(live, verdicts, strict=True):
+            self.kv.truncate(x.session_id, x.committed_len + v.accepted)
+            logprobs: tuple[float, ...] = ()
+            if x.want_logprobs:
+                emitted = [*x.proposal.tokens[: v.accepted], v.next_token]
+                rows = torch.log_softmax(logits[row : row + len(emitted)], dim=-1)
+                logprobs = tuple(float(rows[i, t]) for i, t in enumerate(emitted))
+            out[x.session_id] = VerifyOutcome(verdict=v, logprobs=logprobs)
+            row += len(x.proposal.tokens) + 1
+        return out
