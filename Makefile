@@ -34,5 +34,8 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+proto: install
+	bash scripts/gen-proto.sh
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

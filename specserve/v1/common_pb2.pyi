@@ -1,0 +1,78 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Drafter(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFTER_UNSPECIFIED: _ClassVar[Drafter]
+    DRAFTER_MODEL: _ClassVar[Drafter]
+    DRAFTER_NGRAM: _ClassVar[Drafter]
+    DRAFTER_NONE: _ClassVar[Drafter]
+
+class SessionStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_STATUS_UNSPECIFIED: _ClassVar[SessionStatus]
+    SESSION_STATUS_OK: _ClassVar[SessionStatus]
+    SESSION_STATUS_NEEDS_HISTORY: _ClassVar[SessionStatus]
+DRAFTER_UNSPECIFIED: Drafter
+DRAFTER_MODEL: Drafter
+DRAFTER_NGRAM: Drafter
+DRAFTER_NONE: Drafter
+SESSION_STATUS_UNSPECIFIED: SessionStatus
+SESSION_STATUS_OK: SessionStatus
+SESSION_STATUS_NEEDS_HISTORY: SessionStatus
+
+class SamplingConfig(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("replica_id", "role", "model", "sessions", "kv_bytes_used", "kv_bytes_free", "queue_depth", "tp_size", "dtype")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FREE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    role: str
+    model: str
+    sessions: int
+    kv_bytes_used: int
+    kv_bytes_free: int
+    queue_depth: int
+    tp_size: int
+    dtype: str
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,84 @@
+from specserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifySession(_message.Message):
+    __slots__ = ("session_id", "start", "new_tokens", "draft_tokens", "support", "q_ids", "q_probs", "sampling", "round_index", "return_logprobs")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    Q_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    start: int
+    new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    support: int
+    q_ids: _containers.RepeatedScalarFieldContainer[int]
+    q_probs: _containers.RepeatedScalarFieldContainer[float]
+    sampling: _common_pb2.SamplingConfig
+    round_index: int
+    return_logprobs: bool
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., support: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., round_index: _Optional[int] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[VerifySession]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[VerifySession, _Mapping]]] = ...) -> None: ...
+
+class PrefillSession(_message.Message):
+    __slots__ = ("session_id", "tokens", "sampling", "round_index", "return_logprobs")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingConfig
+    round_index: int
+    return_logprobs: bool
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., round_index: _Optional[int] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[PrefillSession]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[PrefillSession, _Mapping]]] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("session_id", "status", "accepted", "next_token", "logprobs")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    status: _common_pb2.SessionStatus
+    accepted: int
+    next_token: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("results", "compute_ns", "batch_size", "replica_id")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
+    compute_ns: int
+    batch_size: int
+    replica_id: str
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
