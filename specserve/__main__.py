@@ -1,0 +1,7 @@
+"""``python -m specserve`` is the ``specserve`` command."""
+
+import sys
+
+from specserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,76 @@
+"""Tiny random models for tests and demos without weights: seeded, float32.
+
+Spec strings name them on the command line: ``tiny:<seed>[:<model_type>][:noise=<x>]``.
+``noise`` perturbs every weight of the seed's model by ``x`` times its standard
+deviation, which makes a draft that agrees with the ``noise``-free target often
+but not always.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.config import ModelConfig
+from specserve.engine.errors import InvalidArgument
+from specserve.engine.model import CausalLM
+
+VOCAB = 256
+
+
+def tiny_config(model_type: str = "qwen2", **overrides: object) -> ModelConfig:
+    """2 layers, hidden 64, 4 heads / 2 KV heads, vocab 256."""
+    fields: dict[str, object] = {
+        "model_type": model_type,
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "attention_bias": model_type == "qwen2",
+        "rope_theta": 10000.0,
+    }
+    fields.update(overrides)
+    return ModelConfig(**fields)  # type: ignore[arg-type]
+
+
+def tiny_model(seed: int, model_type: str = "qwen2", **overrides: object) -> CausalLM:
+    """A seeded random model; the LM head is scaled up so distributions are peaked
+    (near-ties between the top two logits would make greedy tests fragile)."""
+    torch.manual_seed(seed)
+    model = CausalLM(tiny_config(model_type, **overrides)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+def noisy_copy(model: CausalLM, noise: float, seed: int) -> CausalLM:
+    """A copy of ``model`` with Gaussian noise on every weight."""
+    gen = torch.Generator().manual_seed(seed)
+    draft = CausalLM(model.config).eval()
+    draft.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * noise * p.std().clamp(min=1e-3))
+    return draft
+
+
+def tiny_from_spec(spec: str) -> CausalLM:
+    """Build the model a ``tiny:...`` spec names."""
+    parts = spec.split(":")
+    if parts[0] != "tiny" or len(parts) < 2:
+        raise InvalidArgument(f"not a tiny model spec: {spec!r} (expected tiny:<seed>[:<type>])")
+    try:
+        seed = int(parts[1])
+        model_type = "qwen2"
+        noise = 0.0
+        for part in parts[2:]:
+            if part.startswith("noise="):
+                noise = float(part.removeprefix("noise="))
+            else:
+                model_type = part
+    except ValueError as e:
+        raise InvalidArgument(f"bad tiny model spec {spec!r}: {e}") from None
+    model = tiny_model(seed, model_type)
+    return noisy_copy(model, noise, seed + 1000) if noise else model

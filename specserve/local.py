@@ -1,0 +1,198 @@
+"""Local mode: the target, the drafters and the speculative loop in one process.
+
+Used by ``specserve generate --local``, the benchmarks and the slow end-to-end
+tests. Models are named by a store name (``specserve models list``), a local
+directory, a GGUF file, or ``tiny:<seed>`` for a random test model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.engine.decode_state import DecodeState, FinishReason, StopCriteria
+from specserve.engine.drafter import Drafter
+from specserve.engine.k_policy import KPolicy
+from specserve.engine.model import CausalLM
+from specserve.engine.model_drafter import ModelDrafter
+from specserve.engine.ngram import NgramDrafter
+from specserve.engine.sampling import SamplingParams
+from specserve.engine.speculative import SpeculativeEngine
+from specserve.engine.verifier import TargetVerifier
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """Everything local mode needs, built once from CLI flags."""
+
+    target: str
+    draft: str | None = None
+    target_dtype: str = "float32"
+    draft_dtype: str = "float32"
+    kv_budget_bytes: int = 2 << 30
+    draft_kv_budget_bytes: int = 1 << 30
+    threads: int | None = None
+    min_confidence: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in (self.target_dtype, self.draft_dtype):
+            if name not in DTYPES:
+                raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+
+
+@dataclass
+class Completion:
+    """One generated completion and how it was produced."""
+
+    prompt_tokens: int
+    tokens: list[int]
+    text: str
+    finish_reason: FinishReason
+    seconds: float
+    rounds: int
+    drafted: int
+    accepted: int
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"{len(self.tokens)} tokens in {self.seconds:.2f} s: "
+            f"{self.tokens_per_second:.2f} tok/s | {self.rounds} rounds | "
+            f"acceptance {100 * self.acceptance_rate:.1f}% | "
+            f"mean acceptance length {self.mean_acceptance_length:.2f} | "
+            f"finish {self.finish_reason.value}"
+        )
+
+
+def load(spec: str, dtype: str) -> tuple[CausalLM, object | None]:
+    """Load a model and its tokenizer (None for tiny random models)."""
+    if spec.startswith("tiny:"):
+        from specserve.engine.tiny import tiny_from_spec
+
+        return tiny_from_spec(spec).to(DTYPES[dtype]), None
+    from specserve.engine.loader import load_model, load_tokenizer
+    from specserve.model_store import resolve
+
+    source = resolve(spec)
+    model, _ = load_model(source, DTYPES[dtype])
+    return model, load_tokenizer(source)
+
+
+class LocalRunner:
+    """A loaded model pair and the drafters built on it."""
+
+    def __init__(self, config: LocalConfig) -> None:
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        self.target, self.tokenizer = load(config.target, config.target_dtype)
+        # Embedding matrices are padded past the tokenizer; those ids are never tokens.
+        vocab = self.target.config.vocab_size
+        if self.tokenizer is not None:
+            vocab = min(vocab, self.tokenizer.vocab_size)  # type: ignore[attr-defined]
+        self.verifier = TargetVerifier(self.target, config.kv_budget_bytes, vocab_limit=vocab)
+        drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+        if config.draft:
+            draft, draft_tok = load(config.draft, config.draft_dtype)
+            if self.tokenizer is not None and draft_tok is not None:
+                from specserve.engine.loader import check_compatible
+
+                check_compatible(draft_tok, self.tokenizer)
+            drafters["model"] = ModelDrafter(
+                draft,
+                config.draft_kv_budget_bytes,
+                min_confidence=config.min_confidence,
+                vocab_limit=min(vocab, draft.config.vocab_size),
+            )
+        self.engine = SpeculativeEngine(self.verifier, drafters)
+        self._next_id = 0
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        ids = set(self.target.config.eos_token_ids)
+        if self.tokenizer is not None:
+            ids |= set(self.tokenizer.eos_token_ids)  # type: ignore[attr-defined]
+        return frozenset(ids)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        return list(self.tokenizer.encode(text))  # type: ignore[attr-defined]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return "".join(f" {i}" for i in ids)
+        return str(self.tokenizer.decode(list(ids)))  # type: ignore[attr-defined]
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        max_new_tokens: int = 128,
+        drafter: str = "model",
+        k: int | None = None,
+        k_max: int = 8,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Completion:
+        """Decode one prompt; ``on_text`` receives text as tokens are committed."""
+        self._next_id += 1
+        state = DecodeState(
+            f"local-{self._next_id}",
+            prompt,
+            params,
+            StopCriteria(max_new_tokens, frozenset() if ignore_eos else self.eos_ids, tuple(stop)),
+            KPolicy(k, k_max=k_max),
+            drafter=drafter,
+            decode=self.decode if self.tokenizer is not None else None,
+        )
+        printed = [0]
+
+        def stream(s: DecodeState, _new: list[int]) -> None:
+            if on_text is None:
+                return
+            text = self.decode(s.completion)
+            if s.text_end is not None:
+                text = text[: s.text_end]
+            elif text.endswith("\ufffd"):
+                return  # a multi-byte character is still incomplete
+            on_text(text[printed[0] :])
+            printed[0] = len(text)
+
+        t0 = time.perf_counter()
+        self.engine.run([state], on_tokens=stream)
+        seconds = time.perf_counter() - t0
+        text = self.decode(state.completion)
+        if state.text_end is not None:
+            text = text[: state.text_end]
+        assert state.finish_reason is not None
+        return Completion(
+            prompt_tokens=state.prompt_len,
+            tokens=state.completion,
+            text=text,
+            finish_reason=state.finish_reason,
+            seconds=seconds,
+            rounds=state.stats.rounds,
+            drafted=state.stats.drafted,
+            accepted=state.stats.accepted,
+            accepted_per_position=list(state.stats.accepted_per_position),
+        )

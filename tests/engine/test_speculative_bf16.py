@@ -1,0 +1,69 @@
+"""What holds in bfloat16.
+
+In bfloat16 a (k + 1)-token verify forward and a one-token forward round
+differently, so greedy speculative output may leave target-only output. The
+acceptance rule itself stays exact with respect to the logits the verify forward
+computed; the property tested here is that a divergence can only happen where
+target-only decoding faced a near-tie (top-2 logit gap within bfloat16 rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.engine.decode_state import DecodeState, StopCriteria
+from specserve.engine.k_policy import KPolicy
+from specserve.engine.model import SeqInput
+from specserve.engine.model_drafter import ModelDrafter
+from specserve.engine.sampling import SamplingParams
+from specserve.engine.speculative import SpeculativeEngine
+from specserve.engine.verifier import TargetVerifier
+from tests.support.tiny import noisy_copy, tiny_model
+
+BUDGET = 8 << 20
+
+
+def _top2_gaps(model, tokens: list[int], prompt_len: int) -> list[float]:
+    """Top-1 minus top-2 logit at each completion position (one full forward)."""
+    kv = model.new_kv_pool(BUDGET)
+    kv.reserve({"g": len(tokens)})
+    n = len(tokens) - prompt_len
+    logits = model([SeqInput("g", tokens[:-1], num_logits=n)], kv)  # [n, vocab]
+    top2 = logits.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bf16_divergence_only_at_near_ties(seed: int) -> None:
+    target = tiny_model(seed).to(torch.bfloat16)
+    draft = noisy_copy(tiny_model(seed), 0.3, seed).to(torch.bfloat16)
+    engine = SpeculativeEngine(
+        TargetVerifier(target, BUDGET), {"model": ModelDrafter(draft, BUDGET)}
+    )
+    prompt = [(seed * 37 + i * 11) % 256 for i in range(12)]
+
+    def run(drafter: str, k: int) -> DecodeState:
+        s = DecodeState(
+            "s", prompt, SamplingParams(), StopCriteria(48), KPolicy(k), drafter=drafter
+        )
+        engine.run([s])
+        return s
+
+    plain, spec = run("none", 0), run("model", 4)
+    assert spec.stats.drafted > 0 and spec.stats.accepted > 0
+    first = next(
+        (
+            i
+            for i, (a, b) in enumerate(zip(plain.completion, spec.completion, strict=True))
+            if a != b
+        ),
+        None,
+    )
+    if first is None:
+        return
+    gaps = _top2_gaps(target, plain.tokens, len(prompt))
+    scale = max(abs(g) for g in gaps) + 1.0
+    assert gaps[first] <= 0.05 * scale, (
+        f"diverged at {first} where target-only had a clear winner (gap {gaps[first]:.3f})"
+    )
