@@ -103,6 +103,8 @@ def verify(
             f"{len(round_index)} round indices and {len(positions)} positions."
         )
     ks = [len(p.tokens) for p in proposals]
+    if all(p.greedy for p in params):
+        return _verify_greedy(target_logits, proposals, ks)
     # Also checks that target_logits has sum(k_i + 1) rows.
     probs = batched_probabilities(target_logits, params, [k + 1 for k in ks])  # [R, vocab]
     if batch == 0:
@@ -142,6 +144,34 @@ def verify(
         Verdict(accepted=a, next_token=t)
         for a, t in zip(accepted.tolist(), next_token.tolist(), strict=True)
     ]
+
+
+def _verify_greedy(
+    target_logits: torch.Tensor,  # [sum(k_i + 1), vocab]
+    proposals: Sequence[Proposal],
+    ks: Sequence[int],
+) -> list[Verdict]:
+    """All-greedy batches need only one argmax per row: no probabilities, no draws."""
+    rows = sum(ks) + len(ks)
+    if target_logits.dim() != 2 or target_logits.shape[0] != rows:
+        raise InvalidArgument(
+            f"logits of shape {tuple(target_logits.shape)} do not match the {rows} rows "
+            "the proposals need (k + 1 per session)"
+        )
+    vocab = target_logits.shape[1]
+    argmax = target_logits.argmax(dim=-1).tolist()  # [R], first max wins
+    out = []
+    row = 0
+    for p, k in zip(proposals, ks, strict=True):
+        for t in p.tokens:
+            if not 0 <= t < vocab:
+                raise InvalidArgument(f"draft token {t} is outside the vocabulary [0, {vocab})")
+        j = 0
+        while j < k and p.tokens[j] == argmax[row + j]:
+            j += 1
+        out.append(Verdict(accepted=j, next_token=argmax[row + j]))
+        row += k + 1
+    return out
 
 
 @dataclass(frozen=True)

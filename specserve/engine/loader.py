@@ -1,0 +1,315 @@
+"""Checkpoint -> engine weights and tokenizer.
+
+A *source* is one of, in the order tried:
+
+1. a local Hugging Face directory (``config.json`` + ``*.safetensors``, a
+   sharded ``model.safetensors.index.json`` included);
+2. a GGUF file, converted once to a safetensors directory under
+   ``$SPECSERVE_HOME/converted/<stem>-<sha256 prefix>/`` and read from there;
+3. the name of a model in the local store (``specserve models fetch``), e.g.
+   ``qwen2.5-coder-1.5b-instruct``;
+4. a Hugging Face hub id (``owner/name``), downloaded when the hub is reachable.
+
+Weights go straight from safetensors into a :class:`CausalLM` built on the
+``meta`` device, one tensor at a time, so a model is never held twice in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from specserve import model_store
+from specserve.engine.config import ModelConfig
+from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
+from specserve.engine.gguf_convert import convert_gguf, is_converted, is_gguf, sha256_file
+from specserve.engine.model import CausalLM
+from specserve.engine.rope import RotaryEmbedding
+from specserve.engine.tokenizer import Tokenizer, check_compatible
+
+__all__ = [
+    "DTYPES",
+    "Tokenizer",
+    "check_compatible",
+    "load_model",
+    "load_tokenizer",
+    "parse_dtype",
+    "read_config",
+    "resolve_source",
+    "tiny_random_hf_config",
+    "tiny_random_model",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# Checkpoint entries that are not weights of ours; skipped when present.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"float32" | "bfloat16" | "float16"`` (or fp32 / bf16 / fp16) -> torch dtype."""
+    key = _DTYPE_ALIASES.get(name.lower(), name.lower())
+    if key not in DTYPES:
+        raise InvalidArgument(f"dtype {name!r} is not supported; choose from {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def resolve_source(source: str, home: Path | None = None) -> Path:
+    """The local Hugging Face directory that ``source`` stands for (see the module doc)."""
+    home = home or model_store.default_home()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        if path.suffix == ".gguf" or is_gguf(path):
+            return _converted_gguf(path, home)
+        raise ModelLoadError(
+            f"{source} is a file but not a GGUF file; pass a model directory or a .gguf file"
+        )
+    if source in model_store.MODELS:
+        return model_store.resolve(source, home)
+    looks_local = source.startswith(("/", ".", "~")) or source.endswith(".gguf")
+    if not looks_local and _HUB_ID.fullmatch(source):
+        return _hub_download(source)
+    raise NotFound(
+        f"{source!r} is not a directory, a GGUF file, a fetched model name "
+        f"({', '.join(model_store.MODELS)}) or a hub id"
+    )
+
+
+def _converted_gguf(path: Path, home: Path) -> Path:
+    sha = sha256_file(path)
+    out = home / "converted" / f"{path.stem}-{sha[:12]}"
+    if not is_converted(out, sha):
+        convert_gguf(path, out, sha256=sha)
+    return out
+
+
+def _hub_download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=repo_id, allow_patterns=_HUB_FILES))
+    except Exception as exc:  # offline, unknown repo, gated repo: all one answer
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({why}); "
+            "pass a local directory, a GGUF file or a fetched model name instead"
+        ) from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path} is not readable JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object")
+    return data
+
+
+def read_config(directory: Path) -> ModelConfig:
+    """:class:`ModelConfig` of a model directory, with generation-config EOS ids merged in."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{directory} has no config.json, so it is not a model directory")
+    hf = _read_json(path)
+    try:
+        cfg = ModelConfig.from_hf(hf)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path} lacks or has a bad value for {exc}") from exc
+    gen_path = directory / "generation_config.json"
+    if gen_path.is_file():
+        eos = _read_json(gen_path).get("eos_token_id")
+        extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *(int(e) for e in extra)]))
+        cfg = replace(cfg, eos_token_ids=merged)
+    return cfg
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index} has no weight_map")
+        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"shard {f.name} named in {index.name} is missing")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{directory} has no *.safetensors weights (pytorch_model.bin is not supported)"
+        )
+    return files
+
+
+def _fill(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
+    """Replace the meta parameters of ``model`` by the checkpoint's tensors, one at a time."""
+    cfg = model.config
+    expected = dict(model.named_parameters())  # a tied lm_head is listed once, as embed_tokens
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if key not in expected:
+                        tied_head = key == "lm_head.weight" and cfg.tie_word_embeddings
+                        if not (tied_head or _IGNORED.match(key)):
+                            unexpected.append(key)
+                        continue
+                    tensor = f.get_tensor(key)
+                    want = expected[key].shape
+                    if tensor.shape != want:
+                        raise ModelLoadError(
+                            f"weight {key} in {file.name} has shape {tuple(tensor.shape)}, "
+                            f"the config implies {tuple(want)}"
+                        )
+                    if not tensor.is_floating_point():
+                        raise ModelLoadError(
+                            f"weight {key} in {file.name} is {tensor.dtype}; only float "
+                            "checkpoints are supported (quantized ones go through GGUF)"
+                        )
+                    owner, _, attr = key.rpartition(".")
+                    param = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+                    setattr(model.get_submodule(owner), attr, param)
+                    seen.add(key)
+        except SafetensorError as exc:
+            raise ModelLoadError(f"{file} is not a valid safetensors file ({exc})") from exc
+    if unexpected:
+        raise ModelLoadError(
+            f"the checkpoint has {len(unexpected)} weights a {cfg.model_type} decoder does not "
+            f"use, e.g. {unexpected[0]}"
+        )
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise ModelLoadError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[0]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def load_model(
+    source: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    home: Path | None = None,
+) -> tuple[CausalLM, ModelConfig]:
+    """Load ``source`` (see the module doc) as a :class:`CausalLM` in ``dtype`` on ``device``."""
+    if dtype not in DTYPES.values():
+        raise InvalidArgument(f"dtype {dtype} is not supported; choose from {', '.join(DTYPES)}")
+    directory = resolve_source(str(source), home)
+    cfg = read_config(directory)
+    files = _weight_files(directory)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    # The rotary tables are plain tensors, not parameters: rebuild them off the meta device.
+    model.rope = RotaryEmbedding(cfg)
+    _fill(model, files, dtype, torch.device(device))
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "unfilled tensor"
+    return model.eval(), cfg
+
+
+def load_tokenizer(source: str | Path, *, home: Path | None = None) -> Tokenizer:
+    """The tokenizer of ``source`` (for GGUF, that of its converted directory)."""
+    directory = resolve_source(str(source), home)
+    cfg = read_config(directory)
+    from transformers import AutoTokenizer  # heavy; only needed here
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:
+        raise ModelLoadError(f"could not load the tokenizer in {directory} ({exc})") from exc
+    return Tokenizer(hf, cfg.eos_token_ids)
+
+
+# --- tiny random models for tests ---------------------------------------------------
+
+# Test family -> (transformers model_type, settings on top of _TINY).
+TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "smollm2": ("llama", {"tie_word_embeddings": True}),
+}
+_TINY: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def tiny_random_hf_config(model_type: str, **overrides: Any) -> Any:
+    """transformers config of the tiny ``model_type`` ("llama", "qwen2", "mistral", "smollm2").
+
+    2 layers, hidden 64, vocab 256, 4 heads, 2 KV heads, intermediate 128;
+    ``overrides`` are transformers config fields.
+    """
+    if model_type not in TINY_FAMILIES:
+        raise InvalidArgument(
+            f"no tiny model of type {model_type!r}; choose from {', '.join(TINY_FAMILIES)}"
+        )
+    from transformers import AutoConfig  # heavy; tests only
+
+    hf_type, family = TINY_FAMILIES[model_type]
+    return AutoConfig.for_model(hf_type, **{**_TINY, **family, **overrides})
+
+
+def tiny_random_model(
+    model_type: str, seed: int = 0, **overrides: Any
+) -> tuple[CausalLM, ModelConfig]:
+    """A seeded random float32 :class:`CausalLM` of :func:`tiny_random_hf_config` and its config.
+
+    Weights come from a private generator (the global RNG is untouched), scaled
+    so next-token distributions are peaked but not one-hot. Its ``state_dict``
+    loads by name into the transformers model of the same config.
+    """
+    hf = tiny_random_hf_config(model_type, **overrides)
+    cfg = ModelConfig.from_hf(hf.to_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model.rope = RotaryEmbedding(cfg)
+    for name, meta in list(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            value = 1.0 + 0.1 * torch.randn(meta.shape, generator=gen)
+        elif name.endswith("bias"):
+            value = 0.1 * torch.randn(meta.shape, generator=gen)
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            value = 0.5 * torch.randn(meta.shape, generator=gen)
+        else:  # projections: unit-variance outputs for unit-variance inputs
+            value = torch.randn(meta.shape, generator=gen) / math.sqrt(meta.shape[-1])
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval(), cfg
