@@ -288,7 +288,7 @@ def test_add_parser_wires_into_a_main_parser(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser(prog="specserve")
     cli_models.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["models", "--home", str(tmp_path), "list"])
-    assert args.handler(args) == 0
+    assert args.func(args) == 0
 
 
 def test_corrupt_wheel(tmp_path: Path, converted: list[Path]) -> None:
