@@ -1,9 +1,11 @@
 """Tiny random models for tests and demos without weights: seeded, float32.
 
-Spec strings name them on the command line: ``tiny:<seed>[:<model_type>][:noise=<x>]``.
-``noise`` perturbs every weight of the seed's model by ``x`` times its standard
-deviation, which makes a draft that agrees with the ``noise``-free target often
-but not always.
+Spec strings name them on the command line:
+``tiny:<seed>[:<model_type>][:noise=<x>][:vocab=<n>]``. ``noise`` perturbs every
+weight of the seed's model by ``x`` times its standard deviation, which makes a
+draft that agrees with the ``noise``-free target often but not always. ``vocab``
+widens the vocabulary (default 256), e.g. to 150000 to measure what a real
+vocabulary costs on the wire.
 """
 
 from __future__ import annotations
@@ -65,12 +67,15 @@ def tiny_from_spec(spec: str) -> CausalLM:
         seed = int(parts[1])
         model_type = "qwen2"
         noise = 0.0
+        vocab = VOCAB
         for part in parts[2:]:
             if part.startswith("noise="):
                 noise = float(part.removeprefix("noise="))
+            elif part.startswith("vocab="):
+                vocab = int(part.removeprefix("vocab="))
             else:
                 model_type = part
     except ValueError as e:
         raise InvalidArgument(f"bad tiny model spec {spec!r}: {e}") from None
-    model = tiny_model(seed, model_type)
+    model = tiny_model(seed, model_type, vocab_size=vocab)
     return noisy_copy(model, noise, seed + 1000) if noise else model

@@ -39,6 +39,16 @@ class SamplingConfig(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class SparseQ(_message.Message):
+    __slots__ = ("support", "ids", "probs")
+    SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    support: int
+    ids: bytes
+    probs: bytes
+    def __init__(self, support: _Optional[int] = ..., ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_ids",)
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]

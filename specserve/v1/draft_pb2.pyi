@@ -26,33 +26,33 @@ class DraftSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., round_index: _Optional[int] = ..., drafter: _Optional[_Union[_common_pb2.Drafter, str]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("sessions",)
+    __slots__ = ("sessions", "strict")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[DraftSession]
-    def __init__(self, sessions: _Optional[_Iterable[_Union[DraftSession, _Mapping]]] = ...) -> None: ...
+    strict: bool
+    def __init__(self, sessions: _Optional[_Iterable[_Union[DraftSession, _Mapping]]] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class DraftResult(_message.Message):
-    __slots__ = ("session_id", "status", "tokens", "support", "q_ids", "q_probs")
+    __slots__ = ("session_id", "status", "tokens", "q")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
-    SUPPORT_FIELD_NUMBER: _ClassVar[int]
-    Q_IDS_FIELD_NUMBER: _ClassVar[int]
-    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     status: _common_pb2.SessionStatus
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    support: int
-    q_ids: _containers.RepeatedScalarFieldContainer[int]
-    q_probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., tokens: _Optional[_Iterable[int]] = ..., support: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    q: _common_pb2.SparseQ
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.SparseQ, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("results", "compute_ns", "replica_id")
+    __slots__ = ("results", "compute_ns", "replica_id", "batch_size")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[DraftResult]
     compute_ns: int
     replica_id: str
-    def __init__(self, results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ..., compute_ns: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    batch_size: int
+    def __init__(self, results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ..., compute_ns: _Optional[int] = ..., replica_id: _Optional[str] = ..., batch_size: _Optional[int] = ...) -> None: ...

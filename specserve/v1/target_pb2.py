@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/target.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xeb\x01\n\rVerifySession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12\x0f\n\x07support\x18\x05 \x01(\r\x12\r\n\x05q_ids\x18\x06 \x03(\x05\x12\x0f\n\x07q_probs\x18\x07 \x03(\x02\x12.\n\x08sampling\x18\x08 \x01(\x0b\x32\x1c.specserve.v1.SamplingConfig\x12\x13\n\x0bround_index\x18\t \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\n \x01(\x08\">\n\rVerifyRequest\x12-\n\x08sessions\x18\x01 \x03(\x0b\x32\x1b.specserve.v1.VerifySession\"\x92\x01\n\x0ePrefillSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingConfig\x12\x13\n\x0bround_index\x18\x04 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\"@\n\x0ePrefillRequest\x12.\n\x08sessions\x18\x01 \x03(\x0b\x32\x1c.specserve.v1.PrefillSession\"\x87\x01\n\x0cVerifyResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.specserve.v1.SessionStatus\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x12\n\nnext_token\x18\x04 \x01(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\"y\n\x0eVerifyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.VerifyResult\x12\x12\n\ncompute_ns\x18\x02 \x01(\x04\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x12\n\nreplica_id\x18\x04 \x01(\t2\xa6\x02\n\rTargetService\x12\x45\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x41\n\x07GetLoad\x12\x1c.specserve.v1.GetLoadRequest\x1a\x18.specserve.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/target.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xee\x01\n\rVerifySession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12 \n\x01q\x18\x0b \x01(\x0b\x32\x15.specserve.v1.SparseQ\x12.\n\x08sampling\x18\x08 \x01(\x0b\x32\x1c.specserve.v1.SamplingConfig\x12\x13\n\x0bround_index\x18\t \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\n \x01(\x08J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08\"N\n\rVerifyRequest\x12-\n\x08sessions\x18\x01 \x03(\x0b\x32\x1b.specserve.v1.VerifySession\x12\x0e\n\x06strict\x18\x02 \x01(\x08\"\x92\x01\n\x0ePrefillSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingConfig\x12\x13\n\x0bround_index\x18\x04 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\"@\n\x0ePrefillRequest\x12.\n\x08sessions\x18\x01 \x03(\x0b\x32\x1c.specserve.v1.PrefillSession\"\x87\x01\n\x0cVerifyResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.specserve.v1.SessionStatus\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x12\n\nnext_token\x18\x04 \x01(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\"y\n\x0eVerifyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.VerifyResult\x12\x12\n\ncompute_ns\x18\x02 \x01(\x04\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x12\n\nreplica_id\x18\x04 \x01(\t2\xa6\x02\n\rTargetService\x12\x45\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x41\n\x07GetLoad\x12\x1c.specserve.v1.GetLoadRequest\x1a\x18.specserve.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.target_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYSESSION']._serialized_start=71
-  _globals['_VERIFYSESSION']._serialized_end=306
-  _globals['_VERIFYREQUEST']._serialized_start=308
-  _globals['_VERIFYREQUEST']._serialized_end=370
-  _globals['_PREFILLSESSION']._serialized_start=373
-  _globals['_PREFILLSESSION']._serialized_end=519
-  _globals['_PREFILLREQUEST']._serialized_start=521
-  _globals['_PREFILLREQUEST']._serialized_end=585
-  _globals['_VERIFYRESULT']._serialized_start=588
-  _globals['_VERIFYRESULT']._serialized_end=723
-  _globals['_VERIFYRESPONSE']._serialized_start=725
-  _globals['_VERIFYRESPONSE']._serialized_end=846
-  _globals['_TARGETSERVICE']._serialized_start=849
-  _globals['_TARGETSERVICE']._serialized_end=1143
+  _globals['_VERIFYSESSION']._serialized_end=309
+  _globals['_VERIFYREQUEST']._serialized_start=311
+  _globals['_VERIFYREQUEST']._serialized_end=389
+  _globals['_PREFILLSESSION']._serialized_start=392
+  _globals['_PREFILLSESSION']._serialized_end=538
+  _globals['_PREFILLREQUEST']._serialized_start=540
+  _globals['_PREFILLREQUEST']._serialized_end=604
+  _globals['_VERIFYRESULT']._serialized_start=607
+  _globals['_VERIFYRESULT']._serialized_end=742
+  _globals['_VERIFYRESPONSE']._serialized_start=744
+  _globals['_VERIFYRESPONSE']._serialized_end=865
+  _globals['_TARGETSERVICE']._serialized_start=868
+  _globals['_TARGETSERVICE']._serialized_end=1162
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifySession(_message.Message):
-    __slots__ = ("session_id", "start", "new_tokens", "draft_tokens", "support", "q_ids", "q_probs", "sampling", "round_index", "return_logprobs")
+    __slots__ = ("session_id", "start", "new_tokens", "draft_tokens", "q", "sampling", "round_index", "return_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    SUPPORT_FIELD_NUMBER: _ClassVar[int]
-    Q_IDS_FIELD_NUMBER: _ClassVar[int]
-    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -23,19 +21,19 @@ class VerifySession(_message.Message):
     start: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    support: int
-    q_ids: _containers.RepeatedScalarFieldContainer[int]
-    q_probs: _containers.RepeatedScalarFieldContainer[float]
+    q: _common_pb2.SparseQ
     sampling: _common_pb2.SamplingConfig
     round_index: int
     return_logprobs: bool
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., support: _Optional[int] = ..., q_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., round_index: _Optional[int] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.SparseQ, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., round_index: _Optional[int] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("sessions",)
+    __slots__ = ("sessions", "strict")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[VerifySession]
-    def __init__(self, sessions: _Optional[_Iterable[_Union[VerifySession, _Mapping]]] = ...) -> None: ...
+    strict: bool
+    def __init__(self, sessions: _Optional[_Iterable[_Union[VerifySession, _Mapping]]] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class PrefillSession(_message.Message):
     __slots__ = ("session_id", "tokens", "sampling", "round_index", "return_logprobs")

@@ -1,0 +1,210 @@
+"""Shared benchmark utilities: environment report, timing, A/B interleaving, results files.
+
+Machines here are shared and noisy (see BENCHMARKS.md), so every claim is a ratio
+measured in one run with the variants interleaved (A B A B ...), each figure the
+median of several repetitions after a warm-up. :func:`interleave` does that;
+:class:`StreamMeter` gives the memory floor's denominator; :func:`write_results`
+puts ``NAME.md`` and ``NAME.json`` under ``bench/results/``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# CPU flags that decide which kernels can run; reported with every table.
+FLAGS_OF_INTEREST = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "amx_bf16",
+    "amx_tile",
+)
+
+
+def cpu_model() -> str:
+    """The CPU model name (``/proc/cpuinfo`` on Linux, ``platform`` elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> dict[str, bool]:
+    """Which of :data:`FLAGS_OF_INTEREST` the CPU reports."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return {f: f in flags for f in FLAGS_OF_INTEREST}
+
+
+def load_average() -> tuple[float, float, float] | None:
+    """1, 5 and 15 minute load averages, or ``None`` where the OS has none."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """What a results table must state: CPU, flags, threads, versions, date, load."""
+    try:
+        import transformers
+
+        tf_version: str | None = transformers.__version__
+    except ImportError:
+        tf_version = None
+    return {
+        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "load_average": load_average(),
+    }
+
+
+def environment_md(env: Mapping[str, Any]) -> str:
+    """The environment as a markdown bullet list."""
+    flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in env["cpu_flags"].items())
+    lines = [
+        f"- date: {env['date_utc']}",
+        f"- CPU: {env['cpu']} ({env['logical_cpus']} logical CPUs); flags: {flags}",
+        f"- torch {env['torch']} (CPU capability {env['torch_cpu_capability']}), "
+        f"{env['torch_threads']} threads; transformers {env['transformers']}; "
+        f"Python {env['python']}",
+    ]
+    return "\n".join(lines)
+
+
+@dataclass
+class Samples:
+    """Timings (seconds) of one variant, in the order they were taken."""
+
+    times: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """Lower and upper quartile: how noisy the median is."""
+        if len(self.times) < 2:
+            return self.times[0], self.times[0]
+        q = statistics.quantiles(self.times, n=4)
+        return q[0], q[2]
+
+
+def time_call(fn: Callable[[], object]) -> float:
+    """Wall seconds of one call."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def median_time(fn: Callable[[], object], reps: int = 7, warmup: int = 1) -> Samples:
+    """``reps`` timings of ``fn`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    return Samples([time_call(fn) for _ in range(reps)])
+
+
+def interleave(
+    variants: Mapping[str, Callable[[], object]],
+    reps: int = 7,
+    warmup: int = 1,
+    after_each: Callable[[str], object] | None = None,
+) -> dict[str, Samples]:
+    """Time the variants in turn (A B C, A B C, ...), ``reps`` rounds after ``warmup``.
+
+    Interleaving spreads the noise of a shared machine over every variant alike;
+    compare medians (or per-round ratios) of the returned samples. ``after_each``
+    runs untimed after every call (e.g. to roll a cache back).
+    """
+    out = {name: Samples() for name in variants}
+    for rnd in range(warmup + reps):
+        for name, fn in variants.items():
+            t = time_call(fn)
+            if after_each is not None:
+                after_each(name)
+            if rnd >= warmup:
+                out[name].times.append(t)
+    return out
+
+
+class StreamMeter:
+    """Read bandwidth of the current threads over a buffer far larger than any cache.
+
+    ``torch.amax`` over ``nbytes`` of float32: a pure streaming read (``torch.sum``'s
+    cascade summation ran ~9% slower than a bare AVX-512 read loop here; ``amax``
+    matched the loop). With ``huge_pages`` the buffer asks for 2 MiB pages, like the
+    weights after :func:`specserve.engine.hugepages.move_to_huge_pages`; on 4 KiB
+    pages the same read was ~35% slower on the machine these benchmarks ran on.
+    """
+
+    def __init__(self, nbytes: int = 1 << 30, huge_pages: bool = True) -> None:
+        from specserve.engine.hugepages import huge_page_buffer
+
+        raw = huge_page_buffer(nbytes) if huge_pages else torch.empty(nbytes, dtype=torch.uint8)
+        self.buffer = raw.view(torch.float32)
+        self.buffer.fill_(1.0)  # fault every page in
+        self.nbytes = nbytes
+
+    def sample(self, reps: int = 3) -> list[float]:
+        """``reps`` bandwidth samples in bytes/s."""
+        return [self.nbytes / time_call(self.buffer.amax) for _ in range(reps)]
+
+
+def reproduce_command(module: str, argv: list[str] | None = None) -> str:
+    """The command that re-runs this benchmark from the repository root."""
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join([".venv/bin/python", "-m", module, *args])
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, Samples):
+        return {"median": obj.median, "times": obj.times}
+    if hasattr(obj, "__dataclass_fields__"):
+        return asdict(obj)
+    if isinstance(obj, Path):
+        return obj.name
+    if isinstance(obj, torch.dtype):
+        return str(obj).removeprefix("torch.")
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def write_results(name: str, markdown: str, data: Mapping[str, Any]) -> tuple[Path, Path]:
+    """Write ``bench/results/NAME.md`` and ``NAME.json``; returns both paths."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    md_path = RESULTS_DIR / f"{name}.md"
+    json_path = RESULTS_DIR / f"{name}.json"
+    md_path.write_text(markdown.rstrip() + "\n")
+    json_path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    return md_path, json_path

@@ -1,0 +1,70 @@
+"""The draft server's configuration: one frozen dataclass, built once from flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from specserve.serving.cli_args import DTYPES, add_server_arguments, server_options
+from specserve.serving.server import ServerOptions
+
+DEFAULT_KV_BUDGET = "1GiB"
+
+
+@dataclass(frozen=True)
+class DraftServerConfig:
+    """Everything a draft replica needs."""
+
+    model: str | None  # None = n-gram drafting only
+    dtype: str = "float32"
+    kv_budget_bytes: int = 1 << 30
+    max_support: int = 64  # sparse q entries per sampled draft token
+    min_confidence: float = 0.0  # stop drafting a session below this top probability
+    fail_after_forwards: int | None = None  # testing: simulated device failure
+    server: ServerOptions = field(default_factory=ServerOptions)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
+        if self.max_support < 1:
+            raise ValueError(f"max_support must be >= 1, got {self.max_support}")
+        if not 0 <= self.min_confidence < 1:
+            raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+    env = os.environ if env is None else env
+    parser.add_argument(
+        "--model",
+        "--draft",
+        dest="model",
+        default=env.get("SPECSERVE_DRAFT"),
+        help="draft model: store name, directory, GGUF file or tiny:<seed>[...]; "
+        "omit for an n-gram-only replica",
+    )
+    parser.add_argument(
+        "--max-support", type=int, default=64, help="sparse q entries per sampled draft token"
+    )
+    parser.add_argument(
+        "--min-confidence",
+        type=float,
+        default=0.0,
+        help="stop drafting a session when its top probability falls below this",
+    )
+    add_server_arguments(parser, kv_budget=DEFAULT_KV_BUDGET, env=env)
+
+
+def from_args(args: argparse.Namespace) -> DraftServerConfig:
+    return DraftServerConfig(
+        model=args.model or None,
+        dtype=args.dtype,
+        kv_budget_bytes=args.kv_budget,
+        max_support=args.max_support,
+        min_confidence=args.min_confidence,
+        fail_after_forwards=args.fail_after_forwards,
+        server=server_options(args),
+    )

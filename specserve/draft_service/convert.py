@@ -1,0 +1,91 @@
+"""draft.proto <-> engine types, both ends: the servicer's and the round client's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specserve.draft_service.backend import DraftCall
+from specserve.engine.drafter import MAX_K, DraftInput, DraftOutcome
+from specserve.engine.errors import InvalidArgument
+from specserve.engine.rejection import Proposal
+from specserve.serving import convert, sparse_q
+from specserve.v1 import common_pb2, draft_pb2
+
+# -- server side ---------------------------------------------------------------------
+
+
+def draft_calls(request: draft_pb2.ProposeRequest, vocab: int) -> list[DraftCall]:
+    """A ProposeRequest -> validated engine inputs (raises InvalidArgument)."""
+    convert.check_session_ids([s.session_id for s in request.sessions])
+    calls = []
+    for s in request.sessions:
+        sid = s.session_id
+        name = convert.drafter_name(s.drafter, sid)
+        if name == "none":
+            raise InvalidArgument(
+                f"session {sid!r}: drafter DRAFTER_NONE means no drafting; do not send the "
+                "session to Propose"
+            )
+        if s.k > MAX_K:
+            raise InvalidArgument(f"session {sid!r}: k must be between 0 and {MAX_K}, got {s.k}")
+        tokens = convert.check_tokens(s.new_tokens, vocab, "new_tokens", sid)
+        params = convert.sampling_params(s.sampling, sid)
+        try:
+            x = DraftInput(sid, s.start, tokens, s.k, params, s.round_index)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"session {sid!r}: {e}") from None
+        calls.append(DraftCall(name, x))
+    return calls
+
+
+def propose_response(
+    outcomes: Sequence[DraftOutcome], calls: Sequence[DraftCall]
+) -> draft_pb2.ProposeResponse:
+    """Outcomes -> ProposeResponse (compute_ns, replica_id and batch_size set by the caller)."""
+    response = draft_pb2.ProposeResponse()
+    for call, o in zip(calls, outcomes, strict=True):
+        r = response.results.add(session_id=call.input.session_id)
+        if o.stale:
+            r.status = common_pb2.SESSION_STATUS_NEEDS_HISTORY
+            continue
+        assert o.proposal is not None
+        r.status = common_pb2.SESSION_STATUS_OK
+        r.tokens.extend(o.proposal.tokens)
+        q = sparse_q.encode(o.proposal)
+        if q is not None:
+            r.q.CopyFrom(q)
+    return response
+
+
+# -- client side ---------------------------------------------------------------------
+
+
+def draft_session(x: DraftInput, drafter: str) -> draft_pb2.DraftSession:
+    return draft_pb2.DraftSession(
+        session_id=x.session_id,
+        start=x.start,
+        new_tokens=x.new_tokens,
+        k=x.k,
+        sampling=convert.sampling_pb(x.params),
+        round_index=x.round_index,
+        drafter=convert.DRAFTER_ENUMS[drafter],
+    )
+
+
+def proposal(result: draft_pb2.DraftResult, k: int) -> Proposal | None:
+    """A DraftResult -> its draft tokens, or None when the replica needs the full history.
+
+    q stays in ``result`` and goes to the target as it came
+    (:func:`specserve.target_service.convert.verify_session`), which validates them:
+    turning them into tensors here and back into lists there would only cost time.
+    """
+    sid = result.session_id
+    if result.status == common_pb2.SESSION_STATUS_NEEDS_HISTORY:
+        return None
+    if result.status != common_pb2.SESSION_STATUS_OK:
+        raise InvalidArgument(f"session {sid!r}: the draft replica answered status {result.status}")
+    if len(result.tokens) > k:
+        raise InvalidArgument(
+            f"session {sid!r}: asked for {k} draft tokens, got {len(result.tokens)}"
+        )
+    return Proposal(tokens=list(result.tokens))

@@ -1,0 +1,70 @@
+"""``specserve draft-server``: the draft replica's process.
+
+Binds first (health NOT_SERVING), loads the draft model on the model thread, then
+serves Propose / Release / GetLoad with health SERVING.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+import grpc.aio
+
+from specserve.draft_service import config as draft_config
+from specserve.draft_service.backend import DraftBackend
+from specserve.draft_service.config import DraftServerConfig
+from specserve.draft_service.servicer import DraftServicer
+from specserve.engine.model_drafter import ModelDrafter
+from specserve.serving.models import load_model
+from specserve.serving.server import RunningServer, run_process, start_server
+from specserve.v1 import draft_pb2, draft_pb2_grpc
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+def load_backend(config: DraftServerConfig) -> DraftBackend:
+    """Build the drafters (runs on the model thread)."""
+    if config.model is None:
+        return DraftBackend(None, model_name="ngram", dtype=config.dtype, vocab=2**31 - 1)
+    loaded = load_model(config.model, config.dtype, fail_after=config.fail_after_forwards)
+    drafter = ModelDrafter(
+        loaded.model,
+        config.kv_budget_bytes,
+        max_support=config.max_support,
+        min_confidence=config.min_confidence,
+        vocab_limit=loaded.vocab,
+    )
+    return DraftBackend(drafter, model_name=config.model, dtype=config.dtype, vocab=loaded.vocab)
+
+
+async def start(
+    config: DraftServerConfig, load: Callable[[], DraftBackend] | None = None
+) -> RunningServer[DraftBackend]:
+    """Start a draft server in this event loop; ``load`` replaces the model load (tests)."""
+
+    def register(server: grpc.aio.Server, running: RunningServer[DraftBackend]) -> None:
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(running), server)
+
+    return await start_server(
+        config.server,
+        "draft",
+        load or (lambda: load_backend(config)),
+        register,
+        [SERVICE_NAME],
+    )
+
+
+def build_parser(prog: str = "specserve draft-server") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=run.__doc__)
+    draft_config.add_arguments(parser)
+    return parser
+
+
+def run(config: DraftServerConfig) -> int:
+    """Serve draft proposals (Propose / Release / GetLoad) until SIGTERM."""
+    return run_process(lambda: start(config), config.server)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(draft_config.from_args(build_parser().parse_args(argv)))

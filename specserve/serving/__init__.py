@@ -1,0 +1,1 @@
+"""Plumbing shared by the gRPC servers: factory, error mapping, conversion, model executor."""

@@ -1,0 +1,150 @@
+"""Command-line flags every server shares, with ``SPECSERVE_*`` environment defaults.
+
+The environment is read here, while the parser is built, and nowhere deeper: each
+server's ``__main__`` turns the parsed flags into its one frozen config.
+
+========================  ==============================  =========================
+flag                      environment                     default
+========================  ==============================  =========================
+``--host``                ``SPECSERVE_HOST``              127.0.0.1
+``--port``                ``SPECSERVE_PORT``              0 (ephemeral)
+``--port-file``           ``SPECSERVE_PORT_FILE``         none
+``--batch-window-ms``     ``SPECSERVE_BATCH_WINDOW_MS``   2
+``--max-batch-sessions``  ``SPECSERVE_MAX_BATCH_SESSIONS`` 256
+``--max-message-bytes``   ``SPECSERVE_MAX_MESSAGE_BYTES`` 64MiB
+``--grace-s``             ``SPECSERVE_GRACE_S``           10
+``--replica-id``          ``SPECSERVE_REPLICA_ID``        host:port
+``--threads``             ``SPECSERVE_THREADS``           torch's default
+``--dtype``               ``SPECSERVE_DTYPE``             float32
+``--kv-budget``           ``SPECSERVE_KV_BUDGET``         per server
+========================  ==============================  =========================
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Mapping
+
+from specserve.serving.server import MAX_MESSAGE_BYTES, ServerOptions
+
+DTYPES = ("float32", "bfloat16", "float16")
+_UNITS = {
+    "": 1,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+    "ki": 1 << 10,
+    "mi": 1 << 20,
+    "gi": 1 << 30,
+    "ti": 1 << 40,
+}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"512MiB"``, ``"2GiB"``, ``"1.5GB"`` or a plain number of bytes -> bytes."""
+    m = _SIZE.fullmatch(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB, 1000000)")
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a size must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
+def _env(env: Mapping[str, str], name: str, default: object) -> object:
+    return env.get(f"SPECSERVE_{name}", default)
+
+
+def add_server_arguments(
+    parser: argparse.ArgumentParser, *, kv_budget: str, env: Mapping[str, str] | None = None
+) -> None:
+    """Add the shared flags; ``kv_budget`` is this server's default KV budget (e.g. "2GiB")."""
+    env = os.environ if env is None else env
+    g = parser.add_argument_group("serving")
+    g.add_argument(
+        "--host",
+        default=_env(env, "HOST", "127.0.0.1"),
+        help="address to bind (0.0.0.0 in a container)",
+    )
+    g.add_argument(
+        "--port",
+        type=int,
+        default=int(str(_env(env, "PORT", 0))),
+        help="port to bind; 0 picks a free one (see --port-file)",
+    )
+    g.add_argument(
+        "--port-file",
+        default=_env(env, "PORT_FILE", None),
+        help="write the bound port to this file once listening",
+    )
+    g.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=float(str(_env(env, "BATCH_WINDOW_MS", 2.0))),
+        help="how long a lone call waits for others to share its forward",
+    )
+    g.add_argument(
+        "--max-batch-sessions",
+        type=int,
+        default=int(str(_env(env, "MAX_BATCH_SESSIONS", 256))),
+        help="most sessions coalesced into one forward",
+    )
+    g.add_argument(
+        "--max-message-bytes",
+        type=parse_bytes,
+        default=parse_bytes(str(_env(env, "MAX_MESSAGE_BYTES", MAX_MESSAGE_BYTES))),
+        help="largest request or response (default 64MiB)",
+    )
+    g.add_argument(
+        "--grace-s",
+        type=float,
+        default=float(str(_env(env, "GRACE_S", 10.0))),
+        help="on SIGTERM, how long in-flight calls get to finish",
+    )
+    g.add_argument(
+        "--replica-id",
+        default=_env(env, "REPLICA_ID", ""),
+        help="id reported in GetLoad (default host:port)",
+    )
+    threads = _env(env, "THREADS", None)
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=int(str(threads)) if threads else None,
+        help="torch intra-op threads (tests use 1)",
+    )
+    g.add_argument(
+        "--dtype", choices=DTYPES, default=_env(env, "DTYPE", "float32"), help="weight dtype"
+    )
+    g.add_argument(
+        "--kv-budget",
+        type=parse_bytes,
+        default=parse_bytes(str(_env(env, "KV_BUDGET", kv_budget))),
+        help=f"KV cache memory budget (default {kv_budget})",
+    )
+    g.add_argument(
+        "--fail-after-forwards",
+        type=int,
+        default=None,
+        metavar="N",
+        help="testing: simulate a device failure after N model forwards",
+    )
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """The shared part of a server's config, from parsed flags."""
+    return ServerOptions(
+        host=args.host,
+        port=args.port,
+        port_file=args.port_file,
+        max_message_bytes=args.max_message_bytes,
+        batch_window_ms=args.batch_window_ms,
+        max_batch_sessions=args.max_batch_sessions,
+        grace_s=args.grace_s,
+        replica_id=args.replica_id,
+        threads=args.threads,
+    )

@@ -1,0 +1,119 @@
+"""Protobuf <-> engine types at the service edge, with every check a request needs.
+
+Nothing below a servicer sees a pb object. Requests are validated here, before they
+reach the model thread, so a bad session is answered ``INVALID_ARGUMENT`` with a
+sentence naming it and never spoils a batch it would have shared a forward with:
+
+* session ids: not empty, not twice in one batch; at most ``MAX_SESSIONS`` per call;
+* enums: a value the contract does not define is rejected (proto3 lets it through);
+* ``k`` in 0..16; token ids inside the vocabulary; sampling parameters valid;
+* sparse q: see :mod:`specserve.serving.sparse_q`.
+
+The client side of the same messages (used by :mod:`specserve.serving.round_client`)
+is here too, so both ends of a field are read and written in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specserve.engine.errors import InvalidArgument
+from specserve.engine.sampling import SamplingParams
+from specserve.v1 import common_pb2
+
+MAX_SESSIONS = 1024  # per call; far above any useful forward batch
+
+DRAFTER_NAMES = {
+    common_pb2.DRAFTER_UNSPECIFIED: "model",
+    common_pb2.DRAFTER_MODEL: "model",
+    common_pb2.DRAFTER_NGRAM: "ngram",
+    common_pb2.DRAFTER_NONE: "none",
+}
+DRAFTER_ENUMS = {
+    "model": common_pb2.DRAFTER_MODEL,
+    "ngram": common_pb2.DRAFTER_NGRAM,
+    "none": common_pb2.DRAFTER_NONE,
+}
+
+
+# -- shared checks -------------------------------------------------------------------
+
+
+def check_session_ids(ids: Sequence[str]) -> None:
+    """Every id present, none twice, not too many."""
+    if len(ids) > MAX_SESSIONS:
+        raise InvalidArgument(f"a call may name at most {MAX_SESSIONS} sessions, got {len(ids)}")
+    seen: set[str] = set()
+    for i, sid in enumerate(ids):
+        if not sid:
+            raise InvalidArgument(f"session {i} of the batch has an empty session_id")
+        if sid in seen:
+            raise InvalidArgument(f"session id {sid!r} appears more than once in one batch")
+        seen.add(sid)
+
+
+def check_tokens(tokens: Sequence[int], vocab: int, field: str, sid: str) -> list[int]:
+    """``tokens`` as a list, or InvalidArgument naming the first id outside ``[0, vocab)``."""
+    out = list(tokens)
+    if out and (min(out) < 0 or max(out) >= vocab):
+        bad = next(t for t in out if not 0 <= t < vocab)
+        raise InvalidArgument(
+            f"session {sid!r}: {field} holds token id {bad}, outside the vocabulary "
+            f"(0..{vocab - 1})"
+        )
+    return out
+
+
+def sampling_params(pb: common_pb2.SamplingConfig, sid: str) -> SamplingParams:
+    """SamplingConfig -> SamplingParams; an unset top_p (0) means 1 (off)."""
+    try:
+        return SamplingParams(
+            temperature=float(pb.temperature),
+            top_k=int(pb.top_k),
+            top_p=float(pb.top_p) if pb.top_p != 0 else 1.0,
+            seed=int(pb.seed),
+        )
+    except InvalidArgument as e:
+        raise InvalidArgument(f"session {sid!r}: {e}") from None
+
+
+def sampling_pb(params: SamplingParams) -> common_pb2.SamplingConfig:
+    return common_pb2.SamplingConfig(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed & ((1 << 64) - 1),
+    )
+
+
+def drafter_name(value: int, sid: str) -> str:
+    """Drafter enum -> the drafter's name ("model", "ngram", "none")."""
+    if value not in DRAFTER_NAMES:
+        known = ", ".join(common_pb2.Drafter.Name(v) for v in DRAFTER_NAMES)
+        raise InvalidArgument(f"session {sid!r}: drafter {value} is not one of {known}")
+    return DRAFTER_NAMES[value]
+
+
+def load_report(
+    *,
+    replica_id: str,
+    role: str,
+    model: str,
+    dtype: str,
+    sessions: int,
+    kv_bytes_used: int,
+    kv_bytes_free: int,
+    queue_depth: int,
+    tp_size: int = 1,
+) -> common_pb2.LoadReport:
+    return common_pb2.LoadReport(
+        replica_id=replica_id,
+        role=role,
+        model=model,
+        sessions=sessions,
+        kv_bytes_used=kv_bytes_used,
+        kv_bytes_free=kv_bytes_free,
+        queue_depth=queue_depth,
+        tp_size=tp_size,
+        dtype=dtype,
+    )

@@ -1,0 +1,123 @@
+"""Typed errors of the serving layer and the one interceptor that maps errors to gRPC codes.
+
+Servicers never pick a status code themselves: they (or the engine below them)
+raise a typed error and :class:`ErrorInterceptor` answers the call with
+
+====================  =======================  ==============================================
+error                 code                     when
+====================  =======================  ==============================================
+``InvalidArgument``   ``INVALID_ARGUMENT``     the request itself is wrong
+``NotFound``          ``NOT_FOUND``            a strict call names a session not held here
+``KVBudgetExceeded``  ``RESOURCE_EXHAUSTED``   the KV pool cannot hold the tokens
+``StaleCache``        ``FAILED_PRECONDITION``  a strict call finds a cache behind ``start``
+``Unavailable``       ``UNAVAILABLE``          loading, shutting down, or after device failure
+anything else         ``INTERNAL``             a bug or a device failure
+====================  =======================  ==============================================
+
+The message is the error's own sentence, so a caller reads what is wrong. Only
+unary-unary handlers are wrapped: the health ``Watch`` stream and reflection pass
+through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from specserve.engine.errors import (
+    EngineError,
+    InvalidArgument,
+    KVBudgetExceeded,
+    ModelLoadError,
+    NotFound,
+)
+
+log = logging.getLogger(__name__)
+
+
+class StaleCache(EngineError):
+    """A strict call named a session whose cache holds fewer tokens than ``start``."""
+
+
+class Unavailable(EngineError):
+    """The replica cannot serve now: still loading, shutting down, or its device failed."""
+
+
+# Checked in order: the first matching class decides (subclasses before bases).
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (KVBudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StaleCache, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (ModelLoadError, grpc.StatusCode.INTERNAL),
+)
+
+
+def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a call that raised ``error`` is answered with."""
+    for cls, code in _CODES:
+        if isinstance(error, cls):
+            return code, str(error)
+    if isinstance(error, EngineError):
+        return grpc.StatusCode.INTERNAL, str(error)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(error).__name__}: {error})"
+
+
+Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def _wrap(method: str, inner: Handler) -> Handler:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await inner(request, context)
+        except grpc.aio.AbortError:
+            raise  # the handler already chose a status
+        except Exception as error:
+            code, message = status_for(error)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", method)
+            await context.abort(code, message)
+
+    return handler
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Answers every unary-unary call that raises with the status :func:`status_for` picks."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            _wrap(handler_call_details.method, handler.unary_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def check_strict(stale: list[str], unknown: frozenset[str], role: str) -> None:
+    """For a strict call: NotFound if a stale session is unknown here, else StaleCache."""
+    if not stale:
+        return
+    missing = [sid for sid in stale if sid in unknown]
+    if missing:
+        raise NotFound(
+            f"this {role} replica holds no cache for session {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + "; resend it with start = 0 and the whole committed history"
+        )
+    raise StaleCache(
+        f"this {role} replica holds fewer committed tokens of session {stale[0]!r} than "
+        "`start`"
+        + (f" (and of {len(stale) - 1} more)" if len(stale) > 1 else "")
+        + "; resend it with start = 0 and the whole committed history"
+    )

@@ -1,0 +1,284 @@
+"""The model executor: one dedicated thread owns the model, its caches and every call on them.
+
+Model work never runs on the event loop. Servicers ``await`` :meth:`ModelExecutor.submit`,
+which queues a job; the model thread takes jobs in arrival order. Jobs that share a
+coalescing ``key`` (all ``Verify`` and ``Prefill`` calls; all ``Propose`` calls) and
+arrive within ``window_s`` of the first one run as ONE batched call — one forward —
+as long as they name disjoint sessions and stay under ``max_batch_sessions``. Jobs
+that queued up while the thread was busy join the next batch at once; the window
+only delays a batch whose first job has waited less than ``window_s``.
+
+Failure handling:
+
+* a typed :class:`~specserve.engine.errors.EngineError` from a coalesced batch is
+  not the other callers' fault: each job of the batch is re-run alone so that only
+  the offending call sees the error (caches are safe to re-run on: every job states
+  where its news starts);
+* any other exception is a device failure (or a bug): the batch's calls fail, the
+  executor turns :attr:`State.FAILED`, later calls are refused with
+  :class:`~specserve.serving.errors.Unavailable`, and the state listener (the
+  server's health service) reports NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from specserve.engine.errors import EngineError
+from specserve.serving.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+B = TypeVar("B")  # the loaded backend (model + caches)
+P = TypeVar("P")  # one job's payload
+R = TypeVar("R")  # one job's result
+
+# A batched operation: the backend and the payloads of the coalesced jobs -> one result each.
+BatchOp = Callable[[B, list[P]], list[R]]
+
+
+class State(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"  # the model load or a model call failed
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class Done(Generic[R]):
+    """A job's result and the batch it ran in."""
+
+    value: R
+    compute_ns: int  # wall time of the batched call on the model thread
+    batch_sessions: int  # sessions of every job in that batch
+    batch_jobs: int
+
+
+@dataclass
+class _Job:
+    op: Callable[[Any, list[Any]], list[Any]]
+    payload: Any
+    key: str | None
+    sessions: frozenset[str]
+    future: asyncio.Future[Done[Any]]
+    loop: asyncio.AbstractEventLoop
+    enqueued: float = field(default_factory=time.monotonic)
+
+    def resolve(self, value: Done[Any] | BaseException) -> None:
+        def _set() -> None:
+            if self.future.done():  # the caller went away
+                return
+            if isinstance(value, BaseException):
+                self.future.set_exception(value)
+            else:
+                self.future.set_result(value)
+
+        self.loop.call_soon_threadsafe(_set)
+
+
+class ModelExecutor(Generic[B]):
+    """Loads a backend on its own thread, then runs batched jobs on it, one batch at a time."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        window_s: float = 0.002,
+        max_batch_sessions: int = 256,
+    ) -> None:
+        self.name = name
+        self.window_s = window_s
+        self.max_batch_sessions = max_batch_sessions
+        self._on_state: Callable[[State], None] | None = None
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._state = State.LOADING
+        self._closing = False
+        self._error: BaseException | None = None
+        self._backend: B | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.ready = threading.Event()  # set once loading ended, either way
+
+    # -- life cycle (event loop side) -------------------------------------------------
+
+    def start(self, load: Callable[[], B], on_state: Callable[[State], None] | None = None) -> None:
+        """Start the model thread: it runs ``load()`` and then serves the queue.
+
+        ``on_state`` hears every state change, on the event loop that called ``start``.
+        """
+        assert self._thread is None, "started twice"
+        self._on_state = on_state
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(
+            target=self._main, args=(load,), name=f"{self.name}-model", daemon=True
+        )
+        self._thread.start()
+
+    async def close(self) -> None:
+        """Let the queued jobs finish, then stop the thread (waits without blocking the loop)."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self._set_state(State.CLOSED)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why loading or the model failed, if it did."""
+        return self._error
+
+    @property
+    def backend(self) -> B:
+        """The loaded backend; raises :class:`Unavailable` unless the executor is ready.
+
+        Servicers read only immutable facts from it (vocabulary, snapshots); every
+        call that touches the model or its caches goes through :meth:`submit`.
+        """
+        self._check_open()
+        assert self._backend is not None
+        return self._backend
+
+    def queue_depth(self) -> int:
+        """Jobs waiting for the model thread (not counting the batch it is running)."""
+        return len(self._queue)
+
+    # -- submitting (event loop side) -----------------------------------------------
+
+    async def submit(
+        self,
+        op: BatchOp[B, P, R],
+        payload: P,
+        *,
+        key: str | None = None,
+        sessions: Collection[str] = (),
+    ) -> Done[R]:
+        """Run ``op`` on the model thread; jobs with the same ``key`` may share one call."""
+        loop = asyncio.get_running_loop()
+        job = _Job(op, payload, key, frozenset(sessions), loop.create_future(), loop)
+        with self._cv:
+            self._check_open()
+            self._queue.append(job)
+            self._cv.notify()
+        return await job.future
+
+    def _check_open(self) -> None:
+        if self._closing or self._state is State.CLOSED:
+            raise Unavailable(f"the {self.name} replica is shutting down; retry on another")
+        if self._state is State.LOADING:
+            raise Unavailable(f"the {self.name} replica is still loading its model; retry shortly")
+        if self._state is State.FAILED:
+            raise Unavailable(
+                f"the {self.name} replica's model executor failed ({_describe(self._error)}); "
+                "it is NOT_SERVING until restarted"
+            )
+
+    # -- the model thread -------------------------------------------------------------
+
+    def _main(self, load: Callable[[], B]) -> None:
+        try:
+            self._backend = load()
+        except BaseException as e:
+            if isinstance(e, EngineError):  # a bad spec or checkpoint: the message says it all
+                log.error("loading the %s model failed: %s", self.name, e)
+            else:
+                log.exception("loading the %s model failed", self.name)
+            self._error = e
+            self._set_state(State.FAILED)
+            self.ready.set()
+            return
+        self._set_state(State.READY)
+        self.ready.set()
+        while (batch := self._next_batch()) is not None:
+            self._execute(batch)
+
+    def _next_batch(self) -> list[_Job] | None:
+        with self._cv:
+            while not self._queue and not self._closing:
+                self._cv.wait()
+            if not self._queue:
+                return None
+            first = self._queue.popleft()
+            batch = [first]
+            if first.key is None:
+                return batch
+            deadline = first.enqueued + self.window_s
+            sessions = set(first.sessions)
+            while True:
+                self._take_matching(batch, sessions)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or len(sessions) >= self.max_batch_sessions or self._closing:
+                    return batch
+                self._cv.wait(remaining)
+
+    def _take_matching(self, batch: list[_Job], sessions: set[str]) -> None:
+        """Move queued jobs that can join ``batch`` into it (caller holds the lock).
+
+        A job never overtakes an earlier queued job that names one of its sessions,
+        so calls about one session run in the order they arrived.
+        """
+        key = batch[0].key
+        kept: collections.deque[_Job] = collections.deque()
+        passed: set[str] = set()  # sessions of the jobs left in the queue so far
+        for job in self._queue:
+            fits = len(sessions) + len(job.sessions) <= self.max_batch_sessions
+            free = sessions.isdisjoint(job.sessions) and passed.isdisjoint(job.sessions)
+            if job.key == key and fits and free:
+                batch.append(job)
+                sessions |= job.sessions
+            else:
+                kept.append(job)
+                passed |= job.sessions
+        self._queue = kept
+
+    def _execute(self, batch: list[_Job]) -> None:
+        if self._state is State.FAILED:
+            for job in batch:
+                job.resolve(Unavailable(f"the {self.name} replica's model executor failed"))
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            results = batch[0].op(self._backend, [job.payload for job in batch])
+        except EngineError as e:
+            if len(batch) > 1:  # find whose request it was: re-run each job alone
+                for job in batch:
+                    self._execute([job])
+            else:
+                batch[0].resolve(e)
+            return
+        except BaseException as e:
+            log.exception("the %s model executor failed; turning NOT_SERVING", self.name)
+            self._error = e
+            self._set_state(State.FAILED)
+            for job in batch:
+                job.resolve(e)
+            return
+        compute_ns = time.perf_counter_ns() - t0
+        assert len(results) == len(batch), "a batched op must answer every job"
+        sessions = sum(len(job.sessions) for job in batch)
+        for job, value in zip(batch, results, strict=True):
+            job.resolve(Done(value, compute_ns, sessions, len(batch)))
+
+    def _set_state(self, state: State) -> None:
+        if self._state is state:
+            return
+        self._state = state
+        if self._on_state is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._on_state, state)
+
+
+def _describe(error: BaseException | None) -> str:
+    return f"{type(error).__name__}: {error}" if error is not None else "unknown error"

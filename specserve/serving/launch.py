@@ -1,0 +1,134 @@
+"""Start a server as a child process on an ephemeral port and wait until it serves.
+
+Used by the tests, the benchmarks and local stacks: the child runs
+``python -m specserve.<role>_service ... --port 0 --port-file F`` (or another
+module that takes the same serving flags), writes its bound port to F once
+listening, and answers health SERVING once its model is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+MODULES = {"draft": "specserve.draft_service", "target": "specserve.target_service"}
+
+
+class ServerProcess:
+    """A draft or target server in a child process (a context manager that stops it)."""
+
+    def __init__(
+        self,
+        role: str,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        host: str = "127.0.0.1",
+        module: str | None = None,
+    ) -> None:
+        assert module is not None or role in MODULES, role
+        self.role = role
+        self.module = module or MODULES[role]
+        self.args = list(args)
+        self.env = {**os.environ, **(env or {})}
+        self.host = host
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix=f"specserve-{role}-")
+        self.log_path = Path(self._dir.name) / "server.log"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> ServerProcess:
+        """Spawn the child and wait until it has bound its port (not until it serves)."""
+        port_file = Path(self._dir.name) / "port"
+        port_file.unlink(missing_ok=True)  # left by an earlier start of this object
+        cmd = [
+            sys.executable,
+            "-m",
+            self.module,
+            *self.args,
+            "--host",
+            self.host,
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+        ]
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while not port_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.role} server exited with {self.proc.returncode}:\n" + self.output()
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.role} server did not bind in {timeout_s} s:\n" + self.output()
+                )
+            time.sleep(0.02)
+        self.port = int(port_file.read_text())
+        return self
+
+    def health(self, service: str = "", timeout_s: float = 2.0) -> int:
+        """The health status the server reports now (a HealthCheckResponse.ServingStatus)."""
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service=service)
+            return stub.Check(request, timeout=timeout_s).status
+
+    def wait_serving(self, timeout_s: float = 60.0) -> ServerProcess:
+        """Wait until health reports SERVING (the model is loaded)."""
+        deadline = time.monotonic() + timeout_s
+        while self.health() != health_pb2.HealthCheckResponse.SERVING:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} server exited:\n" + self.output())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.role} server not SERVING after {timeout_s} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM (graceful shutdown), then SIGKILL if it lingers; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def output(self) -> str:
+        """What the child printed so far (stdout and stderr)."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+        self._dir.cleanup()

@@ -1,0 +1,207 @@
+"""The gRPC server factory shared by the draft and target services.
+
+:func:`start_server` builds a ``grpc.aio`` server with the error interceptor, the
+standard health service (``grpc.health.v1``) and reflection, binds ``host:port``
+(port 0 = an ephemeral port) and returns a :class:`RunningServer` that knows the
+bound port. Health follows the model executor: NOT_SERVING while the model loads,
+SERVING once it is ready, NOT_SERVING again after a device failure or when a
+graceful shutdown begins.
+
+Message size limit: 64 MiB each way (``ServerOptions.max_message_bytes``). The
+largest routine messages are far smaller — a Verify of 32 sessions with k = 16
+and a 64-entry sparse q is about 0.3 MB — but a full-history resend after a
+restart carries every committed token of every session in the batch (32
+sessions x 128k tokens x up to 5 bytes per varint = 20 MB). 64 MiB admits that
+with room to spare while still bounding what one call can make the server buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specserve.serving.errors import ErrorInterceptor
+from specserve.serving.executor import ModelExecutor, State
+
+log = logging.getLogger(__name__)
+
+B = TypeVar("B")
+
+MAX_MESSAGE_BYTES = 64 << 20
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Settings every specserve gRPC server shares."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = an ephemeral port, reported by RunningServer.port
+    port_file: str | None = None  # where to write the bound port once listening
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    batch_window_ms: float = 2.0  # how long a lone call waits for others to share its forward
+    max_batch_sessions: int = 256  # coalescing stops at this many sessions per forward
+    grace_s: float = 10.0  # graceful shutdown: time in-flight calls get to finish
+    replica_id: str = ""  # empty = host:port
+    threads: int | None = None  # torch intra-op threads; None = torch's default
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_message_bytes < 1 << 20:
+            raise ValueError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
+        if not 0 <= self.batch_window_ms <= 1000:
+            raise ValueError(f"batch_window_ms must be in [0, 1000], got {self.batch_window_ms}")
+        if self.max_batch_sessions < 1:
+            raise ValueError(f"max_batch_sessions must be >= 1, got {self.max_batch_sessions}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+class RunningServer(Generic[B]):
+    """A started server: its bound port, health service and executor."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        port: int,
+        health_servicer: health.aio.HealthServicer,
+        executor: ModelExecutor[B],
+        service_names: Sequence[str],
+        options: ServerOptions,
+    ) -> None:
+        self.server = server
+        self.port = port
+        self.health = health_servicer
+        self.executor = executor
+        self.service_names = tuple(service_names)
+        self.options = options
+        self.replica_id = options.replica_id or f"{options.host}:{port}"
+        self._stop_requested = asyncio.Event()
+        self._load_failed = asyncio.Event()
+        self._was_ready = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> str:
+        return f"{self.options.host}:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Graceful shutdown: NOT_SERVING, refuse new calls, let in-flight batches finish."""
+        grace = self.options.grace_s if grace_s is None else grace_s
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.executor.close()
+
+    def announce(self) -> None:
+        """Tell whoever started this process where it listens (stdout, and the port file)."""
+        if self.options.port_file:
+            path = Path(self.options.port_file)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(f"{self.port}\n")
+            tmp.replace(path)  # atomic: a reader never sees a half-written port
+        print(f"{self.executor.name} server listening on {self.address}", flush=True)
+
+    async def serve_until_stopped(self) -> int:
+        """Serve until SIGTERM/SIGINT (exit 0) or a failed model load (exit 1)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop_requested.set)
+        stop = asyncio.ensure_future(self._stop_requested.wait())
+        failed = asyncio.ensure_future(self._load_failed.wait())
+        await asyncio.wait([stop, failed], return_when=asyncio.FIRST_COMPLETED)
+        for task in (stop, failed):
+            task.cancel()
+        if self._load_failed.is_set():
+            log.error("the %s model failed to load: %s", self.executor.name, self.executor.error)
+            await self.stop(0)
+            return 1
+        log.info("shutting down (grace %.1f s)", self.options.grace_s)
+        await self.stop()
+        return 0
+
+    def on_executor_state(self, state: State) -> None:
+        """Follow the executor: health, and a failed load ends the process (event loop)."""
+        if state is State.FAILED and not self._was_ready:
+            self._load_failed.set()
+        self._was_ready |= state is State.READY
+        task = asyncio.get_running_loop().create_task(self.set_serving(state is State.READY))
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._tasks.discard)
+
+
+async def start_server(
+    options: ServerOptions,
+    name: str,
+    load: Callable[[], B],
+    register: Callable[[grpc.aio.Server, RunningServer[B]], None],
+    service_names: Sequence[str],
+) -> RunningServer[B]:
+    """Bind, serve health (NOT_SERVING) at once, and load the model on the executor thread.
+
+    ``register`` adds the servicers; it receives the running server, whose
+    ``executor`` and ``replica_id`` the servicers use. ``service_names`` are the
+    full names that health and reflection report.
+    """
+    limits = [
+        ("grpc.max_receive_message_length", options.max_message_bytes),
+        ("grpc.max_send_message_length", options.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # two servers must never share a port by accident
+    ]
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=limits)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if port == 0:
+        raise OSError(f"could not bind {options.host}:{options.port}")
+    executor: ModelExecutor[B] = ModelExecutor(
+        name,
+        window_s=options.batch_window_ms / 1000,
+        max_batch_sessions=options.max_batch_sessions,
+    )
+    running = RunningServer(server, port, health_servicer, executor, service_names, options)
+    register(server, running)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection(
+        (*service_names, health_name, reflection.SERVICE_NAME), server
+    )
+    await running.set_serving(False)
+    await server.start()
+    executor.start(load, running.on_executor_state)
+    return running
+
+
+def run_process(start: Callable[[], Awaitable[RunningServer[B]]], options: ServerOptions) -> int:
+    """A server process's main: configure torch and logging, start, serve until stopped."""
+    import torch
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if options.threads:
+        torch.set_num_threads(options.threads)
+
+    async def main() -> int:
+        running = await start()
+        running.announce()
+        return await running.serve_until_stopped()
+
+    return asyncio.run(main())

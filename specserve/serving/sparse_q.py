@@ -1,0 +1,184 @@
+"""The sparse proposal distribution q on the wire (``SparseQ``), checked a batch at a time.
+
+A draft token's q travels as ``support`` (id, probability) pairs, row-major
+``[k, support]`` per session, as little-endian int32 / float32 bytes, padding
+ids -1 with probability 0 (see ``SparseQ`` in common.proto). The acceptance rule
+is exact only if q is the distribution the token was really drawn from, so the
+target checks, for every row:
+
+* the arrays have ``k x support`` entries and ``support`` is within limits;
+* probabilities are finite, in [0, 1], and sum to 1 (within float32 rounding);
+* ids are in the vocabulary (or -1 padding with probability 0) and not repeated;
+* the row's own draft token has probability > 0 (else ``q(x) = 0``: not sampled from q).
+
+All sessions of a call are checked together, one numpy pass per support width.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.engine.errors import InvalidArgument
+from specserve.engine.rejection import Proposal
+from specserve.v1 import common_pb2
+
+MAX_SUPPORT = 4096  # sparse q entries per draft token
+SUM_TOLERANCE = 1e-3  # |sum(q) - 1| allowed per row (float32 on the wire)
+
+
+@dataclass(frozen=True)
+class WireQ:
+    """One session's draft tokens and q as they came off the wire (not yet checked)."""
+
+    session_id: str
+    tokens: list[int]  # draft tokens, already checked against the vocabulary
+    q: common_pb2.SparseQ  # unset = point masses
+
+    @classmethod
+    def of(cls, session_id: str, tokens: list[int], q: common_pb2.SparseQ | None) -> WireQ:
+        return cls(session_id, tokens, q if q is not None else common_pb2.SparseQ())
+
+
+def proposals(items: Sequence[WireQ], vocab: int) -> list[Proposal]:
+    """Validated :class:`Proposal` objects (q as [k, m] tensors), one per item, in order."""
+    out: list[Proposal | None] = [None] * len(items)
+    groups: dict[int, list[int]] = {}  # support width -> items that carry q
+    for i, x in enumerate(items):
+        k, sid, q = len(x.tokens), x.session_id, x.q
+        if q.support == 0:
+            if q.ids or q.probs:
+                raise InvalidArgument(
+                    f"session {sid!r}: q carries ids/probs but support is 0; set support to "
+                    "the number of q entries per draft token (or send no q for point masses)"
+                )
+            out[i] = Proposal(tokens=x.tokens)
+            continue
+        limit = min(MAX_SUPPORT, vocab)
+        if q.support > limit:
+            raise InvalidArgument(f"session {sid!r}: support {q.support} exceeds the limit {limit}")
+        n = 4 * k * q.support
+        if len(q.ids) != n or len(q.probs) != n:
+            raise InvalidArgument(
+                f"session {sid!r}: {k} draft tokens x support {q.support} need {n} bytes of "
+                f"q ids and of q probs (4 per entry), got {len(q.ids)} and {len(q.probs)}"
+            )
+        if k == 0:
+            out[i] = Proposal(tokens=[])
+        else:
+            groups.setdefault(q.support, []).append(i)
+    for m, idx in groups.items():
+        _fill(out, [items[i] for i in idx], idx, m, vocab)
+    assert all(p is not None for p in out)
+    return out  # type: ignore[return-value]
+
+
+def _fill(
+    out: list[Proposal | None], group: list[WireQ], idx: list[int], m: int, vocab: int
+) -> None:
+    ks = [len(x.tokens) for x in group]
+    rows = sum(ks)
+    # [rows, m]; astype copies: the tensors must own writable memory
+    ids = np.frombuffer(b"".join(x.q.ids for x in group), "<i4").astype(np.int64)
+    probs = np.frombuffer(b"".join(x.q.probs for x in group), "<f4").astype(np.float32)
+    ids, probs = ids.reshape(rows, m), probs.reshape(rows, m)
+    tokens = np.fromiter(itertools.chain.from_iterable(x.tokens for x in group), np.int64, rows)
+    problem = check_rows(tokens, ids, probs, vocab)
+    starts = np.cumsum([0, *ks])
+    if problem is not None:
+        row, what = problem
+        owner = int(np.searchsorted(starts, row, side="right")) - 1
+        raise InvalidArgument(
+            f"session {group[owner].session_id!r}: q of draft position "
+            f"{row - int(starts[owner])} {what}"
+        )
+    ids_t, probs_t = torch.from_numpy(ids), torch.from_numpy(probs)
+    for j, (i, x) in enumerate(zip(idx, group, strict=True)):
+        a, b = int(starts[j]), int(starts[j + 1])
+        out[i] = Proposal(tokens=x.tokens, q_ids=ids_t[a:b], q_probs=probs_t[a:b])
+
+
+def check_rows(
+    tokens: np.ndarray,  # [rows] int64, the draft token of each row
+    ids: np.ndarray,  # [rows, m] int64
+    probs: np.ndarray,  # [rows, m] float32
+    vocab: int,
+) -> tuple[int, str] | None:
+    """The first (row, problem) that makes q unusable, checks in the module doc's order.
+
+    One cheap combined pass decides whether anything is wrong; the per-problem
+    passes that name the first offending row run only then.
+    """
+    in_range = ((probs >= 0) & (probs <= 1)).all()  # False for NaN too
+    ids_ok = ((ids >= -1) & (ids < vocab)).all()
+    pad_ok = not (probs[ids == -1] != 0).any()
+    sums = probs.sum(axis=1, dtype=np.float64)  # [rows]
+    ordered = np.sort(ids, axis=1)
+    dup = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)  # [rows, m - 1]
+    q_at_token = np.where(ids == tokens[:, None], probs, 0).sum(axis=1)  # [rows]
+    if (
+        in_range
+        and ids_ok
+        and pad_ok
+        and (np.abs(sums - 1.0) <= SUM_TOLERANCE).all()
+        and not dup.any()
+        and (q_at_token > 0).all()
+    ):
+        return None
+    return _diagnose(tokens, ids, probs, vocab, sums, dup, q_at_token)
+
+
+def _diagnose(
+    tokens: np.ndarray,
+    ids: np.ndarray,
+    probs: np.ndarray,
+    vocab: int,
+    sums: np.ndarray,
+    dup: np.ndarray,
+    q_at_token: np.ndarray,
+) -> tuple[int, str]:
+    bad = ~np.isfinite(probs)
+    if bad.any():
+        return _first_row(bad), "holds a probability that is not finite"
+    bad = (probs < 0) | (probs > 1)
+    if bad.any():
+        return _first_row(bad), "holds a probability outside [0, 1]"
+    bad = (ids < -1) | (ids >= vocab)
+    if bad.any():
+        return _first_row(bad), (
+            f"names a token id outside the vocabulary (0..{vocab - 1}, -1 = padding)"
+        )
+    bad = (ids == -1) & (probs != 0)
+    if bad.any():
+        return _first_row(bad), "gives padding (id -1) a non-zero probability"
+    off = np.abs(sums - 1.0) > SUM_TOLERANCE
+    if off.any():
+        row = int(np.argmax(off))
+        return row, f"sums to {sums[row]:.6f}, not 1"
+    if dup.any():
+        return _first_row(dup), "names the same token id twice"
+    row = int(np.argmax(q_at_token <= 0))
+    return row, (
+        f"gives its own draft token {int(tokens[row])} probability 0: q must be the "
+        "distribution the token was sampled from"
+    )
+
+
+def _first_row(mask: np.ndarray) -> int:
+    return int(np.argmax(mask.any(axis=1)))
+
+
+def encode(p: Proposal) -> common_pb2.SparseQ | None:
+    """A proposal's q as a SparseQ message; None for point masses."""
+    if p.q_ids is None or p.q_probs is None or not len(p.tokens):
+        return None
+    assert p.q_ids.shape == p.q_probs.shape, "dense q is not sent over the wire"
+    return common_pb2.SparseQ(
+        support=int(p.q_ids.shape[1]),
+        ids=p.q_ids.cpu().numpy().astype("<i4").tobytes(),
+        probs=p.q_probs.cpu().numpy().astype("<f4").tobytes(),
+    )

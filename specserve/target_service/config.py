@@ -1,0 +1,55 @@
+"""The target server's configuration: one frozen dataclass, built once from flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from specserve.serving.cli_args import DTYPES, add_server_arguments, server_options
+from specserve.serving.server import ServerOptions
+
+DEFAULT_KV_BUDGET = "2GiB"
+
+
+@dataclass(frozen=True)
+class TargetServerConfig:
+    """Everything a target replica needs."""
+
+    model: str
+    dtype: str = "float32"
+    kv_budget_bytes: int = 2 << 30
+    fail_after_forwards: int | None = None  # testing: simulated device failure
+    server: ServerOptions = field(default_factory=ServerOptions)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("a target server needs a model (--model)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+    env = os.environ if env is None else env
+    parser.add_argument(
+        "--model",
+        "--target",
+        dest="model",
+        default=env.get("SPECSERVE_TARGET"),
+        required=not env.get("SPECSERVE_TARGET"),
+        help="target model: store name, directory, GGUF file or tiny:<seed>[...]",
+    )
+    add_server_arguments(parser, kv_budget=DEFAULT_KV_BUDGET, env=env)
+
+
+def from_args(args: argparse.Namespace) -> TargetServerConfig:
+    return TargetServerConfig(
+        model=args.model,
+        dtype=args.dtype,
+        kv_budget_bytes=args.kv_budget,
+        fail_after_forwards=args.fail_after_forwards,
+        server=server_options(args),
+    )

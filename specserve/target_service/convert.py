@@ -1,0 +1,117 @@
+"""target.proto <-> engine types, both ends: the servicer's and the round client's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specserve.engine.errors import InvalidArgument
+from specserve.engine.rejection import Proposal, Verdict
+from specserve.engine.verifier import VerifyInput, VerifyOutcome
+from specserve.serving import convert, sparse_q
+from specserve.v1 import common_pb2, draft_pb2, target_pb2
+
+# -- server side ---------------------------------------------------------------------
+
+
+def verify_inputs(request: target_pb2.VerifyRequest, vocab: int) -> list[VerifyInput]:
+    """A VerifyRequest -> validated engine inputs (raises InvalidArgument)."""
+    sessions = request.sessions
+    convert.check_session_ids([s.session_id for s in sessions])
+    wire = []
+    for s in sessions:
+        sid = s.session_id
+        if not s.new_tokens:
+            raise InvalidArgument(
+                f"session {sid!r}: new_tokens is empty; a verify needs at least one new "
+                "committed token (the last round's recovered or bonus token, or the prompt)"
+            )
+        drafts = convert.check_tokens(s.draft_tokens, vocab, "draft_tokens", sid)
+        wire.append(sparse_q.WireQ.of(sid, drafts, s.q if s.HasField("q") else None))
+    proposals = sparse_q.proposals(wire, vocab)
+    return [
+        VerifyInput(
+            s.session_id,
+            s.start,
+            convert.check_tokens(s.new_tokens, vocab, "new_tokens", s.session_id),
+            p,
+            convert.sampling_params(s.sampling, s.session_id),
+            s.round_index,
+            s.return_logprobs,
+        )
+        for s, p in zip(sessions, proposals, strict=True)
+    ]
+
+
+def prefill_inputs(request: target_pb2.PrefillRequest, vocab: int) -> list[VerifyInput]:
+    """A PrefillRequest -> verify inputs with start 0 and no drafts (replacing any cache)."""
+    convert.check_session_ids([s.session_id for s in request.sessions])
+    out = []
+    for s in request.sessions:
+        sid = s.session_id
+        if not s.tokens:
+            raise InvalidArgument(f"session {sid!r}: the prompt is empty; send at least one token")
+        tokens = convert.check_tokens(s.tokens, vocab, "tokens", sid)
+        params = convert.sampling_params(s.sampling, sid)
+        out.append(
+            VerifyInput(
+                sid, 0, tokens, Proposal(tokens=[]), params, s.round_index, s.return_logprobs
+            )
+        )
+    return out
+
+
+def verify_response(
+    outcomes: Sequence[VerifyOutcome], inputs: Sequence[VerifyInput]
+) -> target_pb2.VerifyResponse:
+    """Outcomes -> VerifyResponse (compute_ns, batch_size and replica_id set by the caller)."""
+    response = target_pb2.VerifyResponse()
+    for x, o in zip(inputs, outcomes, strict=True):
+        r = response.results.add(session_id=x.session_id)
+        if o.stale:
+            r.status = common_pb2.SESSION_STATUS_NEEDS_HISTORY
+            continue
+        assert o.verdict is not None
+        r.status = common_pb2.SESSION_STATUS_OK
+        r.accepted = o.verdict.accepted
+        r.next_token = o.verdict.next_token
+        r.logprobs.extend(o.logprobs)
+    return response
+
+
+# -- client side ---------------------------------------------------------------------
+
+
+def verify_session(
+    x: VerifyInput, draft: draft_pb2.DraftResult | None = None
+) -> target_pb2.VerifySession:
+    """A verify input -> VerifySession; q is copied from the draft's result as it came."""
+    s = target_pb2.VerifySession(
+        session_id=x.session_id,
+        start=x.start,
+        new_tokens=x.new_tokens,
+        draft_tokens=x.proposal.tokens,
+        sampling=convert.sampling_pb(x.params),
+        round_index=x.round_index,
+        return_logprobs=x.want_logprobs,
+    )
+    if draft is not None and draft.HasField("q"):
+        s.q.CopyFrom(draft.q)  # as it came: the target validates it
+    else:
+        q = sparse_q.encode(x.proposal)
+        if q is not None:
+            s.q.CopyFrom(q)
+    return s
+
+
+def verdict(result: target_pb2.VerifyResult, drafted: int) -> Verdict | None:
+    """A VerifyResult -> Verdict, or None when the replica needs the full history."""
+    sid = result.session_id
+    if result.status == common_pb2.SESSION_STATUS_NEEDS_HISTORY:
+        return None
+    if result.status != common_pb2.SESSION_STATUS_OK:
+        raise InvalidArgument(f"session {sid!r}: the target answered status {result.status}")
+    if result.accepted > drafted:
+        raise InvalidArgument(
+            f"session {sid!r}: the target accepted {result.accepted} of {drafted} draft tokens"
+        )
+    return Verdict(accepted=result.accepted, next_token=result.next_token)

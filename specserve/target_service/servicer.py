@@ -1,0 +1,91 @@
+"""The TargetService servicer: pb -> engine inputs -> model thread -> pb, nothing more.
+
+Prefill and Verify share the coalescing key ``"verify"``: prompts and drafts that
+arrive together run in the same forward. Validation lives in
+:mod:`specserve.target_service.convert`, the work in
+:class:`~specserve.target_service.backend.TargetBackend`, and the status codes in
+:class:`~specserve.serving.errors.ErrorInterceptor`.
+"""
+
+from __future__ import annotations
+
+import grpc.aio
+
+from specserve.engine.verifier import VerifyInput
+from specserve.serving import convert
+from specserve.serving.errors import check_strict
+from specserve.serving.server import RunningServer
+from specserve.target_service import convert as wire
+from specserve.target_service.backend import TargetBackend, Verified
+from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
+
+
+# Batched ops for the model executor: (backend, one payload per coalesced call) -> results.
+# Calling through the instance keeps a subclassed backend's overrides.
+def _run_verify(backend: TargetBackend, calls: list[list[VerifyInput]]) -> list[Verified]:
+    return backend.verify(calls)
+
+
+def _run_release(backend: TargetBackend, calls: list[list[str]]) -> list[int]:
+    return backend.release(calls)
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    """Serves Prefill / Verify / Release / GetLoad from a :class:`TargetBackend`."""
+
+    def __init__(self, running: RunningServer[TargetBackend]) -> None:
+        self.running = running
+        self.executor = running.executor
+
+    async def Prefill(
+        self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.VerifyResponse:
+        inputs = wire.prefill_inputs(request, self.executor.backend.vocab)
+        return await self._verify(inputs, strict=False)
+
+    async def Verify(
+        self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.VerifyResponse:
+        inputs = wire.verify_inputs(request, self.executor.backend.vocab)
+        return await self._verify(inputs, strict=request.strict)
+
+    async def _verify(
+        self, inputs: list[VerifyInput], *, strict: bool
+    ) -> target_pb2.VerifyResponse:
+        done = await self.executor.submit(
+            _run_verify, inputs, key="verify", sessions=[x.session_id for x in inputs]
+        )
+        if strict:
+            stale = [
+                x.session_id for x, o in zip(inputs, done.value.outcomes, strict=True) if o.stale
+            ]
+            check_strict(stale, done.value.unknown, "target")
+        response = wire.verify_response(done.value.outcomes, inputs)
+        response.compute_ns = done.compute_ns
+        response.batch_size = done.batch_sessions
+        response.replica_id = self.running.replica_id
+        return response
+
+    async def Release(
+        self, request: common_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ReleaseResponse:
+        self.executor.backend  # noqa: B018 -- refuses with UNAVAILABLE unless serving
+        ids = list(request.session_ids)
+        done = await self.executor.submit(_run_release, ids, sessions=ids)
+        return common_pb2.ReleaseResponse(released=done.value)
+
+    async def GetLoad(
+        self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.LoadReport:
+        backend = self.executor.backend
+        load = backend.load
+        return convert.load_report(
+            replica_id=self.running.replica_id,
+            role="target",
+            model=backend.model_name,
+            dtype=backend.dtype,
+            sessions=load.sessions,
+            kv_bytes_used=load.kv_bytes_used,
+            kv_bytes_free=load.kv_bytes_free,
+            queue_depth=self.executor.queue_depth(),
+        )

@@ -1,0 +1,145 @@
+"""Server flags -> one frozen config per process, with SPECSERVE_* environment defaults."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+
+import grpc
+import pytest
+
+from specserve import cli_servers
+from specserve.draft_service import config as draft_config
+from specserve.draft_service.server import start as start_draft
+from specserve.serving.cli_args import parse_bytes
+from specserve.serving.server import ServerOptions
+from specserve.target_service import config as target_config
+from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from tests.services.conftest import run
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("SPECSERVE_"):
+            monkeypatch.delenv(name)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="specserve")
+    cli_servers.add_parsers(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_draft_server_flags() -> None:
+    args = parse(
+        [
+            "draft-server",
+            "--model",
+            "tiny:1",
+            "--kv-budget",
+            "16MiB",
+            "--dtype",
+            "bfloat16",
+            "--batch-window-ms",
+            "0.5",
+            "--threads",
+            "1",
+            "--max-support",
+            "32",
+        ]
+    )
+    cfg = draft_config.from_args(args)
+    assert (cfg.model, cfg.kv_budget_bytes, cfg.dtype, cfg.max_support) == (
+        "tiny:1",
+        16 << 20,
+        "bfloat16",
+        32,
+    )
+    assert cfg.server == ServerOptions(batch_window_ms=0.5, threads=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model = "other"  # type: ignore[misc]
+
+
+def test_target_server_flags_and_aliases() -> None:
+    cfg = target_config.from_args(parse(["target-server", "--target", "tiny:2", "--port", "7001"]))
+    assert cfg.model == "tiny:2" and cfg.server.port == 7001
+    assert cfg.kv_budget_bytes == 2 << 30  # the target's default
+
+
+def test_environment_defaults() -> None:
+    env = {
+        "SPECSERVE_TARGET": "tiny:5",
+        "SPECSERVE_KV_BUDGET": "3GiB",
+        "SPECSERVE_BATCH_WINDOW_MS": "0",
+        "SPECSERVE_REPLICA_ID": "target-0",
+        "SPECSERVE_HOST": "0.0.0.0",
+    }
+    parser = argparse.ArgumentParser()
+    target_config.add_arguments(parser, env)
+    cfg = target_config.from_args(parser.parse_args([]))
+    assert (cfg.model, cfg.kv_budget_bytes) == ("tiny:5", 3 << 30)
+    assert cfg.server.batch_window_ms == 0 and cfg.server.replica_id == "target-0"
+    assert cfg.server.host == "0.0.0.0"
+    flags = target_config.from_args(parser.parse_args(["--kv-budget", "1GiB"]))
+    assert flags.kv_budget_bytes == 1 << 30  # a flag beats the environment
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("64MiB", 64 << 20),
+        ("2GiB", 2 << 30),
+        ("1.5GB", 1_500_000_000),
+        ("4096", 4096),
+        ("512k", 512_000),
+        ("8 KiB", 8192),
+    ],
+)
+def test_parse_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-5MiB", "0"])
+def test_parse_bytes_rejects(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes(text)
+
+
+def test_invalid_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="batch_window_ms"):
+        ServerOptions(batch_window_ms=-1)
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        ServerOptions(max_message_bytes=10)
+    with pytest.raises(ValueError, match="dtype"):
+        draft_config.DraftServerConfig(model=None, dtype="int8")
+
+
+def test_ngram_only_replica_refuses_the_model_drafter() -> None:
+    """No --model: the replica serves n-grams, and says so when asked for the model."""
+
+    async def go() -> None:
+        running = await start_draft(draft_config.DraftServerConfig(model=None))
+        try:
+            await asyncio.to_thread(running.executor.ready.wait, 10)
+            async with grpc.aio.insecure_channel(running.address) as channel:
+                stub = draft_pb2_grpc.DraftServiceStub(channel)
+
+                def request(drafter: int) -> draft_pb2.ProposeRequest:
+                    session = draft_pb2.DraftSession(
+                        session_id="n", new_tokens=[1, 2, 3, 1, 2], k=2, drafter=drafter
+                    )
+                    return draft_pb2.ProposeRequest(sessions=[session])
+
+                response = await stub.Propose(request(common_pb2.DRAFTER_NGRAM))
+                assert list(response.results[0].tokens) == [3, 1]
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Propose(request(common_pb2.DRAFTER_MODEL))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "runs no draft model" in (e.value.details() or "")
+        finally:
+            await running.stop(0)
+
+    run(go())
