@@ -11,7 +11,7 @@ from specserve.engine.errors import EngineError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specserve import cli_generate, cli_models
+    from specserve import cli_generate, cli_models, cli_orchestrator, cli_servers
 
     parser = argparse.ArgumentParser(
         prog="specserve", description="Speculative-decoding serving: draft, target, orchestrator."
@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     cli_models.add_parser(sub)
     cli_generate.add_parser(sub)
+    cli_servers.add_parsers(sub)
+    cli_orchestrator.add_parsers(sub)
     return parser
 
 
