@@ -20,10 +20,9 @@ from specserve.engine.loader import (
     load_model,
     load_tokenizer,
     parse_dtype,
-    tiny_random_hf_config,
-    tiny_random_model,
 )
 from specserve.engine.model import CausalLM, SeqInput
+from tests.support.hf_tiny import tiny_random_hf_config, tiny_random_model
 
 FAMILIES = ["llama", "qwen2", "mistral", "smollm2"]
 PROMPT = [5, 17, 99, 3, 200, 7, 64, 1]
