@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.decode_state import DecodeState, FinishReason, StopCriteria
+from specserve.engine.decode_state import DecodeState, FinishReason, SessionStats, StopCriteria
 from specserve.engine.drafter import Drafter
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.model import CausalLM
@@ -54,10 +54,7 @@ class Completion:
     text: str
     finish_reason: FinishReason
     seconds: float
-    rounds: int
-    drafted: int
-    accepted: int
-    accepted_per_position: list[int] = field(default_factory=list)
+    stats: SessionStats
 
     @property
     def tokens_per_second(self) -> float:
@@ -65,16 +62,16 @@ class Completion:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+        return self.stats.acceptance_rate
 
     @property
     def mean_acceptance_length(self) -> float:
-        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+        return self.stats.mean_acceptance_length
 
     def summary(self) -> str:
         return (
             f"{len(self.tokens)} tokens in {self.seconds:.2f} s: "
-            f"{self.tokens_per_second:.2f} tok/s | {self.rounds} rounds | "
+            f"{self.tokens_per_second:.2f} tok/s | {self.stats.rounds} rounds | "
             f"acceptance {100 * self.acceptance_rate:.1f}% | "
             f"mean acceptance length {self.mean_acceptance_length:.2f} | "
             f"finish {self.finish_reason.value}"
@@ -191,8 +188,5 @@ class LocalRunner:
             text=text,
             finish_reason=state.finish_reason,
             seconds=seconds,
-            rounds=state.stats.rounds,
-            drafted=state.stats.drafted,
-            accepted=state.stats.accepted,
-            accepted_per_position=list(state.stats.accepted_per_position),
+            stats=state.stats,
         )

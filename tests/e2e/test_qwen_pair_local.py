@@ -59,8 +59,8 @@ def test_greedy_float32_target_is_lossless_on_humaneval(runner) -> None:
             f"{plain.tokens_per_second:.2f} -> {spec.tokens_per_second:.2f} tok/s"
         )
         assert spec.tokens == plain.tokens, f"HumanEval/{i} differs"
-        drafted += spec.drafted
-        accepted += spec.accepted
+        drafted += spec.stats.drafted
+        accepted += spec.stats.accepted
     print(f"overall acceptance {accepted / drafted:.1%}")
     assert drafted > 0 and accepted > 0
 
@@ -71,4 +71,4 @@ def test_ngram_drafter_is_lossless_on_real_model(runner) -> None:
     plain = runner.generate(ids, greedy, max_new_tokens=64, drafter="none")
     spec = runner.generate(ids, greedy, max_new_tokens=64, drafter="ngram", k=4)
     assert spec.tokens == plain.tokens
-    assert spec.drafted > 0
+    assert spec.stats.drafted > 0
