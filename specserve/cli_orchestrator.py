@@ -1,0 +1,183 @@
+"""``specserve orchestrator``, ``specserve up``, and ``specserve generate`` against an orchestrator.
+
+* ``orchestrator`` serves the public API over draft and target replicas;
+* ``up`` starts a target server, a draft server and an orchestrator as child
+  processes (embedded store, or ``--redis-url``), prints where each listens,
+  sends one example request and prints its text, tokens/s and acceptance;
+* :func:`remote_generate` is what ``specserve generate`` (without ``--local``)
+  runs: a streamed request to ``--orchestrator``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+DEMO_TINY_PROMPT = [7, 21, 3, 7, 21, 3, 7, 21, 3, 9]
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``orchestrator`` and ``up`` to the ``specserve`` command's subparsers."""
+    from specserve.orchestrator import config
+
+    p = sub.add_parser(
+        "orchestrator",
+        help="run the orchestrator (public gRPC Generation API)",
+        description="Serve Generate / GenerateStream / sessions over draft and target replicas.",
+    )
+    config.add_arguments(p)
+    p.set_defaults(func=_run_orchestrator)
+
+    p = sub.add_parser(
+        "up",
+        help="start a target, a draft and an orchestrator locally, and send one request",
+        description="Start the whole stack as child processes on this machine (the demo model "
+        "pair by default; `specserve models fetch demo` first), send one example request, and "
+        "keep serving until Ctrl-C.",
+    )
+    p.add_argument("--target", default=None, help="target model (default: the demo target)")
+    p.add_argument("--draft", default=None, help="draft model (default: the demo draft)")
+    p.add_argument("--tiny", action="store_true", help="tiny random models (no download)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("SPECSERVE_REDIS_URL"),
+        help="use this Redis instead of the embedded store",
+    )
+    p.add_argument("--port", type=int, default=50051, help="the orchestrator's port")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per server")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--once", action="store_true", help="stop after the example request")
+    p.set_defaults(func=_run_up)
+
+
+def _run_orchestrator(args: argparse.Namespace) -> int:
+    from specserve.orchestrator import app, config
+
+    return app.run(config.from_args(args))
+
+
+def _prompt_arg(prompt: str, chat: bool) -> object:
+    """Chat messages, token ids (a prompt of integers only), or text."""
+    if chat:
+        return [{"role": "user", "content": prompt}]
+    words = prompt.split()
+    if words and all(w.lstrip("-").isdigit() for w in words):
+        return [int(w) for w in words]
+    return prompt
+
+
+def _print_summary(label: str, deltas: list, seconds: float) -> None:  # type: ignore[type-arg]
+    last = deltas[-1]
+    tokens = sum(len(d.token_ids) for d in deltas)
+    u = last.usage
+    print(
+        f"{label}: {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.2f} tok/s | "
+        f"{u.rounds} rounds | acceptance {100 * u.acceptance_rate:.1f}% | mean acceptance "
+        f"length {u.mean_acceptance_length:.2f} | finish {last.finish_reason}"
+    )
+
+
+def _stream(address: str, prompt: object, show_prompt: str, **kwargs: object) -> int:
+    import grpc
+
+    from specserve.client import Client
+
+    with Client(address) as client:
+        print(show_prompt, end="", flush=True)
+        t0 = time.perf_counter()
+        deltas = []
+        try:
+            for d in client.stream(prompt, **kwargs):  # type: ignore[arg-type]
+                print(d.text, end="", flush=True)
+                deltas.append(d)
+        except grpc.RpcError as e:
+            print(f"\nspecserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        print()
+        _print_summary("speculative", deltas, time.perf_counter() - t0)
+    return 0
+
+
+def remote_generate(args: argparse.Namespace, prompt: str) -> int:
+    """``specserve generate`` against a running orchestrator (``--orchestrator``)."""
+    return _stream(
+        args.orchestrator,
+        _prompt_arg(prompt, args.chat),
+        prompt,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=args.stop,
+        drafter=args.drafter,
+        k=args.k,
+    )
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from specserve.cli_generate import DEMO_DRAFT, DEMO_PROMPT, DEMO_TARGET
+    from specserve.orchestrator.launch import OrchestratorProcess
+    from specserve.serving.launch import ServerProcess
+
+    if args.tiny:
+        target, draft = args.target or "tiny:3", args.draft or "tiny:3:noise=0.3"
+    else:
+        target, draft = args.target or DEMO_TARGET, args.draft or DEMO_DRAFT
+    for spec in (target, draft):
+        if not spec.startswith("tiny:"):
+            from specserve.model_store import resolve
+
+            resolve(spec)  # NotFound says how to fetch it, before anything starts
+    common = ["--dtype", args.dtype, *(["--threads", str(args.threads)] if args.threads else [])]
+    servers = [
+        ServerProcess("target", ["--model", target, *common]),
+        ServerProcess("draft", ["--model", draft, *common]),
+    ]
+    orchestrator: OrchestratorProcess | None = None
+    try:
+        for s in servers:
+            s.start()
+        orch_args = [
+            "--target",
+            servers[0].address,
+            "--draft",
+            servers[1].address,
+            "--tokenizer",
+            target,
+        ]
+        if args.redis_url:
+            orch_args += ["--redis-url", args.redis_url]
+        orchestrator = OrchestratorProcess(orch_args, port=args.port)
+        orchestrator.start()
+        print(f"target {target} on {servers[0].address}, draft {draft} on {servers[1].address}")
+        print("loading models ...", flush=True)
+        for s in (*servers, orchestrator):
+            s.wait_serving(timeout_s=900)
+        store = args.redis_url or "embedded store"
+        print(f"orchestrator on {orchestrator.address} (sessions in {store})")
+        tiny = target.startswith("tiny:")
+        prompt: object = DEMO_TINY_PROMPT if tiny else DEMO_PROMPT
+        shown = " ".join(map(str, DEMO_TINY_PROMPT)) if tiny else DEMO_PROMPT
+        code = _stream(orchestrator.address, prompt, shown, max_new_tokens=args.max_new_tokens)
+        if args.once or code:
+            return code
+        print(
+            f"serving; try: specserve generate --orchestrator {orchestrator.address} "
+            "'def add(a, b):'   (Ctrl-C stops everything)"
+        )
+        while all(s.proc is not None and s.proc.poll() is None for s in (*servers, orchestrator)):
+            time.sleep(0.5)
+        print(
+            "a server exited:\n" + "\n".join(s.output()[-2000:] for s in servers), file=sys.stderr
+        )
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for s in (orchestrator, *servers):
+            if s is not None:
+                s.stop()

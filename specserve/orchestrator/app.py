@@ -1,0 +1,135 @@
+"""Assembling and running an orchestrator process.
+
+:func:`start` builds the store, the replica pools, the scheduler, the round
+runner and the gRPC server (the shared factory: health, reflection, error
+interceptor, port 0 support). The server's "model" is the tokenizer: health says
+NOT_SERVING until it is loaded, like a replica loading its weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc.aio
+
+from specserve.orchestrator.config import OrchestratorConfig
+from specserve.orchestrator.generation import Orchestrator
+from specserve.orchestrator.metrics import serve_metrics
+from specserve.orchestrator.redis_settings import embedded_client
+from specserve.orchestrator.replicas import ReplicaPool
+from specserve.orchestrator.rounds import RoundRunner
+from specserve.orchestrator.scheduler import Scheduler
+from specserve.orchestrator.service import GenerationServicer
+from specserve.orchestrator.session_store import SessionStore
+from specserve.orchestrator.text import Tokenization
+from specserve.serving.server import RunningServer, start_server
+from specserve.v1 import draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def load_tokenization(spec: str | None) -> Tokenization:
+    """The tokenizer of a model spec; none for ``tiny:`` test models or no spec."""
+    if not spec or spec.startswith("tiny:"):
+        return Tokenization(None)
+    from specserve.engine.loader import load_tokenizer
+    from specserve.model_store import resolve
+
+    return Tokenization(load_tokenizer(resolve(spec)))
+
+
+@dataclass
+class App:
+    """A started orchestrator and everything it owns."""
+
+    config: OrchestratorConfig
+    running: RunningServer[Tokenization]
+    orchestrator: Orchestrator
+    runner: RoundRunner
+    store: SessionStore
+    drafts: ReplicaPool
+    targets: ReplicaPool
+    metrics_port: int | None = None
+
+    @property
+    def address(self) -> str:
+        return self.running.address
+
+    async def close(self, grace_s: float = 0.0) -> None:
+        """Stop serving, then everything else."""
+        await self.running.stop(grace_s)
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """End the sessions still decoding and close the pools and the store."""
+        await self.runner.close()
+        for pool in (self.drafts, self.targets):
+            await pool.close()
+        await self.store.close()
+
+
+async def start(config: OrchestratorConfig) -> App:
+    """Start an orchestrator in this event loop."""
+    if config.redis is None:
+        store = SessionStore(embedded_client(), config.ttls, where="embedded store")
+    else:
+        store = SessionStore(config.redis.client(), config.ttls, where=config.redis.display)
+    drafts = ReplicaPool(
+        "draft", config.drafts, draft_pb2_grpc.DraftServiceStub, refresh_s=config.dns_refresh_s
+    )
+    targets = ReplicaPool(
+        "target", config.targets, target_pb2_grpc.TargetServiceStub, refresh_s=config.dns_refresh_s
+    )
+    await drafts.start()
+    await targets.start()
+    runner = RoundRunner(Scheduler(config.scheduler), drafts, targets, store, config.timeouts)
+    holder: list[RunningServer[Tokenization]] = []
+    orchestrator = Orchestrator(
+        store,
+        runner,
+        lambda: holder[0].executor.backend,
+        k_max=config.scheduler.k_curve.k_max,
+        active_stale_s=config.active_stale_s,
+    )
+
+    def register(server: grpc.aio.Server, running: RunningServer[Tokenization]) -> None:
+        holder.append(running)
+        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(orchestrator), server)
+
+    running = await start_server(
+        config.server,
+        "orchestrator",
+        lambda: load_tokenization(config.tokenizer),
+        register,
+        [SERVICE_NAME],
+    )
+    metrics_port = None
+    if config.metrics_port is not None:
+        metrics_port = serve_metrics(runner, config.server.host, config.metrics_port)
+    return App(config, running, orchestrator, runner, store, drafts, targets, metrics_port)
+
+
+def run(config: OrchestratorConfig) -> int:
+    """An orchestrator process's main: serve until SIGTERM/SIGINT."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    async def main() -> int:
+        app = await start(config)
+        try:
+            await app.store.ping()
+        except Exception as e:  # serve anyway: calls fail UNAVAILABLE until it is back
+            log.warning("the session store is not reachable yet: %s", e)
+        app.running.announce()
+        if app.metrics_port is not None:
+            print(f"orchestrator metrics on {config.server.host}:{app.metrics_port}", flush=True)
+        code = await app.running.serve_until_stopped()  # stops the gRPC server
+        await app.shutdown()
+        return code
+
+    return asyncio.run(main())

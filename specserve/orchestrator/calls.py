@@ -1,0 +1,190 @@
+"""One batched Propose or Verify on one replica, and what its failures mean.
+
+* ``NEEDS_HISTORY`` answers are resent at once with the whole committed history.
+* A transport failure (unreachable, past the deadline), or INTERNAL from a
+  replica whose health then says NOT_SERVING (a device failure), takes the
+  replica out of its pool for a backoff and is reported as ``lost``: drafts then
+  fall back to k = 0, verification fails over to another target. INTERNAL from a
+  replica still SERVING is a bug this request triggers, not a lost replica.
+* Any other error of a batched call is not every session's fault: the batch is
+  split and each session retried alone, so only the session that caused it gets
+  the error (for Propose: no drafts this round). Re-running is safe: every call
+  says where its news starts, and the random draws depend only on (seed, round,
+  position).
+
+Converters are the services' own (:mod:`specserve.draft_service.convert`,
+:mod:`specserve.target_service.convert`), so both ends of a field agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+
+from specserve.draft_service import convert as draft_wire
+from specserve.engine.errors import EngineError, InvalidArgument, KVBudgetExceeded, NotFound
+from specserve.engine.rejection import Proposal, Verdict
+from specserve.orchestrator.replicas import TRANSPORT_CODES, ReplicaPool, replica_lost
+from specserve.orchestrator.session import LiveSession
+from specserve.serving.errors import Unavailable
+from specserve.target_service import convert as target_wire
+from specserve.v1 import common_pb2, draft_pb2, target_pb2
+
+log = logging.getLogger(__name__)
+
+NEEDS_HISTORY = common_pb2.SESSION_STATUS_NEEDS_HISTORY
+
+
+@dataclass
+class Plan:
+    """One session's draft for this round (empty = k 0)."""
+
+    proposal: Proposal = field(default_factory=lambda: Proposal(tokens=[]))
+    draft: draft_pb2.DraftResult | None = None  # q travels on to the target as it came
+
+
+@dataclass
+class VerifyOutcome:
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
+    errors: dict[str, EngineError] = field(default_factory=dict)
+    lost: bool = False  # the replica failed: nothing was verified
+    why: str = ""  # how it failed, when lost
+    batch_sizes: list[int] = field(default_factory=list)  # as the target reported them
+
+
+def engine_error(e: grpc.aio.AioRpcError, role: str) -> EngineError:
+    """A replica's refusal of one session, as the error the client will get."""
+    details = f"the {role} replica refused the request: {e.details()}"
+    code = e.code()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return KVBudgetExceeded(details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(details)
+    if code in TRANSPORT_CODES:
+        return Unavailable(details)
+    return EngineError(details)
+
+
+async def propose(
+    pool: ReplicaPool, endpoint: str, items: list[tuple[LiveSession, int]], timeout_s: float
+) -> dict[str, Plan]:
+    """Drafts for ``(session, k)`` pairs from one draft replica; failures give no plan (k 0)."""
+    replica = pool.get(endpoint)
+    if replica is None:
+        return {}
+    k_of = {s.sid: k for s, k in items}
+
+    def request(which: list[LiveSession], full: bool) -> draft_pb2.ProposeRequest:
+        return draft_pb2.ProposeRequest(
+            sessions=[
+                draft_wire.draft_session(
+                    s.state.draft_input(k_of[s.sid], full=full), s.state.drafter
+                )
+                for s in which
+            ]
+        )
+
+    sessions = [s for s, _ in items]
+    try:
+        response = await replica.stub.Propose(request(sessions, False), timeout=timeout_s)
+        results = dict(zip([s.sid for s in sessions], response.results, strict=True))
+        stale = [s for s in sessions if results[s.sid].status == NEEDS_HISTORY]
+        if stale:
+            again = await replica.stub.Propose(request(stale, True), timeout=timeout_s)
+            results.update(zip([s.sid for s in stale], again.results, strict=True))
+    except grpc.aio.AioRpcError as e:
+        if await replica_lost(replica, e.code()):
+            pool.mark_failed(endpoint, f"Propose: {e.code().name}: {e.details()}")
+            return {}
+        if len(items) == 1:  # this session's drafts are refused: it verifies at k = 0
+            log.info("draft replica %s refused Propose: %s", endpoint, e.details())
+            return {}
+        plans: dict[str, Plan] = {}  # one session spoilt the batch: find it, draft the others
+        for part in await asyncio.gather(
+            *(propose(pool, endpoint, [item], timeout_s) for item in items)
+        ):
+            plans.update(part)
+        return plans
+    pool.mark_ok(endpoint, response.replica_id)
+    plans = {}
+    for s in sessions:
+        try:
+            proposal = draft_wire.proposal(results[s.sid], k_of[s.sid])
+        except InvalidArgument as e:  # a misbehaving replica: skip drafting this round
+            log.warning("draft replica %s: %s", endpoint, e)
+            continue
+        if proposal is None:
+            continue
+        plans[s.sid] = Plan(proposal, results[s.sid])
+        s.state.note_draft_synced()
+    return plans
+
+
+async def verify(
+    pool: ReplicaPool,
+    endpoint: str,
+    items: list[tuple[LiveSession, Plan]],
+    timeout_s: float,
+) -> VerifyOutcome:
+    """Verify one batch on one target replica (see the module docstring for failures)."""
+    out = VerifyOutcome()
+    replica = pool.get(endpoint)
+    if replica is None:
+        out.lost, out.why = True, f"target replica {endpoint} left the pool"
+        return out
+    plans = {s.sid: p for s, p in items}
+
+    def request(which: list[LiveSession], full: bool) -> target_pb2.VerifyRequest:
+        return target_pb2.VerifyRequest(
+            sessions=[
+                target_wire.verify_session(
+                    s.state.verify_input(plans[s.sid].proposal, full=full), plans[s.sid].draft
+                )
+                for s in which
+            ]
+        )
+
+    sessions = [s for s, _ in items]
+    try:
+        response = await replica.stub.Verify(request(sessions, False), timeout=timeout_s)
+        out.batch_sizes.append(response.batch_size)
+        results = dict(zip([s.sid for s in sessions], response.results, strict=True))
+        stale = [s for s in sessions if results[s.sid].status == NEEDS_HISTORY]
+        if stale:
+            again = await replica.stub.Verify(request(stale, True), timeout=timeout_s)
+            out.batch_sizes.append(again.batch_size)
+            results.update(zip([s.sid for s in stale], again.results, strict=True))
+    except grpc.aio.AioRpcError as e:
+        if await replica_lost(replica, e.code()):
+            out.lost, out.why = True, f"Verify on {endpoint}: {e.code().name}: {e.details()}"
+            pool.mark_failed(endpoint, out.why)
+            return out
+        if len(items) == 1:
+            out.errors[sessions[0].sid] = engine_error(e, "target")
+            return out
+        alone = await asyncio.gather(*(verify(pool, endpoint, [item], timeout_s) for item in items))
+        for part in alone:
+            out.verdicts.update(part.verdicts)
+            out.errors.update(part.errors)
+            out.lost |= part.lost
+            out.why = out.why or part.why
+            out.batch_sizes.extend(part.batch_sizes)
+        return out
+    pool.mark_ok(endpoint, response.replica_id)
+    for s in sessions:
+        try:
+            verdict = target_wire.verdict(results[s.sid], len(plans[s.sid].proposal.tokens))
+        except InvalidArgument as e:
+            out.errors[s.sid] = EngineError(f"the target replica answered wrongly: {e}")
+            continue
+        if verdict is None:
+            out.errors[s.sid] = EngineError("the target replica asked twice for the full history")
+            continue
+        out.verdicts[s.sid] = verdict
+    return out

@@ -1,0 +1,205 @@
+"""The orchestrator's configuration: one frozen dataclass, built once from flags.
+
+Every flag has a ``SPECSERVE_*`` environment default (read here, while the
+parser is built, and nowhere deeper):
+
+==============================  ===============================  ======================
+flag                            environment                      default
+==============================  ===============================  ======================
+``--draft``                     ``SPECSERVE_DRAFT_ENDPOINTS``    none (target-only)
+``--target``                    ``SPECSERVE_TARGET_ENDPOINTS``   required
+``--redis-url``                 ``SPECSERVE_REDIS_URL``          embedded store
+``--redis-password``            ``SPECSERVE_REDIS_PASSWORD``     from the URL
+``--redis-tls-ca``              ``SPECSERVE_REDIS_TLS_CA``        system CAs
+``--redis-tls-cert/-key``       ``SPECSERVE_REDIS_TLS_CERT/KEY``  none
+``--tokenizer``                 ``SPECSERVE_TOKENIZER``          none (token ids only)
+``--host`` / ``--port``         ``SPECSERVE_HOST`` / ``_PORT``   127.0.0.1 / 50051
+``--metrics-port``              ``SPECSERVE_METRICS_PORT``       off
+==============================  ===============================  ======================
+
+and the scheduling knobs below (``--k-max``, ``--k-full-below``, ``--k-zero-at``,
+``--pipeline-groups``, ``--max-batch``, ``--draft-timeout-s``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from specserve.engine.errors import InvalidArgument
+from specserve.orchestrator import keys
+from specserve.orchestrator.redis_settings import RedisSettings
+from specserve.orchestrator.replicas import EndpointSpec
+from specserve.orchestrator.rounds import RoundTimeouts
+from specserve.orchestrator.scheduler import KCapCurve, SchedulerConfig
+from specserve.orchestrator.session_store import StoreTtls
+from specserve.serving.server import ServerOptions
+
+DEFAULT_PORT = 50051
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """Everything an orchestrator process needs."""
+
+    targets: EndpointSpec
+    drafts: EndpointSpec = field(default_factory=EndpointSpec)
+    redis: RedisSettings | None = None  # None = the embedded store
+    tokenizer: str | None = None  # model whose tokenizer serves text prompts
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    timeouts: RoundTimeouts = field(default_factory=RoundTimeouts)
+    ttls: StoreTtls = field(default_factory=StoreTtls)
+    active_stale_s: float = keys.ACTIVE_STALE_S
+    dns_refresh_s: float = 10.0
+    metrics_port: int | None = None
+    server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ValueError("the orchestrator needs at least one target endpoint (--target)")
+        if self.dns_refresh_s <= 0 or self.active_stale_s <= 0:
+            raise ValueError("dns_refresh_s and active_stale_s must be > 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+    """The orchestrator's flags, with ``SPECSERVE_*`` defaults from ``env``."""
+    env = os.environ if env is None else env
+
+    def e(name: str, default: object = None) -> object:
+        return env.get(f"SPECSERVE_{name}", default)
+
+    g = parser.add_argument_group("replicas")
+    g.add_argument(
+        "--draft",
+        default=e("DRAFT_ENDPOINTS", ""),
+        help="draft replicas: host:port[,host:port] or dns:///name:port",
+    )
+    g.add_argument(
+        "--target",
+        default=e("TARGET_ENDPOINTS"),
+        required=not e("TARGET_ENDPOINTS"),
+        help="target replicas: host:port[,host:port] or dns:///name:port",
+    )
+    g.add_argument("--dns-refresh-s", type=float, default=float(str(e("DNS_REFRESH_S", 10.0))))
+    g.add_argument(
+        "--tokenizer",
+        default=e("TOKENIZER"),
+        help="model (store name, directory) whose tokenizer serves text prompts",
+    )
+    g = parser.add_argument_group("session store")
+    g.add_argument(
+        "--redis-url",
+        default=e("REDIS_URL"),
+        help="redis:// or rediss:// URL; omit for the embedded store",
+    )
+    g.add_argument("--redis-password", default=e("REDIS_PASSWORD"), help="overrides the URL's")
+    g.add_argument("--redis-tls-ca", default=e("REDIS_TLS_CA"), help="CA bundle for rediss://")
+    g.add_argument("--redis-tls-cert", default=e("REDIS_TLS_CERT"), help="client certificate")
+    g.add_argument("--redis-tls-key", default=e("REDIS_TLS_KEY"), help="client key")
+    g.add_argument("--redis-tls-no-verify-hostname", action="store_true")
+    g.add_argument(
+        "--session-ttl-s", type=float, default=float(str(e("SESSION_TTL_S", keys.SESSION_TTL_S)))
+    )
+    g = parser.add_argument_group("scheduling")
+    g.add_argument(
+        "--k-max",
+        type=int,
+        default=int(str(e("K_MAX", 8))),
+        help="largest k, and the k cap while the target batch is small",
+    )
+    g.add_argument(
+        "--k-full-below",
+        type=int,
+        default=int(str(e("K_FULL_BELOW", 4))),
+        help="target batch up to which the k cap is --k-max",
+    )
+    g.add_argument(
+        "--k-zero-at",
+        type=int,
+        default=int(str(e("K_ZERO_AT", 32))),
+        help="target batch from which the k cap is 0 (linear in between)",
+    )
+    g.add_argument(
+        "--pipeline-groups",
+        type=int,
+        default=int(str(e("PIPELINE_GROUPS", 2))),
+        help="session groups per target whose draft and verify overlap",
+    )
+    g.add_argument(
+        "--max-batch",
+        type=int,
+        default=int(str(e("MAX_BATCH", 64))),
+        help="sessions per Verify call",
+    )
+    g.add_argument("--draft-timeout-s", type=float, default=float(str(e("DRAFT_TIMEOUT_S", 2.0))))
+    g.add_argument(
+        "--target-timeout-s", type=float, default=float(str(e("TARGET_TIMEOUT_S", 60.0)))
+    )
+    g.add_argument(
+        "--failover-s",
+        type=float,
+        default=float(str(e("FAILOVER_S", 20.0))),
+        help="how long a session waits for a target replica to come back",
+    )
+    g = parser.add_argument_group("serving")
+    g.add_argument("--host", default=e("HOST", "127.0.0.1"))
+    g.add_argument("--port", type=int, default=int(str(e("PORT", DEFAULT_PORT))))
+    g.add_argument(
+        "--port-file", default=e("PORT_FILE"), help="write the bound port here once listening"
+    )
+    g.add_argument("--grace-s", type=float, default=float(str(e("GRACE_S", 10.0))))
+    g.add_argument("--replica-id", default=e("REPLICA_ID", ""))
+    metrics = e("METRICS_PORT")
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(str(metrics)) if metrics else None,
+        help="serve Prometheus metrics on this port (0 = any free port)",
+    )
+
+
+def from_args(args: argparse.Namespace) -> OrchestratorConfig:
+    """The config the parsed flags describe; InvalidArgument says which flag is wrong."""
+    try:
+        return _from_args(args)
+    except ValueError as e:
+        raise InvalidArgument(f"bad orchestrator flags: {e}") from None
+
+
+def _from_args(args: argparse.Namespace) -> OrchestratorConfig:
+    redis = None
+    if args.redis_url:
+        redis = RedisSettings.from_url(
+            args.redis_url,
+            password=args.redis_password,
+            tls_ca_file=args.redis_tls_ca,
+            tls_cert_file=args.redis_tls_cert,
+            tls_key_file=args.redis_tls_key,
+            tls_check_hostname=False if args.redis_tls_no_verify_hostname else None,
+        )
+    return OrchestratorConfig(
+        targets=EndpointSpec.parse(args.target or "", "target"),
+        drafts=EndpointSpec.parse(args.draft or "", "draft"),
+        redis=redis,
+        tokenizer=args.tokenizer or None,
+        scheduler=SchedulerConfig(
+            pipeline_groups=args.pipeline_groups,
+            max_batch=args.max_batch,
+            k_curve=KCapCurve(args.k_max, args.k_full_below, args.k_zero_at),
+        ),
+        timeouts=RoundTimeouts(args.draft_timeout_s, args.target_timeout_s, args.failover_s),
+        ttls=StoreTtls(session_s=args.session_ttl_s),
+        dns_refresh_s=args.dns_refresh_s,
+        metrics_port=args.metrics_port,
+        server=ServerOptions(
+            host=args.host,
+            port=args.port,
+            port_file=args.port_file,
+            grace_s=args.grace_s,
+            replica_id=args.replica_id,
+        ),
+    )

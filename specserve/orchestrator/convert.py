@@ -1,0 +1,116 @@
+"""generate.proto <-> the orchestrator's domain types, with the checks a request needs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specserve.engine.decode_state import FinishReason
+from specserve.engine.drafter import MAX_K
+from specserve.engine.errors import InvalidArgument
+from specserve.engine.sampling import SamplingParams
+from specserve.orchestrator import records
+from specserve.orchestrator.types import (
+    DEFAULT_MAX_NEW_TOKENS,
+    ChatMessage,
+    Chunk,
+    GenerateParams,
+    Prompt,
+    SessionState,
+    SessionSummary,
+    Usage,
+)
+from specserve.serving.convert import DRAFTER_NAMES
+from specserve.v1 import common_pb2, generate_pb2
+
+FINISH = {
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.EOS: generate_pb2.FINISH_REASON_EOS,
+    FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
+    FinishReason.CANCELLED: generate_pb2.FINISH_REASON_CANCELLED,
+}
+STATES = {
+    SessionState.ACTIVE: generate_pb2.SESSION_STATE_ACTIVE,
+    SessionState.IDLE: generate_pb2.SESSION_STATE_IDLE,
+    SessionState.CANCELLED: generate_pb2.SESSION_STATE_CANCELLED,
+}
+
+
+def prompt(request: generate_pb2.GenerateRequest) -> Prompt:
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        return Prompt(text=request.text)
+    if which == "token_ids":
+        return Prompt(token_ids=tuple(request.token_ids.ids))
+    if which == "chat":
+        return Prompt(chat=tuple(ChatMessage(m.role, m.content) for m in request.chat.messages))
+    raise InvalidArgument("the request has no prompt: set text, token_ids or chat")
+
+
+def generate_params(
+    request: generate_pb2.GenerateRequest, deadline: float | None
+) -> GenerateParams:
+    """A GenerateRequest -> validated GenerateParams (raises InvalidArgument)."""
+    s = request.sampling
+    sampling = SamplingParams(
+        temperature=float(s.temperature),
+        top_k=int(s.top_k),
+        top_p=float(s.top_p) if s.top_p != 0 else 1.0,
+    )
+    spec = request.speculation
+    if spec.drafter not in DRAFTER_NAMES:
+        known = ", ".join(common_pb2.Drafter.Name(v) for v in DRAFTER_NAMES)
+        raise InvalidArgument(f"speculation.drafter {spec.drafter} is not one of {known}")
+    k = spec.k if spec.HasField("k") else None
+    if k is not None and k > MAX_K:
+        raise InvalidArgument(f"speculation.k must be between 0 and {MAX_K}, got {k}")
+    return GenerateParams(
+        prompt=prompt(request),
+        sampling=sampling,
+        seed=s.seed if s.HasField("seed") else None,
+        max_new_tokens=s.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        stop=tuple(s.stop),
+        drafter=DRAFTER_NAMES[spec.drafter],
+        k=k,
+        session_id=request.session_id,
+        keep_session=request.keep_session,
+        deadline=deadline,
+    )
+
+
+def usage_pb(usage: Usage | None) -> generate_pb2.Usage | None:
+    return None if usage is None else records.usage_pb(usage)
+
+
+def stream_response(chunk: Chunk) -> generate_pb2.GenerateStreamResponse:
+    return generate_pb2.GenerateStreamResponse(
+        session_id=chunk.session_id,
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        finish_reason=FINISH[chunk.finish_reason] if chunk.finish_reason else 0,
+        usage=usage_pb(chunk.usage),
+    )
+
+
+def generate_response(chunks: Sequence[Chunk]) -> generate_pb2.GenerateResponse:
+    """The chunks of one turn, whole (the last chunk carries the finish)."""
+    last = chunks[-1]
+    return generate_pb2.GenerateResponse(
+        session_id=last.session_id,
+        text="".join(c.text for c in chunks),
+        token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=FINISH[last.finish_reason] if last.finish_reason else 0,
+        usage=usage_pb(last.usage),
+        time_to_first_token_ns=last.time_to_first_token_ns,
+        duration_ns=last.duration_ns,
+    )
+
+
+def session_info(summary: SessionSummary) -> generate_pb2.SessionInfo:
+    return generate_pb2.SessionInfo(
+        session_id=summary.session_id,
+        state=STATES[summary.state],
+        tokens=summary.tokens,
+        turns=summary.turns,
+        usage=records.usage_pb(summary.usage),
+        seed=summary.seed,
+    )

@@ -1,0 +1,200 @@
+"""The orchestrator's domain API: generate, cancel, inspect and close sessions.
+
+:class:`Orchestrator` turns a request into a session turn — written to the store
+before the first round, so a kept session and its owner are visible to every
+replica — hands it to the round runner, and turns the runner's committed tokens
+into text chunks. Every check that can fail on the request happens before
+anything is written; a turn that fails before its first round commits is rolled
+back (see :mod:`specserve.orchestrator.rounds`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from specserve.engine.decode_state import DecodeState, StopCriteria
+from specserve.engine.errors import EngineError, InvalidArgument, NotFound
+from specserve.engine.k_policy import KPolicy
+from specserve.orchestrator import records
+from specserve.orchestrator.errors import SessionBusy
+from specserve.orchestrator.rounds import RoundRunner
+from specserve.orchestrator.session import Ended, LiveSession
+from specserve.orchestrator.session_store import SessionStore, now_ms
+from specserve.orchestrator.text import TextStream, Tokenization
+from specserve.orchestrator.types import Chunk, GenerateParams, SessionSummary
+
+SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_NEW_TOKENS = 8192
+
+
+def check_session_id(session_id: str) -> None:
+    if not SESSION_ID.fullmatch(session_id):
+        raise InvalidArgument(
+            f"session_id {session_id[:40]!r} is not valid: use 1 to 128 letters, digits, "
+            "'.', '_', ':' or '-'"
+        )
+
+
+class Orchestrator:
+    """Sessions over the store and the round runner."""
+
+    def __init__(
+        self,
+        store: SessionStore,
+        runner: RoundRunner,
+        text: Callable[[], Tokenization],
+        *,
+        k_max: int = 8,
+        active_stale_s: float = 120.0,
+    ) -> None:
+        self.store = store
+        self.runner = runner
+        self.text = text  # the tokenizer may still be loading: ask each time
+        self.k_max = k_max
+        self.active_stale_s = active_stale_s
+
+    async def generate(self, params: GenerateParams) -> AsyncIterator[Chunk]:
+        """Run one turn; yields chunks as rounds commit, the last one with the finish."""
+        t0 = time.perf_counter_ns()
+        text = self.text()
+        prompt = text.encode(params.prompt, continuing=bool(params.session_id))
+        if not 1 <= params.max_new_tokens <= MAX_NEW_TOKENS:
+            raise InvalidArgument(
+                f"max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got {params.max_new_tokens}"
+            )
+        stop = StopCriteria(params.max_new_tokens, text.eos_ids, params.stop)
+        # Shielded: a client that leaves while the record is being written must not
+        # leave an ACTIVE record without a runner; the session then ends at its first
+        # round boundary instead, and the ledger cleans up.
+        opening = asyncio.ensure_future(self._start(params, prompt, stop, text))
+        try:
+            live = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(self._cancel_opened)
+            raise
+        stream = TextStream(text, params.stop)
+        delivered = 0
+        first_ns = 0
+        try:
+            while True:
+                item = await live.outbox.get()
+                if isinstance(item, Ended):
+                    if item.error is not None:
+                        raise item.error
+                    done_ns = time.perf_counter_ns()
+                    tail = stream.finish(live.state.completion, live.state.text_end)
+                    yield Chunk(
+                        live.sid,
+                        tail,
+                        finish_reason=item.reason,
+                        usage=live.turn_usage(),
+                        time_to_first_token_ns=(first_ns or done_ns) - t0,
+                        duration_ns=done_ns - t0,
+                    )
+                    return
+                first_ns = first_ns or time.perf_counter_ns()
+                delivered += len(item)
+                delta = stream.push(live.state.completion[:delivered])
+                yield Chunk(live.sid, delta, tuple(item))
+        finally:
+            if not live.done:  # the client went away: stop at the next round boundary
+                self.runner.cancel(live.sid)
+
+    async def _start(
+        self, params: GenerateParams, prompt: list[int], stop: StopCriteria, text: Tokenization
+    ) -> LiveSession:
+        live = await self._open(params, prompt, stop, text)
+        try:
+            self.runner.submit(live)
+        except EngineError as e:  # no target replica: undo the turn's record
+            await self.runner.abandon(live, e)
+            raise
+        return live
+
+    def _cancel_opened(self, opening: asyncio.Future[LiveSession]) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            self.runner.cancel(opening.result().sid)
+
+    async def _open(
+        self, params: GenerateParams, prompt: list[int], stop: StopCriteria, text: Tokenization
+    ) -> LiveSession:
+        """Write the turn's record (new session, or the next turn of a kept one)."""
+        pre_turn = None
+        if params.session_id:
+            check_session_id(params.session_id)
+            pre_turn = await self.store.get(params.session_id)
+            if pre_turn is None:
+                raise NotFound(
+                    f"session {params.session_id!r} does not exist: it was closed, expired, or "
+                    "not kept (set keep_session to continue a session later)"
+                )
+            if records.is_active(pre_turn, now_ms(), self.active_stale_s):
+                raise SessionBusy(
+                    f"session {params.session_id!r} is generating; wait for it to finish or "
+                    "call CancelSession"
+                )
+            seed = params.seed if params.seed is not None else pre_turn.sampling.seed
+            base = pre_turn
+        else:
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            base = records.new_record(uuid.uuid4().hex)
+        sampling = dataclasses.replace(params.sampling, seed=seed)
+        turn = records.start_turn(base, prompt, params, sampling)
+        state = DecodeState(
+            turn.session_id,
+            list(turn.tokens),
+            sampling,
+            stop,
+            KPolicy(params.k, k_max=self.k_max),
+            drafter=params.drafter,
+            decode=text.decode,
+            round_index=turn.round_index,
+        )
+        if pre_turn is None:
+            written = await self.store.create(turn)
+        else:  # final: also clears a cancel flag left from an earlier turn
+            written, _ = await self.store.commit(turn, final=True)
+        return LiveSession(
+            written,
+            state,
+            prompt_tokens=len(prompt),
+            base_usage=records.usage_of(base),
+            pre_turn=pre_turn,
+            deadline=params.deadline,
+        )
+
+    async def cancel(self, session_id: str) -> bool:
+        """Stop a session's generation, on whichever replica runs it; False if none runs."""
+        check_session_id(session_id)
+        record = await self.store.get(session_id)
+        if record is None:
+            raise NotFound(f"session {session_id!r} does not exist")
+        local = self.runner.cancel(session_id)
+        if records.is_active(record, now_ms(), self.active_stale_s):
+            await self.store.request_cancel(session_id)
+            return True
+        return local
+
+    async def get(self, session_id: str) -> SessionSummary:
+        check_session_id(session_id)
+        record = await self.store.get(session_id)
+        if record is None:
+            raise NotFound(f"session {session_id!r} does not exist")
+        return records.summary(record)
+
+    async def close_session(self, session_id: str) -> bool:
+        """Delete a session and free its caches; a generation in flight stops."""
+        check_session_id(session_id)
+        record = await self.store.get(session_id)
+        if record is None:
+            raise NotFound(f"session {session_id!r} does not exist")
+        self.runner.cancel(session_id)
+        deleted = await self.store.delete(session_id)
+        await self.runner.release_owners(record)
+        return deleted

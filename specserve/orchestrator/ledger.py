@@ -1,0 +1,154 @@
+"""Committing rounds to the store and ending sessions: the runner's bookkeeping half.
+
+A round's tokens reach a client only after its record is committed. Ending a
+session releases its KV on both replicas — unless it is kept warm for its next
+turn — and writes its final record: IDLE or CANCELLED for a kept session,
+deleted otherwise, and rolled back to before the turn when the turn failed
+before its first round committed. A session whose record was deleted or taken
+over by another replica is never written again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+
+from specserve.engine.decode_state import FinishReason
+from specserve.engine.errors import EngineError
+from specserve.orchestrator import records
+from specserve.orchestrator.errors import VersionConflict
+from specserve.orchestrator.replicas import ReplicaPool
+from specserve.orchestrator.scheduler import Scheduler
+from specserve.orchestrator.session import LiveSession
+from specserve.orchestrator.session_store import CommitStatus, SessionStore
+from specserve.orchestrator.types import SessionState
+from specserve.v1 import session_pb2
+
+log = logging.getLogger(__name__)
+
+Ending = tuple[LiveSession, FinishReason | None, BaseException | None]
+
+
+class Ledger:
+    """Commits and endings for the sessions a runner decodes."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        drafts: ReplicaPool,
+        targets: ReplicaPool,
+        store: SessionStore,
+        sessions: dict[str, LiveSession],
+        release_timeout_s: float,
+    ) -> None:
+        self.scheduler = scheduler
+        self.drafts = drafts
+        self.targets = targets
+        self.store = store
+        self.sessions = sessions  # the runner's: ending a session removes it
+        self.release_timeout_s = release_timeout_s
+
+    def ownership(self, s: LiveSession) -> tuple[session_pb2.KvOwnership, session_pb2.KvOwnership]:
+        placement = self.scheduler.placement(s.sid)
+        assert placement is not None
+        draft = session_pb2.KvOwnership()
+        if placement.draft is not None:
+            replica = self.drafts.get(placement.draft)
+            draft = session_pb2.KvOwnership(
+                replica_id=replica.replica_id if replica else "",
+                endpoint=placement.draft,
+                tokens=s.state.draft_start,
+            )
+        replica = self.targets.get(placement.target)
+        target = session_pb2.KvOwnership(
+            replica_id=replica.replica_id if replica else "",
+            endpoint=placement.target,
+            tokens=s.state.target_start,
+        )
+        return draft, target
+
+    async def commit(self, committed: list[tuple[LiveSession, list[int]]]) -> list[Ending]:
+        if not committed:
+            return []
+        ending: list[Ending] = []
+        try:
+            results = await self.store.commit_many(
+                [s.record_after_round(*self.ownership(s)) for s, _ in committed]
+            )
+        except EngineError as e:
+            return [(s, None, e) for s, _ in committed]
+        for (s, tokens), (status, written) in zip(committed, results, strict=True):
+            if status in (CommitStatus.OK, CommitStatus.CANCEL_REQUESTED):
+                s.record = written
+                s.rounds_committed += 1
+                s.deliver(tokens)
+            if status is CommitStatus.CANCEL_REQUESTED:
+                ending.append((s, FinishReason.CANCELLED, None))
+            elif status is CommitStatus.OK and s.state.finished:
+                ending.append((s, s.state.finish_reason, None))
+            elif status is CommitStatus.MISSING:  # CloseSession deleted it
+                s.gone = True
+                ending.append((s, FinishReason.CANCELLED, None))
+            elif status is CommitStatus.CONFLICT:
+                s.gone = True
+                ending.append(
+                    (
+                        s,
+                        None,
+                        VersionConflict(
+                            f"session {s.sid!r} was changed by another orchestrator replica; "
+                            "this one stopped decoding it"
+                        ),
+                    )
+                )
+        return ending
+
+    async def finish(self, ending: list[Ending]) -> None:
+        """Release KV, write final records, and tell the clients."""
+        if not ending:
+            return
+        releases: dict[tuple[str, str], list[str]] = collections.defaultdict(list)
+        warm: dict[str, bool] = {}
+        for s, reason, error in ending:
+            placement = self.scheduler.placement(s.sid)
+            keep_warm = s.keep and error is None and reason is not FinishReason.CANCELLED
+            warm[s.sid] = keep_warm and not s.gone
+            if placement is not None and not warm[s.sid]:
+                releases[("target", placement.target)].append(s.sid)
+                if placement.draft is not None:
+                    releases[("draft", placement.draft)].append(s.sid)
+            self.scheduler.leave(s.sid)
+            self.sessions.pop(s.sid, None)
+        pools = {"draft": self.drafts, "target": self.targets}
+        await asyncio.gather(
+            *(
+                pools[role].release(ep, ids, self.release_timeout_s)
+                for (role, ep), ids in releases.items()
+            ),
+            *(self.write_final(s, reason, error, warm[s.sid]) for s, reason, error in ending),
+        )
+        for s, reason, error in ending:
+            s.end(reason, error)
+
+    async def write_final(
+        self, s: LiveSession, reason: FinishReason | None, error: BaseException | None, warm: bool
+    ) -> None:
+        try:
+            if s.gone:
+                return
+            if error is not None and s.rounds_committed == 0 and s.pre_turn is not None:
+                back = records.ended(s.pre_turn, SessionState.IDLE, warm=False)
+                back.version = s.record.version  # roll the failed turn back
+                await self.store.commit(back, final=True)
+            elif not s.keep or (error is not None and s.rounds_committed == 0):
+                await self.store.delete(s.sid, version=s.record.version)
+            else:
+                state = (
+                    SessionState.CANCELLED
+                    if reason is FinishReason.CANCELLED
+                    else SessionState.IDLE
+                )
+                await self.store.commit(records.ended(s.record, state, warm=warm), final=True)
+        except EngineError as e:
+            log.warning("could not write the final record of session %s: %s", s.sid, e)

@@ -1,0 +1,122 @@
+"""How to reach Redis: a dataclass built from a ``redis://`` or ``rediss://`` URL.
+
+``rediss://`` (or ``tls=True``) turns TLS on; a CA bundle, a client certificate
+and key, and hostname checking are separate options because URLs cannot carry
+files. A password given as an option wins over one in the URL, so the URL can be
+logged or put in a manifest while the password comes from a secret. With no URL
+at all the orchestrator uses an embedded store (:func:`embedded_client`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from specserve.engine.errors import InvalidArgument
+
+DEFAULT_PORT = 6379
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Connection settings for one Redis server (the password never appears in repr)."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: bool = False
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_check_hostname: bool = True
+    connect_timeout_s: float = 5.0
+    socket_timeout_s: float = 5.0
+    retries: int = 3  # per call, on connection errors and timeouts (the store's scripts are
+    # idempotent, so a retried write whose first reply was lost is safe)
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise InvalidArgument("the Redis URL names no host")
+        if not 0 < self.port < 65536:
+            raise InvalidArgument(f"the Redis port must be in 1..65535, got {self.port}")
+        if self.db < 0:
+            raise InvalidArgument(f"the Redis database must be >= 0, got {self.db}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise InvalidArgument(
+                "a TLS client certificate needs its key, and a key its certificate"
+            )
+        if self.connect_timeout_s <= 0 or self.socket_timeout_s <= 0:
+            raise InvalidArgument("Redis timeouts must be > 0 seconds")
+
+    @classmethod
+    def from_url(cls, url: str, **overrides: Any) -> RedisSettings:
+        """Parse ``redis[s]://[[user]:password@]host[:port][/db]``; ``overrides`` win.
+
+        An override of ``None`` keeps what the URL says (so unset CLI flags pass through).
+        """
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise InvalidArgument(
+                f"a Redis URL starts with redis:// or rediss:// (TLS), got {url.split('://')[0]!r}"
+            )
+        try:
+            port = parts.port or DEFAULT_PORT
+        except ValueError:
+            raise InvalidArgument("the Redis URL has a port that is not a number") from None
+        path = parts.path.strip("/")
+        if path and not path.isdigit():
+            raise InvalidArgument(f"the Redis database in the URL must be a number, got {path!r}")
+        settings = cls(
+            host=parts.hostname or "",
+            port=port,
+            db=int(path) if path else 0,
+            username=unquote(parts.username) if parts.username else None,
+            password=unquote(parts.password) if parts.password else None,
+            tls=parts.scheme == "rediss",
+        )
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return replace(settings, **given) if given else settings
+
+    @property
+    def display(self) -> str:
+        """Where this points, without credentials (for logs)."""
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{self.host}:{self.port}/{self.db}"
+
+    def client(self) -> Any:
+        """A ``redis.asyncio.Redis`` client for these settings (connects lazily)."""
+        import redis.asyncio
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+
+        kwargs: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "db": self.db,
+            "username": self.username,
+            "password": self.password,
+            "socket_connect_timeout": self.connect_timeout_s,
+            "socket_timeout": self.socket_timeout_s,
+            "decode_responses": False,
+            "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), self.retries),
+        }
+        if self.tls:
+            kwargs.update(
+                ssl=True,
+                ssl_ca_certs=self.tls_ca_file,
+                ssl_certfile=self.tls_cert_file,
+                ssl_keyfile=self.tls_key_file,
+                ssl_check_hostname=self.tls_check_hostname,
+                ssl_cert_reqs="required",
+            )
+        return redis.asyncio.Redis(**kwargs)
+
+
+def embedded_client() -> Any:
+    """An in-process Redis (fakeredis with Lua) for a single orchestrator without a server."""
+    import fakeredis
+
+    return fakeredis.FakeAsyncRedis()

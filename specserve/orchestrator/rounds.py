@@ -1,0 +1,332 @@
+"""The distributed speculative loop: one asyncio task per lane, one round at a time.
+
+A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
+:class:`~specserve.engine.speculative.SpeculativeEngine`, over gRPC:
+
+1. sessions whose client left, whose deadline passed or that were cancelled end
+   here, at the round boundary;
+2. ``Propose`` on each draft replica the batch uses, in parallel (k from each
+   session's policy under the target's load cap); a draft replica that fails or
+   misses its deadline costs only speculation: its sessions verify with k = 0
+   this round and move to another draft replica (or stay at k = 0);
+3. one ``Verify`` on the lane's target. If the target is lost, the sessions'
+   committed tokens are re-read from the store and the same round — same drafts,
+   same (seed, round index, position) draws — is replayed on another target with
+   the whole history, so the output does not change;
+4. ``DecodeState.commit``, one pipelined atomic commit per session to the store,
+   then the tokens go to the clients. A session whose record changed under it
+   (another replica took it over) stops without writing.
+
+Commits and endings (releasing KV, final records) are the
+:class:`~specserve.orchestrator.ledger.Ledger`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from specserve.engine.decode_state import FinishReason
+from specserve.engine.errors import EngineError
+from specserve.orchestrator import calls
+from specserve.orchestrator.calls import Plan
+from specserve.orchestrator.errors import VersionConflict
+from specserve.orchestrator.ledger import Ending, Ledger
+from specserve.orchestrator.replicas import ReplicaPool
+from specserve.orchestrator.scheduler import LaneKey, Placement, Scheduler
+from specserve.orchestrator.session import LiveSession
+from specserve.orchestrator.session_store import SessionStore
+from specserve.serving.errors import Unavailable
+from specserve.v1 import session_pb2
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+
+@dataclass(frozen=True)
+class RoundTimeouts:
+    draft_s: float = 2.0  # a Propose slower than this costs the round its drafts
+    target_s: float = 60.0  # a Verify slower than this counts as a lost target
+    failover_s: float = 20.0  # how long a session waits for some target to come back
+    release_s: float = 2.0
+
+
+@dataclass
+class RunnerStats:
+    rounds: int = 0
+    # Sessions per target forward, as the target reported them (its calls coalesce).
+    verify_batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
+    draft_fallbacks: int = 0  # sessions verified at k = 0 because their draft replica failed
+    target_failovers: int = 0  # sessions moved to another target mid-round
+
+
+class RoundRunner:
+    """Drives every lane's rounds; sessions enter with :meth:`submit`."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        drafts: ReplicaPool,
+        targets: ReplicaPool,
+        store: SessionStore,
+        timeouts: RoundTimeouts | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.drafts = drafts
+        self.targets = targets
+        self.store = store
+        self.timeouts = timeouts or RoundTimeouts()
+        self.sessions: dict[str, LiveSession] = {}
+        self.stats = RunnerStats()
+        self._lanes: dict[LaneKey, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self.ledger = Ledger(
+            scheduler, drafts, targets, store, self.sessions, self.timeouts.release_s
+        )
+
+    # -- entering and leaving ------------------------------------------------------------
+
+    def refresh_usable(self) -> None:
+        self.scheduler.set_usable(self.targets.usable(), self.drafts.usable())
+
+    def submit(self, live: LiveSession) -> None:
+        """Place a session (preferring the replicas with its warm KV) and start decoding it."""
+        self.refresh_usable()
+        rec = live.record
+        placement = self.scheduler.place(
+            live.sid,
+            prefer_target=rec.target.endpoint or None,
+            prefer_draft=rec.draft.endpoint or None,
+        )
+        live.state.target_start = (
+            rec.target.tokens if placement.target == rec.target.endpoint else 0
+        )
+        live.state.draft_start = rec.draft.tokens if placement.draft == rec.draft.endpoint else 0
+        self.sessions[live.sid] = live
+        self._run_lane(self.scheduler.join(live.sid, placement))
+
+    async def abandon(self, live: LiveSession, error: BaseException) -> None:
+        """Undo a turn that could not start (its record was written, no round ran)."""
+        await self.ledger.write_final(live, None, error, warm=False)
+
+    async def release_owners(self, record: session_pb2.SessionRecord) -> None:
+        """Drop a closed session's caches on the replicas its record names."""
+        sid = [record.session_id]
+        await asyncio.gather(
+            self.targets.release(record.target.endpoint, sid, self.timeouts.release_s),
+            self.drafts.release(record.draft.endpoint, sid, self.timeouts.release_s),
+        )
+
+    def cancel(self, session_id: str) -> bool:
+        """Stop a session at its next round boundary; False if it is not decoding here."""
+        live = self.sessions.get(session_id)
+        if live is None or live.done:
+            return False
+        live.cancel_requested = True
+        return True
+
+    async def close(self) -> None:
+        """Stop every lane; sessions still decoding end with UNAVAILABLE."""
+        for task in list(self._lanes.values()):
+            task.cancel()
+        await asyncio.gather(*self._lanes.values(), return_exceptions=True)
+        down = Unavailable("the orchestrator is shutting down; retry on another replica")
+        await self.ledger.finish([(s, None, down) for s in list(self.sessions.values())])
+
+    def _run_lane(self, lane: LaneKey) -> None:
+        task = self._lanes.get(lane)
+        if task is None or task.done():
+            self._lanes[lane] = asyncio.get_running_loop().create_task(self._lane(lane))
+
+    async def _lane(self, lane: LaneKey) -> None:
+        while True:
+            ids = self.scheduler.begin_round(lane)
+            if not ids:
+                self._lanes.pop(lane, None)
+                return
+            # A session that failed over mid-round joins this lane before that round ends.
+            batch = [self.sessions[sid] for sid in ids if not self.sessions[sid].in_round]
+            if not batch:
+                await asyncio.sleep(0.001)
+                continue
+            for s in batch:
+                s.in_round = True
+            try:
+                await self._round(lane[0], batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bug: fail this batch, keep the lane alive
+                log.exception("a round on %s failed", lane[0])
+                await self.ledger.finish([(s, None, e) for s in batch if not s.done])
+            finally:
+                for s in batch:
+                    s.in_round = False
+
+    # -- one round -----------------------------------------------------------------------
+
+    async def _round(self, target: str, batch: list[LiveSession]) -> None:
+        now = time.monotonic()
+        ending: list[Ending] = [
+            (s, FinishReason.CANCELLED, None) for s in batch if s.cancel_requested or s.expired(now)
+        ]
+        live = [s for s in batch if not (s.cancel_requested or s.expired(now))]
+        if not live:
+            await self.ledger.finish(ending)
+            return
+        self.refresh_usable()
+        with tracer.start_as_current_span("specserve.round") as span:
+            if span.is_recording():
+                span.set_attribute("specserve.target", target)
+                span.set_attribute("specserve.batch_size", len(live))
+            with tracer.start_as_current_span("specserve.propose"):
+                plans = await self._propose(target, live)
+            with tracer.start_as_current_span("specserve.verify") as vspan:
+                outcome, moved = await self._verify(target, [(s, plans[s.sid]) for s in live])
+                if vspan.is_recording():
+                    vspan.set_attribute(
+                        "specserve.drafted", sum(len(p.proposal.tokens) for p in plans.values())
+                    )
+                    vspan.set_attribute(
+                        "specserve.accepted", sum(v.accepted for v in outcome.verdicts.values())
+                    )
+                    vspan.set_attribute("specserve.failovers", len(moved))
+        self.stats.rounds += 1
+        committed = []
+        for s in live:
+            if s.sid in outcome.errors:
+                ending.append((s, None, outcome.errors[s.sid]))
+                continue
+            plan = plans[s.sid]
+            committed.append((s, s.state.commit(plan.proposal, outcome.verdicts[s.sid])))
+        self._move(target, moved)
+        ending += await self.ledger.commit(committed)
+        await self.ledger.finish(ending)
+
+    def _move(self, old: str, moved: dict[str, str]) -> None:
+        """Sessions replayed on another target live there from now on."""
+        for sid, new_target in moved.items():
+            placement = self.scheduler.placement(sid)
+            assert placement is not None
+            group = self.scheduler.least_loaded_group(new_target)
+            self._run_lane(self.scheduler.move(sid, Placement(new_target, group, placement.draft)))
+        self._release_later(self.targets, old, list(moved))  # in case it was only slow
+
+    async def _propose(self, target: str, live: list[LiveSession]) -> dict[str, Plan]:
+        cap = self.scheduler.k_cap(target)
+        by_draft: dict[str, list[tuple[LiveSession, int]]] = collections.defaultdict(list)
+        for s in live:
+            placement = self.scheduler.placement(s.sid)
+            assert placement is not None
+            if s.state.drafter == "none":
+                continue
+            if placement.draft is None and self.scheduler.drafts:  # a draft replica is back
+                placement.draft = self.scheduler.pick_draft()
+                s.state.draft_start = 0
+            k = s.state.next_k(cap)
+            if placement.draft is not None and k > 0:
+                by_draft[placement.draft].append((s, k))
+        timeout = self._timeout(self.timeouts.draft_s, live)
+        found = await asyncio.gather(
+            *(calls.propose(self.drafts, ep, items, timeout) for ep, items in by_draft.items())
+        )
+        plans: dict[str, Plan] = collections.defaultdict(Plan)
+        for (ep, items), got in zip(by_draft.items(), found, strict=True):
+            plans.update(got)
+            if ep not in self.drafts.usable():  # the replica failed: move its sessions
+                for s, _ in items:
+                    self.stats.draft_fallbacks += 1
+                    self.scheduler.set_draft(s.sid, self.scheduler.pick_draft(avoid=[ep]))
+                    s.state.draft_start = 0
+                self._release_later(self.drafts, ep, [s.sid for s, _ in items])
+        return plans
+
+    def _release_later(self, pool: ReplicaPool, endpoint: str, ids: list[str]) -> None:
+        """Best effort, off the round's path: drop caches on a replica sessions left."""
+        if not ids:
+            return
+        task = asyncio.get_running_loop().create_task(
+            pool.release(endpoint, ids, self.timeouts.release_s)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _verify(
+        self, target: str, items: list[tuple[LiveSession, Plan]]
+    ) -> tuple[calls.VerifyOutcome, dict[str, str]]:
+        """Verify on ``target``; if it is lost, replay on others. Returns the outcome and moves."""
+        total = calls.VerifyOutcome()
+        moved: dict[str, str] = {}
+        give_up = time.monotonic() + self.timeouts.failover_s
+        todo = items
+        while todo:
+            timeout = self._timeout(self.timeouts.target_s, [s for s, _ in todo])
+            out = await calls.verify(self.targets, target, todo, timeout)
+            total.verdicts.update(out.verdicts)
+            total.errors.update(out.errors)
+            for size in out.batch_sizes:
+                self.stats.verify_batch_sizes[size] += 1
+            todo = [
+                (s, p) for s, p in todo if s.sid not in out.verdicts and s.sid not in out.errors
+            ]
+            if not todo:
+                break
+            todo = await self._resume_from_store(todo, total)
+            next_target = await self._another_target(give_up)
+            if next_target is None:
+                for s, _ in todo:
+                    total.errors[s.sid] = Unavailable(
+                        f"no target replica could verify the session; retry later "
+                        f"(last failure: {out.why})"
+                    )
+                break
+            log.warning("replaying a round of %d sessions on target %s", len(todo), next_target)
+            target = next_target
+            for s, _ in todo:
+                s.state.target_start = 0  # the new replica rebuilds the KV from the history
+                moved[s.sid] = target
+                self.stats.target_failovers += 1
+        return total, moved
+
+    async def _resume_from_store(
+        self, todo: list[tuple[LiveSession, Plan]], total: calls.VerifyOutcome
+    ) -> list[tuple[LiveSession, Plan]]:
+        """Keep the sessions whose stored record still is what this round started from."""
+        kept = []
+        for s, p in todo:
+            try:
+                stored = await self.store.get(s.sid)
+            except EngineError as e:
+                total.errors[s.sid] = e
+                continue
+            if stored is None or stored.version != s.record.version:
+                s.gone = True
+                total.errors[s.sid] = VersionConflict(
+                    f"session {s.sid!r} was closed or taken over while its target was lost"
+                )
+                continue
+            assert list(stored.tokens) == s.state.tokens, "memory and store disagree"
+            kept.append((s, p))
+        return kept
+
+    async def _another_target(self, give_up: float) -> str | None:
+        while True:
+            self.refresh_usable()
+            usable = self.scheduler.targets
+            if usable:
+                return min(usable, key=self.scheduler.target_load)
+            if time.monotonic() >= give_up:
+                return None
+            await asyncio.sleep(0.2)
+
+    def _timeout(self, base: float, sessions: list[LiveSession]) -> float:
+        """The configured timeout, cut to the latest client deadline of the batch."""
+        deadlines = [s.deadline for s in sessions]
+        if not deadlines or any(d is None for d in deadlines):
+            return base
+        left = max(deadlines) - time.monotonic()  # type: ignore[type-var,operator]
+        return max(0.05, min(base, left))

@@ -1,0 +1,230 @@
+"""Which sessions share a round, on which replicas, with how many drafts: a pure state machine.
+
+No grpc, no redis, no asyncio: the round runner asks, the scheduler answers.
+
+**Lanes.** A lane is ``(target endpoint, group)``. Every session lives in one lane;
+one round of a lane is one batched ``Verify`` on its target (and one ``Propose``
+per draft replica its sessions use). Each target has ``pipeline_groups`` lanes
+(2 by default) and a runner drives each lane in its own loop, so while the
+target verifies group A the draft replicas propose for group B: neither pool
+waits for the other. A new session joins its target's smallest group.
+
+**Continuous batching.** Sessions join and leave at round boundaries:
+:meth:`Scheduler.join` parks a session as pending, :meth:`Scheduler.begin_round`
+admits the pending ones and returns the batch (at most ``max_batch``, rotating
+so every session gets its turn), :meth:`Scheduler.end_round` drops the finished.
+
+**Affinity.** A session prefers the target and draft replicas named in its
+record (they hold a warm KV cache up to some position); otherwise it goes to
+the least-loaded usable replica.
+
+**k.** Per session from its :class:`~specserve.engine.k_policy.KPolicy`, capped
+by the load on its target (:class:`KCapCurve`): speculation pays least when the
+target's batch is already large, so the cap falls to 0 there.
+
+**Not done: draft-ahead** (the draft keeps drafting round r + 1 while round r is
+verified, betting that all k are accepted). With two pipeline groups the draft
+pool is already busy during verification, and a draft-ahead hit would have to
+draw round r + 1's tokens before round r's bonus token is known, so a replayed
+round could differ from the original in sampled mode. It is left out until a
+benchmark on separate draft and target devices shows it pays.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from specserve.engine.errors import EngineError
+
+LaneKey = tuple[str, int]  # (target endpoint, pipeline group)
+
+
+class NoReplica(EngineError):
+    """No usable replica of a role is left (all are down or none is configured)."""
+
+
+@dataclass(frozen=True)
+class KCapCurve:
+    """The global k cap as a function of the target's batch (sessions decoding on it).
+
+    ``cap(b) = k_max`` for ``b <= full_below``, ``0`` for ``b >= zero_at``, and linear
+    (rounded down) in between. With the defaults: 1-4 sessions draft up to 8
+    tokens, 18 sessions up to 4, 32 and more decode target-only.
+    """
+
+    k_max: int = 8
+    full_below: int = 4
+    zero_at: int = 32
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.k_max <= 16:
+            raise ValueError(f"k_max must be in 0..16, got {self.k_max}")
+        if not 1 <= self.full_below < self.zero_at:
+            raise ValueError(
+                f"the k cap curve needs 1 <= full_below < zero_at, got "
+                f"{self.full_below} and {self.zero_at}"
+            )
+
+    def cap(self, batch: int) -> int:
+        if batch <= self.full_below:
+            return self.k_max
+        if batch >= self.zero_at:
+            return 0
+        span = self.zero_at - self.full_below
+        return self.k_max * (self.zero_at - batch) // span
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    pipeline_groups: int = 2  # lanes per target; 1 = no draft/verify pipelining
+    max_batch: int = 64  # sessions per Verify call
+    k_curve: KCapCurve = field(default_factory=KCapCurve)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.pipeline_groups <= 8:
+            raise ValueError(f"pipeline_groups must be in 1..8, got {self.pipeline_groups}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass
+class Placement:
+    """Where a session runs now."""
+
+    target: str
+    group: int
+    draft: str | None  # None = no draft replica usable: decode at k = 0
+
+    @property
+    def lane(self) -> LaneKey:
+        return (self.target, self.group)
+
+
+@dataclass
+class _Lane:
+    pending: list[str] = field(default_factory=list)
+    running: collections.deque[str] = field(default_factory=collections.deque)
+
+    def __len__(self) -> int:
+        return len(self.pending) + len(self.running)
+
+
+class Scheduler:
+    """Placement, lanes and k caps for every session this orchestrator runs."""
+
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self.targets: list[str] = []  # usable target endpoints
+        self.drafts: list[str] = []  # usable draft endpoints
+        self._placement: dict[str, Placement] = {}
+        self._lanes: dict[LaneKey, _Lane] = {}
+
+    # -- replicas ----------------------------------------------------------------------
+
+    def set_usable(self, targets: Sequence[str], drafts: Sequence[str]) -> None:
+        """The replicas new placements may use (sessions already placed stay put)."""
+        self.targets = list(targets)
+        self.drafts = list(drafts)
+
+    def target_load(self, target: str) -> int:
+        """Sessions placed on ``target`` (its Verify batch if they all run together)."""
+        return sum(len(lane) for key, lane in self._lanes.items() if key[0] == target)
+
+    def draft_load(self, draft: str) -> int:
+        return sum(1 for p in self._placement.values() if p.draft == draft)
+
+    def k_cap(self, target: str) -> int:
+        return self.config.k_curve.cap(self.target_load(target))
+
+    # -- placement ---------------------------------------------------------------------
+
+    def place(
+        self,
+        session_id: str,
+        *,
+        prefer_target: str | None = None,
+        prefer_draft: str | None = None,
+        avoid_targets: Iterable[str] = (),
+    ) -> Placement:
+        """Choose replicas and a group for a session (not yet joined)."""
+        avoid = set(avoid_targets)
+        targets = [t for t in self.targets if t not in avoid]
+        if not targets:
+            raise NoReplica("no target replica is reachable; retry later")
+        if prefer_target in targets:
+            target = prefer_target
+        else:
+            target = min(targets, key=lambda t: (self.target_load(t), targets.index(t)))
+        return Placement(target, self.least_loaded_group(target), self.pick_draft(prefer_draft))
+
+    def least_loaded_group(self, target: str) -> int:
+        groups = range(self.config.pipeline_groups)
+        return min(groups, key=lambda g: len(self._lanes.get((target, g), ())))
+
+    def pick_draft(self, prefer: str | None = None, avoid: Iterable[str] = ()) -> str | None:
+        """The preferred draft replica if usable, else the least loaded, else None."""
+        skip = set(avoid)
+        drafts = [d for d in self.drafts if d not in skip]
+        if not drafts:
+            return None
+        if prefer in drafts:
+            return prefer
+        return min(drafts, key=lambda d: (self.draft_load(d), drafts.index(d)))
+
+    def join(self, session_id: str, placement: Placement) -> LaneKey:
+        """Park a session in its lane; it runs from the lane's next round on."""
+        assert session_id not in self._placement, f"{session_id} joined twice"
+        self._placement[session_id] = placement
+        self._lanes.setdefault(placement.lane, _Lane()).pending.append(session_id)
+        return placement.lane
+
+    def placement(self, session_id: str) -> Placement | None:
+        return self._placement.get(session_id)
+
+    def set_draft(self, session_id: str, draft: str | None) -> None:
+        self._placement[session_id].draft = draft
+
+    def move(self, session_id: str, placement: Placement) -> LaneKey:
+        """Move a session to another lane (target failover); it runs there from the next round."""
+        self.leave(session_id)
+        return self.join(session_id, placement)
+
+    def leave(self, session_id: str) -> None:
+        """Forget a session (finished, cancelled, failed). Unknown ids are ignored."""
+        placement = self._placement.pop(session_id, None)
+        if placement is None:
+            return
+        lane = self._lanes[placement.lane]
+        if session_id in lane.pending:
+            lane.pending.remove(session_id)
+        else:
+            lane.running.remove(session_id)
+        if not lane:
+            del self._lanes[placement.lane]
+
+    # -- rounds ------------------------------------------------------------------------
+
+    def begin_round(self, lane: LaneKey) -> list[str]:
+        """Admit the lane's pending sessions and return this round's batch (may be empty)."""
+        state = self._lanes.get(lane)
+        if state is None:
+            return []
+        state.running.extend(state.pending)
+        state.pending.clear()
+        n = min(len(state.running), self.config.max_batch)
+        batch = [state.running[i] for i in range(n)]
+        state.running.rotate(-n)  # the next round starts with whoever waited
+        return batch
+
+    def end_round(self, finished: Iterable[str]) -> None:
+        """Drop sessions that finished in the round."""
+        for sid in finished:
+            self.leave(sid)
+
+    def lanes(self) -> list[LaneKey]:
+        return list(self._lanes)
+
+    def sessions(self) -> list[str]:
+        return list(self._placement)

@@ -1,0 +1,91 @@
+"""The public ``Generation`` servicer: pb -> domain -> :class:`Orchestrator` -> pb, nothing more.
+
+Errors become status codes in one place (:func:`specserve.orchestrator.errors.status_for`),
+for the streaming call as well as the unary ones; the client's deadline travels
+into the request so that internal calls never outlive it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+
+from specserve.orchestrator import convert
+from specserve.orchestrator.errors import status_for
+from specserve.orchestrator.generation import Orchestrator
+from specserve.v1 import generate_pb2, generate_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def deadline_of(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:
+    code, message = status_for(error)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=error)
+    await context.abort(code, message)
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    """Serves the public API from an :class:`Orchestrator`."""
+
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orchestrator = orchestrator
+
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.GenerateResponse:
+        try:
+            params = convert.generate_params(request, deadline_of(context))
+            chunks = [c async for c in self.orchestrator.generate(params)]
+            return convert.generate_response(chunks)
+        except Exception as e:
+            await _abort(context, "Generate", e)
+            raise  # unreachable: abort raises
+
+    async def GenerateStream(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
+        try:
+            params = convert.generate_params(request, deadline_of(context))
+            async for chunk in self.orchestrator.generate(params):
+                yield convert.stream_response(chunk)
+        except Exception as e:
+            await _abort(context, "GenerateStream", e)
+
+    async def CancelSession(
+        self, request: generate_pb2.CancelSessionRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.CancelSessionResponse:
+        try:
+            cancelled = await self.orchestrator.cancel(request.session_id)
+            return generate_pb2.CancelSessionResponse(cancelled=cancelled)
+        except Exception as e:
+            await _abort(context, "CancelSession", e)
+            raise
+
+    async def GetSession(
+        self, request: generate_pb2.GetSessionRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.SessionInfo:
+        try:
+            return convert.session_info(await self.orchestrator.get(request.session_id))
+        except Exception as e:
+            await _abort(context, "GetSession", e)
+            raise
+
+    async def CloseSession(
+        self, request: generate_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.CloseSessionResponse:
+        try:
+            closed = await self.orchestrator.close_session(request.session_id)
+            return generate_pb2.CloseSessionResponse(closed=closed)
+        except Exception as e:
+            await _abort(context, "CloseSession", e)
+            raise

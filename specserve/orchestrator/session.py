@@ -1,0 +1,83 @@
+"""A session this orchestrator is decoding now: engine state, its stored record, its outbox.
+
+The round runner owns every :class:`LiveSession` while it decodes: it commits
+rounds to the record, puts the committed tokens in the outbox, and at the end
+one :class:`Ended`. The request handler reads the outbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from specserve.engine.decode_state import DecodeState, FinishReason
+from specserve.orchestrator import records
+from specserve.orchestrator.types import Usage
+from specserve.v1 import session_pb2
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The last outbox item: why decoding stopped, or the error the client gets."""
+
+    reason: FinishReason | None
+    error: BaseException | None = None
+
+
+Outbox = asyncio.Queue[list[int] | Ended]
+
+
+class LiveSession:
+    """One session's turn in flight."""
+
+    def __init__(
+        self,
+        record: session_pb2.SessionRecord,
+        state: DecodeState,
+        *,
+        prompt_tokens: int,
+        base_usage: Usage,
+        pre_turn: session_pb2.SessionRecord | None,
+        deadline: float | None,
+    ) -> None:
+        self.sid = record.session_id
+        self.record = record  # the last version written (record.version is the stored one)
+        self.state = state
+        self.prompt_tokens = prompt_tokens  # of this turn
+        self.base_usage = base_usage  # cumulative usage before this turn
+        self.pre_turn = pre_turn  # the record before this turn; None for a new session
+        self.deadline = deadline  # time.monotonic() the client stops waiting at
+        self.keep = record.keep
+        self.outbox: Outbox = asyncio.Queue()
+        self.cancel_requested = False
+        self.rounds_committed = 0  # rounds of this turn now in the store
+        self.done = False
+        self.in_round = False  # a lane is running a round with it now
+        self.gone = False  # the record was deleted or taken over: never write it again
+        self.started_ns = time.perf_counter_ns()
+
+    @property
+    def is_new(self) -> bool:
+        return self.pre_turn is None
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+    def turn_usage(self) -> Usage:
+        return records.turn_usage(self.state, self.prompt_tokens)
+
+    def record_after_round(
+        self, draft: session_pb2.KvOwnership, target: session_pb2.KvOwnership
+    ) -> session_pb2.SessionRecord:
+        """The record to commit once this round's tokens are in ``state``."""
+        usage = self.base_usage + self.turn_usage()
+        return records.after_round(self.record, self.state, usage, draft, target)
+
+    def deliver(self, tokens: list[int]) -> None:
+        if tokens:
+            self.outbox.put_nowait(tokens)
+
+    def end(self, reason: FinishReason | None, error: BaseException | None = None) -> None:
+        self.done = True
+        self.outbox.put_nowait(Ended(reason, error))

@@ -1,0 +1,122 @@
+"""Prompts to token ids, and completions to text deltas that end on character boundaries.
+
+The orchestrator holds the target's tokenizer (``--tokenizer``). Without one (tiny
+random test models) prompts must be token ids and text is the ids written out
+(``" 17 4 230"``), the same convention as local mode, so stop strings still work.
+
+Streaming: a byte-level BPE token can end in the middle of a UTF-8 character; the
+decoded text then ends in U+FFFD. :class:`TextStream` holds such a tail back
+until the character completes, so every delta is whole characters and the
+deltas concatenate to the final text. It also holds back a tail that could be
+the start of a stop string: the stop string may complete in the next round,
+and the text must end before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specserve.engine.errors import InvalidArgument
+from specserve.engine.tokenizer import Tokenizer
+from specserve.orchestrator.types import Prompt
+
+MAX_PROMPT_TOKENS = 1 << 17
+CHAT_ROLES = ("system", "user", "assistant")
+REPLACEMENT = "\ufffd"
+
+
+class Tokenization:
+    """The target's tokenizer as the orchestrator uses it, or ids-only without one."""
+
+    def __init__(self, tokenizer: Tokenizer | None, *, vocab_size: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size if tokenizer is not None else vocab_size
+        self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer is not None else frozenset()
+
+    def encode(self, prompt: Prompt, *, continuing: bool = False) -> list[int]:
+        """Token ids of a prompt; InvalidArgument with the reason when it cannot be used."""
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+        elif self.tokenizer is None:
+            raise InvalidArgument(
+                "this orchestrator has no tokenizer (started without --tokenizer): send the "
+                "prompt as token_ids"
+            )
+        elif prompt.chat is not None:
+            if not prompt.chat:
+                raise InvalidArgument("the chat prompt has no messages")
+            for i, m in enumerate(prompt.chat):
+                if m.role not in CHAT_ROLES:
+                    raise InvalidArgument(
+                        f"chat message {i} has role {m.role!r}; use one of {', '.join(CHAT_ROLES)}"
+                    )
+            messages = [{"role": m.role, "content": m.content} for m in prompt.chat]
+            ids = self.tokenizer.apply_chat_template(messages)
+        else:
+            ids = self.tokenizer.encode(prompt.text or "")
+        if not ids and not continuing:
+            raise InvalidArgument("the prompt is empty: give at least one token")
+        if len(ids) > MAX_PROMPT_TOKENS:
+            raise InvalidArgument(
+                f"the prompt has {len(ids)} tokens; at most {MAX_PROMPT_TOKENS} are accepted"
+            )
+        if self.vocab_size is not None and ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise InvalidArgument(
+                f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        if ids and min(ids) < 0:
+            raise InvalidArgument(f"prompt token id {min(ids)} is negative")
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return "".join(f" {i}" for i in ids)
+        return self.tokenizer.decode(list(ids))
+
+
+class TextStream:
+    """The text of a growing completion, handed out as deltas on character boundaries."""
+
+    def __init__(self, tokenization: Tokenization, stop: Sequence[str] = ()) -> None:
+        self.tokenization = tokenization
+        self.stop = tuple(stop)
+        self.sent = ""
+
+    def push(self, completion: Sequence[int]) -> str:
+        """The new text since the last call (empty while a character is incomplete)."""
+        text = self.tokenization.decode(completion)
+        if text.endswith(REPLACEMENT):
+            return ""
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        text = text[: min(hits)] if hits else text[: len(text) - self._held_back(text)]
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta = text[len(self.sent) :]
+        self.sent = text
+        return delta
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that begins some stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def finish(self, completion: Sequence[int], text_end: int | None) -> str:
+        """The rest of the text at the end (cut where a stop string began, and before a
+        character the completion ends inside of)."""
+        text = self.tokenization.decode(completion)
+        if text_end is not None:
+            text = text[:text_end]
+        # Decoding stopped inside a character (max_new_tokens, cancel): its bytes are in
+        # the token ids; the text ends before it rather than with U+FFFD.
+        text = text.rstrip(REPLACEMENT)
+        if not text.startswith(self.sent):  # cannot happen for byte-level BPE; never resend
+            return ""
+        delta = text[len(self.sent) :]
+        self.sent = text
+        return delta

@@ -1,0 +1,167 @@
+"""A whole stack in child processes for end-to-end tests: target(s), draft, orchestrator, Redis.
+
+Every server runs a tiny random model with one torch thread. :func:`reference`
+decodes the same request in this process with the local engine, target-only,
+which is what every greedy output must equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from specserve.engine.decode_state import DecodeState, StopCriteria
+from specserve.engine.k_policy import KPolicy
+from specserve.engine.model_drafter import ModelDrafter
+from specserve.engine.ngram import NgramDrafter
+from specserve.engine.sampling import SamplingParams
+from specserve.engine.speculative import SpeculativeEngine
+from specserve.engine.tiny import tiny_from_spec
+from specserve.engine.verifier import TargetVerifier
+from specserve.orchestrator.launch import OrchestratorProcess
+from specserve.orchestrator.redis_settings import RedisSettings
+from specserve.orchestrator.session_store import SessionStore
+from specserve.serving.launch import ServerProcess
+from specserve.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
+from tests.orchestrator.redis_server import free_port
+
+TARGET = "tiny:3"
+DRAFT = "tiny:3:noise=0.3"
+SERVER_ARGS = ["--threads", "1", "--kv-budget", "8MiB"]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class Stack:
+    """Replicas and an orchestrator; :meth:`start` launches them all, overlapping start-ups."""
+
+    redis_url: str
+    targets: int = 1
+    orchestrator_args: Sequence[str] = ()
+    target_args: Sequence[Sequence[str]] = ()  # extra flags of target i
+    target_procs: list[ServerProcess] = field(default_factory=list)
+    draft: ServerProcess | None = None
+    orchestrator: OrchestratorProcess | None = None
+    metrics_port: int = 0
+
+    def start(self) -> Stack:
+        extra = [*self.target_args, *[()] * self.targets][: self.targets]
+        self.target_procs = [
+            ServerProcess("target", ["--model", TARGET, *SERVER_ARGS, *more], env=ENV)
+            for more in extra
+        ]
+        self.draft = ServerProcess("draft", ["--model", DRAFT, *SERVER_ARGS], env=ENV)
+        for s in [*self.target_procs, self.draft]:
+            s.start()
+        self.metrics_port = free_port()
+        self.orchestrator = OrchestratorProcess(
+            [
+                "--target",
+                ",".join(t.address for t in self.target_procs),
+                "--draft",
+                self.draft.address,
+                "--redis-url",
+                self.redis_url,
+                "--metrics-port",
+                str(self.metrics_port),
+                *self.orchestrator_args,
+            ],
+            env=ENV,
+        )
+        self.orchestrator.start()
+        for s in [*self.target_procs, self.draft, self.orchestrator]:
+            s.wait_serving()
+        return self
+
+    def stop(self) -> None:
+        for s in [self.orchestrator, self.draft, *self.target_procs]:
+            if s is not None:
+                s.stop()
+
+    @property
+    def address(self) -> str:
+        assert self.orchestrator is not None
+        return self.orchestrator.address
+
+    def metric(self, name: str) -> dict[str, float]:
+        """Samples of one orchestrator metric, keyed by their label text."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            body = r.read().decode()
+        out = {}
+        for m in re.finditer(rf"^{name}(?:_total)?(\{{[^}}]*\}})? (\S+)$", body, re.M):
+            out[m.group(1) or ""] = float(m.group(2))
+        return out
+
+
+def kv_used(address: str, role: str) -> tuple[int, int]:
+    """(sessions, kv_bytes_used) a replica reports."""
+    stub_class = {
+        "draft": draft_pb2_grpc.DraftServiceStub,
+        "target": target_pb2_grpc.TargetServiceStub,
+    }[role]
+    with grpc.insecure_channel(address) as channel:
+        load = stub_class(channel).GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+    return load.sessions, load.kv_bytes_used
+
+
+def redis_keys(url: str) -> list[str]:
+    async def go() -> list[str]:
+        store = SessionStore(RedisSettings.from_url(url).client())
+        try:
+            return await store.keys()
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def stored_record(url: str, session_id: str):  # type: ignore[no-untyped-def]
+    async def go():  # type: ignore[no-untyped-def]
+        store = SessionStore(RedisSettings.from_url(url).client())
+        try:
+            return await store.get(session_id)
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+class Reference:
+    """The local engine on the same tiny models, one fresh session per call."""
+
+    def __init__(self) -> None:
+        budget = 8 << 20
+        self.engine = SpeculativeEngine(
+            TargetVerifier(tiny_from_spec(TARGET), budget),
+            {"model": ModelDrafter(tiny_from_spec(DRAFT), budget), "ngram": NgramDrafter()},
+        )
+        self.count = 0
+
+    def decode(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        drafter: str = "none",
+        k: int | None = 0,
+        params: SamplingParams | None = None,
+        round_index: int = 0,
+    ) -> list[int]:
+        self.count += 1
+        state = DecodeState(
+            f"ref-{self.count}",
+            list(prompt),
+            params or SamplingParams(),
+            StopCriteria(max_new_tokens),
+            KPolicy(k),
+            drafter=drafter,
+            round_index=round_index,
+        )
+        self.engine.run([state])
+        return state.completion

@@ -1,0 +1,86 @@
+"""Endpoint lists, DNS-resolved replica pools, passive health, and the config from flags."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from specserve.engine.errors import InvalidArgument
+from specserve.orchestrator import config
+from specserve.orchestrator.replicas import EndpointSpec, ReplicaPool
+
+
+def test_endpoint_lists() -> None:
+    spec = EndpointSpec.parse("a:1, b:2,a:1,dns:///svc.ns:50052", "target")
+    assert spec.static == ("a:1", "b:2")
+    assert spec.dns == (("svc.ns", 50052),)
+    assert not EndpointSpec.parse("", "draft")
+    for bad in ("a", "a:b", ":1", "dns:///x", "a:70000"):
+        with pytest.raises(InvalidArgument, match="host:port"):
+            EndpointSpec.parse(bad, "draft")
+
+
+def test_dns_names_resolve_to_one_replica_per_address() -> None:
+    async def body() -> None:
+        pool = ReplicaPool(
+            "target", EndpointSpec.parse("dns:///localhost:7001", "t"), lambda ch: ch
+        )
+        changes = []
+        pool.on_change = lambda: changes.append(1)
+        await pool.start()
+        assert "127.0.0.1:7001" in pool.endpoints()
+        assert changes
+        await pool.refresh()  # same answer: nothing changes
+        assert len(changes) == 1
+        await pool.close()
+
+    asyncio.run(body())
+
+
+def test_failed_replicas_back_off_and_come_back() -> None:
+    now = [100.0]
+
+    async def body() -> None:
+        pool = ReplicaPool(
+            "draft",
+            EndpointSpec.parse("a:1,b:2", "d"),
+            lambda ch: ch,
+            backoff_s=1,
+            clock=lambda: now[0],
+        )
+        await pool.start()
+        assert pool.usable() == ["a:1", "b:2"]
+        pool.mark_failed("a:1", "test")
+        assert pool.usable() == ["b:2"]
+        now[0] += 1.5
+        assert pool.usable() == ["a:1", "b:2"]  # tried again after the backoff
+        pool.mark_failed("a:1", "again")
+        now[0] += 1.5
+        assert pool.usable() == ["b:2"]  # the backoff doubled
+        pool.mark_ok("a:1", "replica-a")
+        assert pool.usable() == ["a:1", "b:2"]
+        replica = pool.get("a:1")
+        assert replica is not None and replica.replica_id == "replica-a"
+        await pool.close()
+
+    asyncio.run(body())
+
+
+def test_config_from_flags_and_environment() -> None:
+    parser = argparse.ArgumentParser()
+    env = {
+        "SPECSERVE_TARGET_ENDPOINTS": "t:1,t:2",
+        "SPECSERVE_REDIS_URL": "rediss://:pw@cache:6380/1",
+        "SPECSERVE_K_ZERO_AT": "16",
+    }
+    config.add_arguments(parser, env)
+    cfg = config.from_args(parser.parse_args(["--draft", "d:1", "--redis-password", "secret"]))
+    assert cfg.targets.static == ("t:1", "t:2") and cfg.drafts.static == ("d:1",)
+    assert cfg.redis is not None and cfg.redis.tls and cfg.redis.password == "secret"
+    assert cfg.scheduler.k_curve.zero_at == 16 and cfg.scheduler.k_curve.cap(16) == 0
+    assert cfg.server.port == config.DEFAULT_PORT
+    with pytest.raises(SystemExit):  # no target anywhere
+        config.add_arguments(bare := argparse.ArgumentParser(), {})
+        bare.parse_args([])

@@ -1,0 +1,107 @@
+"""The scheduler's pure logic: k cap curve, placement, affinity, lanes, continuous batching."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.orchestrator.scheduler import (
+    KCapCurve,
+    NoReplica,
+    Placement,
+    Scheduler,
+    SchedulerConfig,
+)
+
+
+def test_k_cap_curve() -> None:
+    curve = KCapCurve(k_max=8, full_below=4, zero_at=20)
+    assert [curve.cap(b) for b in (0, 1, 4)] == [8, 8, 8]
+    assert curve.cap(12) == 4
+    assert curve.cap(19) == 0
+    assert curve.cap(20) == curve.cap(100) == 0
+    caps = [curve.cap(b) for b in range(30)]
+    assert caps == sorted(caps, reverse=True)  # never rises with load
+    with pytest.raises(ValueError):
+        KCapCurve(full_below=10, zero_at=10)
+
+
+def test_k_cap_follows_target_load() -> None:
+    s = Scheduler(SchedulerConfig(k_curve=KCapCurve(k_max=6, full_below=1, zero_at=4)))
+    s.set_usable(["t1", "t2"], ["d1"])
+    assert s.k_cap("t1") == 6
+    for i in range(4):
+        s.join(f"s{i}", Placement("t1", 0, "d1"))
+    assert s.k_cap("t1") == 0 and s.k_cap("t2") == 6
+    s.leave("s0")
+    s.leave("s1")
+    assert s.k_cap("t1") == 4
+
+
+def test_placement_balances_and_prefers_warm_replicas() -> None:
+    s = Scheduler()
+    s.set_usable(["t1", "t2"], ["d1", "d2"])
+    a = s.place("a")
+    s.join("a", a)
+    b = s.place("b")
+    s.join("b", b)
+    assert {a.target, b.target} == {"t1", "t2"}
+    assert {a.draft, b.draft} == {"d1", "d2"}
+    # Affinity beats load: the replica with the warm cache is kept.
+    c = s.place("c", prefer_target=a.target, prefer_draft=a.draft)
+    assert (c.target, c.draft) == (a.target, a.draft)
+    # ... unless it is no longer usable.
+    s.set_usable(["t2"], [])
+    d = s.place("d", prefer_target="t1", prefer_draft="d1")
+    assert (d.target, d.draft) == ("t2", None)
+    with pytest.raises(NoReplica):
+        s.place("e", avoid_targets=["t2"])
+
+
+def test_sessions_of_a_target_split_into_pipeline_groups() -> None:
+    s = Scheduler(SchedulerConfig(pipeline_groups=2))
+    s.set_usable(["t"], ["d"])
+    for i in range(5):
+        s.join(f"s{i}", s.place(f"s{i}"))
+    groups = sorted(len(s.begin_round(("t", g))) for g in (0, 1))
+    assert groups == [2, 3]
+    assert sorted(s.lanes()) == [("t", 0), ("t", 1)]
+
+
+def test_continuous_batching_joins_and_leaves_at_round_boundaries() -> None:
+    s = Scheduler(SchedulerConfig(pipeline_groups=1))
+    s.set_usable(["t"], ["d"])
+    lane = s.join("a", s.place("a"))
+    assert s.begin_round(lane) == ["a"]
+    s.join("b", s.place("b"))  # arrives mid-round: runs from the next round
+    s.end_round([])
+    assert sorted(s.begin_round(lane)) == ["a", "b"]
+    s.end_round(["a"])
+    assert s.begin_round(lane) == ["b"]
+    s.end_round(["b"])
+    assert s.begin_round(lane) == [] and s.lanes() == []
+
+
+def test_batches_rotate_when_a_lane_exceeds_max_batch() -> None:
+    s = Scheduler(SchedulerConfig(pipeline_groups=1, max_batch=2))
+    s.set_usable(["t"], [])
+    for sid in "abc":
+        s.join(sid, s.place(sid))
+    seen = [s.begin_round(("t", 0)) for _ in range(3)]
+    assert all(len(b) == 2 for b in seen)
+    counts = {sid: sum(sid in b for b in seen) for sid in "abc"}
+    assert counts == {"a": 2, "b": 2, "c": 2}
+
+
+def test_move_and_set_draft() -> None:
+    s = Scheduler(SchedulerConfig(pipeline_groups=1))
+    s.set_usable(["t1", "t2"], ["d1"])
+    s.join("a", Placement("t1", 0, "d1"))
+    s.begin_round(("t1", 0))
+    new = s.place("a", avoid_targets=["t1"])
+    assert new.target == "t2"
+    s.move("a", new)
+    assert s.begin_round(("t1", 0)) == [] and s.begin_round(("t2", 0)) == ["a"]
+    s.set_draft("a", None)
+    placement = s.placement("a")
+    assert placement is not None and placement.draft is None
+    assert s.draft_load("d1") == 0

@@ -1,0 +1,239 @@
+"""SessionStore against fakeredis and a real Redis: atomic commits, conflicts, TTLs, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from specserve.engine.errors import NotFound
+from specserve.orchestrator import keys
+from specserve.orchestrator.errors import RecordError, VersionConflict
+from specserve.orchestrator.session_store import (
+    SCHEMA_VERSION,
+    CommitStatus,
+    SessionStore,
+    StoreTtls,
+)
+from specserve.serving.errors import Unavailable
+from specserve.v1 import generate_pb2, session_pb2
+from tests.orchestrator.conftest import StoreFactory
+
+
+def record(sid: str, tokens: list[int]) -> session_pb2.SessionRecord:
+    return session_pb2.SessionRecord(
+        session_id=sid, state=generate_pb2.SESSION_STATE_ACTIVE, tokens=tokens, turn_starts=[0]
+    )
+
+
+def sid() -> str:
+    return uuid.uuid4().hex
+
+
+def test_create_get_commit_delete(make_store: StoreFactory) -> None:
+    async def body() -> None:
+        store = make_store()
+        s = sid()
+        assert await store.get(s) is None
+        rec = await store.create(record(s, [1, 2, 3]))
+        assert (rec.version, rec.schema_version) == (1, SCHEMA_VERSION)
+        assert rec.created_unix_ms > 0
+        got = await store.get(s)
+        assert got == rec
+        rec.tokens.extend([4, 5])
+        written, cancel = await store.commit(rec)
+        assert (written.version, cancel) == (2, False)
+        got = await store.get(s)
+        assert got is not None and list(got.tokens) == [1, 2, 3, 4, 5] and got.version == 2
+        assert await store.delete(s, version=2)
+        assert await store.get(s) is None
+        assert not await store.delete(s)
+        await store.close()
+
+    asyncio.run(body())
+
+
+def test_create_twice_conflicts(make_store: StoreFactory) -> None:
+    async def body() -> None:
+        store = make_store()
+        s = sid()
+        await store.create(record(s, [1]))
+        with pytest.raises(VersionConflict, match="already exists"):
+            await store.create(record(s, [2]))
+        got = await store.get(s)
+        assert got is not None and list(got.tokens) == [1]
+        await store.delete(s)
+        await store.close()
+
+    asyncio.run(body())
+
+
+def test_two_writers_one_round_one_wins(make_store: StoreFactory) -> None:
+    """Two replicas both computed round 1 from version 1: exactly one commit lands."""
+
+    async def body() -> None:
+        a, b = make_store(), make_store()  # two clients, like two orchestrator replicas
+        s = sid()
+        base = await a.create(record(s, [1, 2]))
+        mine, theirs = session_pb2.SessionRecord(), session_pb2.SessionRecord()
+        mine.CopyFrom(base)
+        theirs.CopyFrom(base)
+        mine.tokens.extend([10, 11])
+        theirs.tokens.extend([20])
+        results = await asyncio.gather(a.commit(mine), b.commit(theirs), return_exceptions=True)
+        wins = [r for r in results if not isinstance(r, BaseException)]
+        losses = [r for r in results if isinstance(r, BaseException)]
+        assert len(wins) == 1 and len(losses) == 1
+        assert isinstance(losses[0], VersionConflict)
+        stored = await a.get(s)
+        assert stored is not None and stored.version == 2
+        assert list(stored.tokens) in ([1, 2, 10, 11], [1, 2, 20])
+        assert stored == wins[0][0]
+        # A stale writer is refused again later, and nothing it sent was applied.
+        with pytest.raises(VersionConflict):
+            await b.commit(theirs)
+        await a.delete(s)
+        await a.close()
+        await b.close()
+
+    asyncio.run(body())
+
+
+def test_commit_many_reports_each_session(make_store: StoreFactory) -> None:
+    async def body() -> None:
+        store = make_store()
+        s1, s2, s3 = sid(), sid(), sid()
+        r1 = await store.create(record(s1, [1]))
+        r2 = await store.create(record(s2, [2]))
+        stale = session_pb2.SessionRecord()
+        stale.CopyFrom(r2)
+        stale.version = 7  # not what is stored
+        assert await store.request_cancel(s1)
+        out = await store.commit_many([r1, stale, record(s3, [3])])
+        assert [status for status, _ in out] == [
+            CommitStatus.CANCEL_REQUESTED,
+            CommitStatus.CONFLICT,
+            CommitStatus.MISSING,
+        ]
+        assert await store.get(s3) is None  # a missing record is not created by a commit
+        got = await store.get(s1)
+        assert got is not None and got.version == 2
+        # The final write clears the cancel flag.
+        await store.commit(got, final=True)
+        assert keys.cancel_key(s1) not in await store.keys()
+        await store.delete(s1)
+        await store.delete(s2)
+        await store.close()
+
+    asyncio.run(body())
+
+
+def test_commit_of_a_closed_session_is_not_found(make_store: StoreFactory) -> None:
+    async def body() -> None:
+        store = make_store()
+        s = sid()
+        rec = await store.create(record(s, [1]))
+        await store.delete(s)
+        with pytest.raises(NotFound):
+            await store.commit(rec)
+        assert await store.get(s) is None
+        await store.close()
+
+    asyncio.run(body())
+
+
+def test_every_key_has_a_ttl(make_store: StoreFactory) -> None:
+    async def body() -> None:
+        store = make_store(StoreTtls(session_s=50, cancel_s=5))
+        s = sid()
+        rec = await store.create(record(s, [1]))
+        assert await store.request_cancel(s)
+        mine = [k for k in await store.keys() if s in k]
+        assert sorted(mine) == sorted([keys.session_key(s), keys.cancel_key(s)])
+        for key in mine:
+            ttl = await store.ttl_s(key)
+            assert 0 < ttl <= 50, (key, ttl)
+        assert await store.ttl_s(keys.cancel_key(s)) <= 5
+        # A commit restarts the session's TTL.
+        await store.redis.pexpire(keys.session_key(s), 1000)
+        await store.commit(rec)
+        assert await store.ttl_s(keys.session_key(s)) > 40
+        assert not await store.request_cancel(sid())  # unknown sessions get no flag
+        await store.delete(s)
+        assert not [k for k in await store.keys() if s in k]
+        await store.close()
+
+    asyncio.run(body())
+
+
+def test_expired_session_is_gone(make_store: StoreFactory) -> None:
+    async def body() -> None:
+        store = make_store(StoreTtls(session_s=0.2, cancel_s=0.2))
+        s = sid()
+        await store.create(record(s, [1]))
+        await asyncio.sleep(0.5)
+        assert await store.get(s) is None
+        await store.close()
+
+    asyncio.run(body())
+
+
+def test_newer_schema_is_refused(make_store: StoreFactory) -> None:
+    async def body() -> None:
+        store = make_store()
+        s = sid()
+        future = record(s, [1])
+        future.schema_version = SCHEMA_VERSION + 1
+        await store.redis.hset(
+            keys.session_key(s), mapping={"v": "1", "r": future.SerializeToString()}
+        )
+        await store.redis.expire(keys.session_key(s), 60)
+        with pytest.raises(RecordError, match="schema"):
+            await store.get(s)
+        await store.delete(s)
+        await store.close()
+
+    asyncio.run(body())
+
+
+@pytest.mark.redis
+def test_unreachable_redis_is_unavailable() -> None:
+    from specserve.orchestrator.redis_settings import RedisSettings
+    from tests.orchestrator.redis_server import free_port
+
+    async def body() -> None:
+        settings = RedisSettings.from_url(f"redis://127.0.0.1:{free_port()}", connect_timeout_s=0.5)
+        store = SessionStore(settings.client(), where=settings.display)
+        with pytest.raises(Unavailable, match="session store"):
+            await store.get("x")
+        await store.close()
+
+    asyncio.run(body())
+
+
+def test_a_retried_write_finds_its_own_bytes(make_store: StoreFactory) -> None:
+    """The reply of a write was lost and the client sends it again: it must not conflict."""
+
+    async def body() -> None:
+        store = make_store()
+        s = sid()
+        rec = await store.create(record(s, [1]))
+        rec.tokens.append(2)
+        [(status, written)] = await store.commit_many([rec])
+        assert status is CommitStatus.OK
+        payload = written.SerializeToString(deterministic=True)
+        again = await store._commit(  # the same script call, as a retry sends it
+            keys=[keys.session_key(s), keys.cancel_key(s)],
+            args=[rec.version, written.version, payload, 60_000, 0],
+        )
+        assert int(again[0]) == 0
+        other = await store._commit(
+            keys=[keys.session_key(s), keys.cancel_key(s)],
+            args=[rec.version, written.version, payload + b"x", 60_000, 0],
+        )
+        assert int(other[0]) == 2  # different bytes: a real conflict
+        await store.delete(s)
+        await store.close()
+
+    asyncio.run(body())
