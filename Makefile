@@ -1,5 +1,6 @@
 # The two commands of the README:
-#   make demo   set up, fetch the demo model pair, run the local stack and one request
+#   make demo   set up, fetch the demo model pair, start the local stack (target, draft,
+#               orchestrator; embedded session store) and send one request
 #   make test   set up and run the test suite (what .ci/run calls)
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,7 +21,7 @@ install: $(VENV)/.installed
 
 demo: install
 	$(VENV)/bin/specserve models fetch demo
-	$(VENV)/bin/specserve generate --local --demo
+	$(VENV)/bin/specserve up --once
 
 test: install
 	bash scripts/ensure-redis.sh
