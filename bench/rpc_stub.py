@@ -78,6 +78,7 @@ class StubTarget(TargetBackend):
         self.vocab = vocab
         self.model_name = "stub"
         self.dtype = "float32"
+        self.tp_size = 1
         self.load = TargetLoad()
 
     def verify(self, calls: Sequence[Sequence[VerifyInput]]) -> list[Verified]:
@@ -91,6 +92,9 @@ class StubTarget(TargetBackend):
 
     def release(self, calls: Sequence[Sequence[str]]) -> list[int]:
         return [0 for _ in calls]
+
+    def close(self) -> None:  # no rank group to stop
+        pass
 
 
 async def handler_cost(batches: Sequence[int], reps: int, k: int = 4) -> dict[str, list[float]]:

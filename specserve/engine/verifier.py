@@ -77,6 +77,21 @@ class TargetVerifier:
     def release(self, session_id: str) -> bool:
         return self.kv.release(session_id)
 
+    def release_sessions(self, session_ids: Sequence[str]) -> frozenset[str]:
+        """Drop the named sessions' caches; the ids that had one."""
+        return frozenset(sid for sid in session_ids if self.kv.release(sid))
+
+    def holding(self, session_ids: Sequence[str]) -> frozenset[str]:
+        """Which of ``session_ids`` have a cache here (one call for a whole batch)."""
+        return frozenset(sid for sid in session_ids if sid in self.kv)
+
+    def healthy(self) -> bool:
+        """Always True: a single-process verifier fails only by raising (as TP groups do too)."""
+        return True
+
+    def close(self) -> None:
+        """Nothing to stop; a tensor-parallel verifier stops its rank group here."""
+
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyOutcome]:
         """Verify a batch; sessions with a stale cache are answered ``stale`` and skipped."""
         ids = [x.session_id for x in inputs]

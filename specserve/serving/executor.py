@@ -8,6 +8,10 @@ as long as they name disjoint sessions and stay under ``max_batch_sessions``. Jo
 that queued up while the thread was busy join the next batch at once; the window
 only delays a batch whose first job has waited less than ``window_s``.
 
+On :meth:`ModelExecutor.close` the queued jobs finish, then the backend's
+``close()`` (if it has one) runs on the model thread: a tensor-parallel target
+stops its rank group there.
+
 Failure handling:
 
 * a typed :class:`~specserve.engine.errors.EngineError` from a coalesced batch is
@@ -204,6 +208,17 @@ class ModelExecutor(Generic[B]):
         self.ready.set()
         while (batch := self._next_batch()) is not None:
             self._execute(batch)
+        self._close_backend()
+
+    def _close_backend(self) -> None:
+        """After the last batch: the backend's ``close()``, if it has one, on this thread."""
+        close = getattr(self._backend, "close", None)
+        if not callable(close):
+            return
+        try:
+            close()
+        except Exception:  # shutting down anyway: say so, do not hang or mask the exit
+            log.exception("closing the %s backend failed", self.name)
 
     def _next_batch(self) -> list[_Job] | None:
         with self._cv:

@@ -29,3 +29,34 @@ def load_model(spec: str, dtype: str, *, fail_after: int | None = None) -> Loade
     if fail_after is not None:
         fail_after_forwards(model, fail_after)
     return LoadedModel(model, vocab)
+
+
+def load_weights(spec: str, dtype: str, fail_after: int | None = None) -> CausalLM:
+    """The model of ``spec`` alone, no tokenizer: what every tensor-parallel rank builds.
+
+    Module level so that ``functools.partial(load_weights, spec, dtype)`` pickles
+    (Ray sends it to the rank actors).
+    """
+    from specserve.engine.loader import DTYPES, load_model
+    from specserve.engine.tiny import tiny_from_spec
+    from specserve.model_store import resolve
+
+    if spec.startswith("tiny:"):
+        model = tiny_from_spec(spec).to(DTYPES[dtype])
+    else:
+        model, _ = load_model(resolve(spec), DTYPES[dtype])
+    if fail_after is not None:
+        fail_after_forwards(model, fail_after)
+    return model
+
+
+def tokenizer_vocab(spec: str) -> int | None:
+    """Ids the tokenizer of ``spec`` can produce, capped at the model's vocabulary, read
+    without loading weights; None where the model's vocabulary is the limit (tiny models)."""
+    if spec.startswith("tiny:"):
+        return None
+    from specserve.engine.loader import load_tokenizer, read_config, resolve_source
+    from specserve.model_store import resolve
+
+    directory = resolve_source(str(resolve(spec)))
+    return min(read_config(directory).vocab_size, int(load_tokenizer(directory).vocab_size))

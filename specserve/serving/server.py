@@ -5,7 +5,9 @@ standard health service (``grpc.health.v1``) and reflection, binds ``host:port``
 (port 0 = an ephemeral port) and returns a :class:`RunningServer` that knows the
 bound port. Health follows the model executor: NOT_SERVING while the model loads,
 SERVING once it is ready, NOT_SERVING again after a device failure or when a
-graceful shutdown begins.
+graceful shutdown begins. A failure the replica cannot recover from (a failed
+load, a broken tensor-parallel group) ends the process with exit status 1 via
+:meth:`RunningServer.abort`.
 
 Message size limit: 64 MiB each way (``ServerOptions.max_message_bytes``). The
 largest routine messages are far smaller — a Verify of 32 sessions with k = 16
@@ -20,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 import grpc.aio
@@ -91,9 +93,11 @@ class RunningServer(Generic[B]):
         self.options = options
         self.replica_id = options.replica_id or f"{options.host}:{port}"
         self._stop_requested = asyncio.Event()
-        self._load_failed = asyncio.Event()
+        self._aborted = asyncio.Event()
+        self._abort_reason = ""
         self._was_ready = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._watchers: set[asyncio.Task[None]] = set()
 
     @property
     def address(self) -> str:
@@ -104,9 +108,24 @@ class RunningServer(Generic[B]):
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
+    def watch(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` alongside the server until it stops (e.g. a health watch that may
+        :meth:`abort`); it is cancelled when shutdown begins."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._watchers.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._watchers.discard)
+
+    def abort(self, reason: str) -> None:
+        """End the process with exit 1: this replica failed beyond repair (event loop)."""
+        if not self._aborted.is_set():
+            self._abort_reason = reason
+            self._aborted.set()
+
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful shutdown: NOT_SERVING, refuse new calls, let in-flight batches finish."""
         grace = self.options.grace_s if grace_s is None else grace_s
+        for task in list(self._watchers):
+            task.cancel()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.executor.close()
@@ -121,17 +140,18 @@ class RunningServer(Generic[B]):
         print(f"{self.executor.name} server listening on {self.address}", flush=True)
 
     async def serve_until_stopped(self) -> int:
-        """Serve until SIGTERM/SIGINT (exit 0) or a failed model load (exit 1)."""
+        """Serve until SIGTERM/SIGINT (exit 0), or a failed model load or :meth:`abort`
+        (exit 1)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop_requested.set)
         stop = asyncio.ensure_future(self._stop_requested.wait())
-        failed = asyncio.ensure_future(self._load_failed.wait())
+        failed = asyncio.ensure_future(self._aborted.wait())
         await asyncio.wait([stop, failed], return_when=asyncio.FIRST_COMPLETED)
         for task in (stop, failed):
             task.cancel()
-        if self._load_failed.is_set():
-            log.error("the %s model failed to load: %s", self.executor.name, self.executor.error)
+        if self._aborted.is_set():
+            log.error("%s; exiting", self._abort_reason)
             await self.stop(0)
             return 1
         log.info("shutting down (grace %.1f s)", self.options.grace_s)
@@ -141,7 +161,7 @@ class RunningServer(Generic[B]):
     def on_executor_state(self, state: State) -> None:
         """Follow the executor: health, and a failed load ends the process (event loop)."""
         if state is State.FAILED and not self._was_ready:
-            self._load_failed.set()
+            self.abort(f"the {self.executor.name} model failed to load: {self.executor.error}")
         self._was_ready |= state is State.READY
         task = asyncio.get_running_loop().create_task(self.set_serving(state is State.READY))
         self._tasks.add(task)  # the loop keeps only weak references to tasks
@@ -189,8 +209,8 @@ async def start_server(
     return running
 
 
-def run_process(start: Callable[[], Awaitable[RunningServer[B]]], options: ServerOptions) -> int:
-    """A server process's main: configure torch and logging, start, serve until stopped."""
+def setup_process(options: ServerOptions) -> None:
+    """Once per server process: logging, and torch's intra-op threads."""
     import torch
 
     logging.basicConfig(
@@ -198,6 +218,11 @@ def run_process(start: Callable[[], Awaitable[RunningServer[B]]], options: Serve
     )
     if options.threads:
         torch.set_num_threads(options.threads)
+
+
+def run_process(start: Callable[[], Awaitable[RunningServer[B]]], options: ServerOptions) -> int:
+    """A server process's main: configure torch and logging, start, serve until stopped."""
+    setup_process(options)
 
     async def main() -> int:
         running = await start()

@@ -3,14 +3,24 @@
 Every method here runs on the model executor's thread, one batch at a time.
 ``verify`` takes the sessions of several coalesced Verify and Prefill calls and
 runs them as ONE batched forward (a prefill is a verify with no drafts).
+
+The verifier is a :class:`~specserve.engine.verifier.TargetVerifier` or, with
+tensor parallelism, rank 0's handle on the rank group (``TPVerifier`` under
+torchrun, ``RayTPVerifier`` with Ray). Each verifier call may be a Ray round trip,
+so the backend never asks about sessions one at a time: membership and release
+are one call per batch.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.engine.verifier import TargetVerifier, VerifyInput, VerifyOutcome
+from specserve.engine.verifier import VerifyInput, VerifyOutcome
+from specserve.target_service.tp_worker import Verifier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,17 +36,20 @@ class TargetLoad:
     """A snapshot of the replica's state for GetLoad (replaced whole, read from any thread)."""
 
     sessions: int = 0
-    kv_bytes_used: int = 0
+    kv_bytes_used: int = 0  # rank 0's pool; every rank holds the same blocks of its heads
     kv_bytes_free: int = 0
 
 
 class TargetBackend:
-    """A loaded target model behind its :class:`TargetVerifier`."""
+    """A loaded target model behind its verifier (one process, or a TP rank group)."""
 
-    def __init__(self, verifier: TargetVerifier, *, model_name: str, dtype: str) -> None:
+    def __init__(
+        self, verifier: Verifier, *, model_name: str, dtype: str, tp_size: int = 1
+    ) -> None:
         self.verifier = verifier
         self.model_name = model_name
         self.dtype = dtype
+        self.tp_size = tp_size  # ranks behind this replica, reported by GetLoad
         self.vocab = verifier.vocab_limit  # token ids a request may name
         self.load = TargetLoad()
         self._snapshot()
@@ -44,7 +57,7 @@ class TargetBackend:
     def verify(self, calls: Sequence[Sequence[VerifyInput]]) -> list[Verified]:
         """Outcomes for several coalesced calls, from one batched forward."""
         flat = [x for call in calls for x in call]
-        unknown = {x.session_id for x in flat if x.session_id not in self.verifier.kv}
+        held = self.verifier.holding([x.session_id for x in flat])  # before verify adds any
         try:
             outcomes = self.verifier.verify(flat)
         finally:
@@ -52,16 +65,28 @@ class TargetBackend:
         out, pos = [], 0
         for call in calls:
             part = outcomes[pos : pos + len(call)]
-            stale_unknown = {x.session_id for x, o in zip(call, part, strict=True) if o.stale}
-            out.append(Verified(part, frozenset(stale_unknown & unknown)))
+            stale_unknown = {
+                x.session_id for x, o in zip(call, part, strict=True) if o.stale
+            } - held
+            out.append(Verified(part, frozenset(stale_unknown)))
             pos += len(call)
         return out
 
     def release(self, calls: Sequence[Sequence[str]]) -> list[int]:
         """Drop the named sessions' caches; per call, how many were held."""
-        out = [sum(self.verifier.release(sid) for sid in ids) for ids in calls]
+        released = self.verifier.release_sessions([sid for ids in calls for sid in ids])
         self._snapshot()
-        return out
+        return [len(set(ids) & released) for ids in calls]  # coalesced calls never share one
+
+    def healthy(self) -> bool:
+        """False once a rank of the TP group failed (any thread; may be one Ray call)."""
+        return self.verifier.healthy()
+
+    def close(self) -> None:
+        """Stop the TP rank group, if any (the executor calls this on its thread at close)."""
+        if self.tp_size > 1:
+            log.info("closing the tensor-parallel group (%d ranks)", self.tp_size)
+        self.verifier.close()
 
     def _snapshot(self) -> None:
         kv = self.verifier.kv_stats()

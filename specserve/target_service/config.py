@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from specserve.serving.cli_args import DTYPES, add_server_arguments, server_options
 from specserve.serving.server import ServerOptions
+from specserve.target_service.tp_config import TPSettings, add_tp_arguments, tp_settings
 
 DEFAULT_KV_BUDGET = "2GiB"
 
@@ -22,6 +23,7 @@ class TargetServerConfig:
     kv_budget_bytes: int = 2 << 30
     fail_after_forwards: int | None = None  # testing: simulated device failure
     server: ServerOptions = field(default_factory=ServerOptions)
+    tp: TPSettings = field(default_factory=TPSettings)  # world_size 1: no tensor parallelism
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -33,6 +35,7 @@ class TargetServerConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+    """The target server's flags: the model, the shared serving flags and the TP flags."""
     env = os.environ if env is None else env
     parser.add_argument(
         "--model",
@@ -43,13 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         help="target model: store name, directory, GGUF file or tiny:<seed>[...]",
     )
     add_server_arguments(parser, kv_budget=DEFAULT_KV_BUDGET, env=env)
+    add_tp_arguments(parser, env)
 
 
 def from_args(args: argparse.Namespace) -> TargetServerConfig:
+    """The one config of a target server process, from its parsed flags."""
     return TargetServerConfig(
         model=args.model,
         dtype=args.dtype,
         kv_budget_bytes=args.kv_budget,
         fail_after_forwards=args.fail_after_forwards,
         server=server_options(args),
+        tp=tp_settings(args, num_threads=args.threads),
     )

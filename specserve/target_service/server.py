@@ -1,7 +1,10 @@
 """``specserve target-server``: the target replica's process.
 
 Binds first (health NOT_SERVING), loads the target model on the model thread,
-then serves Prefill / Verify / Release / GetLoad with health SERVING.
+then serves Prefill / Verify / Release / GetLoad with health SERVING. With
+``--tp N`` the model is split over N ranks (:mod:`specserve.target_service.
+tp_serving`): this process is rank 0, or, under torchrun, a worker rank that
+serves nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import grpc.aio
 
+from specserve.engine.errors import EngineError
 from specserve.engine.verifier import TargetVerifier
 from specserve.serving.models import load_model
 from specserve.serving.server import RunningServer, run_process, start_server
@@ -18,6 +22,8 @@ from specserve.target_service import config as target_config
 from specserve.target_service.backend import TargetBackend
 from specserve.target_service.config import TargetServerConfig
 from specserve.target_service.servicer import TargetServicer
+from specserve.target_service.tp_config import is_torchrun_worker
+from specserve.target_service.tp_serving import GroupWatch, exit_now, serve_worker_rank
 from specserve.v1 import target_pb2, target_pb2_grpc
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -33,18 +39,22 @@ def load_backend(config: TargetServerConfig) -> TargetBackend:
 async def start(
     config: TargetServerConfig, load: Callable[[], TargetBackend] | None = None
 ) -> RunningServer[TargetBackend]:
-    """Start a target server in this event loop; ``load`` replaces the model load (tests)."""
+    """Start a target server in this event loop; ``load`` replaces the model load (tests).
+
+    With ``--tp N`` (N > 1) this process is rank 0: the model thread joins or starts
+    the rank group, and a watch ends the process once the group fails.
+    """
 
     def register(server: grpc.aio.Server, running: RunningServer[TargetBackend]) -> None:
         target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(running), server)
 
-    return await start_server(
-        config.server,
-        "target",
-        load or (lambda: load_backend(config)),
-        register,
-        [SERVICE_NAME],
-    )
+    watch = GroupWatch(config) if load is None and config.tp.world_size > 1 else None
+    if load is None:
+        load = watch.load if watch is not None else (lambda: load_backend(config))
+    running = await start_server(config.server, "target", load, register, [SERVICE_NAME])
+    if watch is not None:
+        running.watch(watch.run(running))
+    return running
 
 
 def build_parser(prog: str = "specserve target-server") -> argparse.ArgumentParser:
@@ -54,9 +64,24 @@ def build_parser(prog: str = "specserve target-server") -> argparse.ArgumentPars
 
 
 def run(config: TargetServerConfig) -> int:
-    """Serve verification (Prefill / Verify / Release / GetLoad) until SIGTERM."""
-    return run_process(lambda: start(config), config.server)
+    """Serve verification (Prefill / Verify / Release / GetLoad) until SIGTERM.
+
+    A torchrun process of rank > 0 serves nothing: it mirrors rank 0's forwards.
+    """
+    if is_torchrun_worker(config.tp):
+        return serve_worker_rank(config)
+    code = run_process(lambda: start(config), config.server)
+    if code and config.tp.world_size > 1:
+        exit_now(code)  # the group may be broken: skip the teardown it could hang
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(target_config.from_args(build_parser().parse_args(argv)))
+    """``python -m specserve.target_service`` (the command torchrun starts on every rank)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = target_config.from_args(args)
+    except (ValueError, EngineError) as e:  # a bad flag value: say which, no traceback
+        parser.error(str(e))
+    return run(config)

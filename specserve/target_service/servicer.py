@@ -88,4 +88,5 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             kv_bytes_used=load.kv_bytes_used,
             kv_bytes_free=load.kv_bytes_free,
             queue_depth=self.executor.queue_depth(),
+            tp_size=backend.tp_size,
         )

@@ -7,7 +7,7 @@ flag                      environment                     default
 ``--tp-launcher``         ``SPECSERVE_TP_LAUNCHER``       torchrun
 ``--tp-backend``          ``SPECSERVE_TP_BACKEND``        nccl with CUDA, else gloo
 ``--tp-timeout-s``        ``SPECSERVE_TP_TIMEOUT_S``      30
-``--ray-address``         ``RAY_ADDRESS``                 start a local Ray instance
+``--ray-address``         ``RAY_ADDRESS``                 latest local cluster, or new
 ``--ray-strategy``        ``SPECSERVE_RAY_STRATEGY``      PACK
 ========================  ==============================  ==========================
 
@@ -94,7 +94,8 @@ def add_tp_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     g.add_argument(
         "--ray-address",
         default=env.get("RAY_ADDRESS"),
-        help="Ray cluster to join with --tp-launcher ray (default: start a local one)",
+        help="Ray cluster to join with --tp-launcher ray, HOST:PORT (default: the local "
+        "cluster started last, else a new local one)",
     )
     g.add_argument(
         "--ray-strategy",
@@ -117,8 +118,13 @@ def tp_settings(args: argparse.Namespace, num_threads: int | None = None) -> TPS
     )
 
 
+def torchrun_rank() -> int:
+    """This process's rank as torchrun set it (0 when not started by torchrun)."""
+    return int(os.environ.get("RANK", "0"))  # torchrun's contract is the environment
+
+
 def is_torchrun_worker(settings: TPSettings) -> bool:
     """True in a torchrun process of rank > 0: it serves as a worker and binds no gRPC port."""
     if settings.world_size == 1 or settings.launcher != "torchrun":
         return False
-    return int(os.environ.get("RANK", "0")) != 0  # torchrun's contract is the environment
+    return torchrun_rank() != 0

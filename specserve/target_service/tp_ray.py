@@ -94,6 +94,14 @@ class RankActor:
         assert self.verifier is not None
         return session_id in self.verifier.kv
 
+    def holding(self, session_ids: list[str]) -> frozenset[str]:
+        assert self.verifier is not None
+        return self.verifier.holding(session_ids)
+
+    def release_sessions(self, session_ids: list[str]) -> frozenset[str]:
+        assert self.verifier is not None
+        return self.verifier.release_sessions(session_ids)
+
     def kv_stats(self) -> KVStats:
         assert self.verifier is not None
         return self.verifier.kv_stats()
@@ -112,7 +120,8 @@ class RankActor:
 
 
 class _RemoteSessions:
-    """``session_id in verifier.kv`` for the pool in rank 0's actor (one Ray call each)."""
+    """``session_id in verifier.kv`` for the pool in rank 0's actor (one Ray call each:
+    for a batch, :meth:`RayTPVerifier.holding` asks once)."""
 
     def __init__(self, owner: RayTPVerifier) -> None:
         self._owner = owner
@@ -147,6 +156,16 @@ class RayTPVerifier:
 
     def release(self, session_id: str) -> bool:
         return bool(self._call("release", session_id))
+
+    def release_sessions(self, session_ids: Sequence[str]) -> frozenset[str]:
+        """Drop the named sessions' caches in one Ray call; the ids that had one."""
+        released: frozenset[str] = self._call("release_sessions", list(session_ids))
+        return released
+
+    def holding(self, session_ids: Sequence[str]) -> frozenset[str]:
+        """Which of ``session_ids`` rank 0 holds a cache for, in one Ray call."""
+        held: frozenset[str] = self._call("holding", list(session_ids))
+        return held
 
     def kv_stats(self) -> KVStats:
         stats: KVStats = self._call("kv_stats")

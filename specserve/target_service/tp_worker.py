@@ -65,9 +65,17 @@ class Verifier(Protocol):
 
     def release(self, session_id: str) -> bool: ...
 
+    def release_sessions(self, session_ids: Sequence[str]) -> frozenset[str]: ...  # had one
+
+    def holding(self, session_ids: Sequence[str]) -> frozenset[str]: ...  # one call per batch
+
     def kv_stats(self) -> KVStats: ...
 
     def sessions(self) -> int: ...
+
+    def healthy(self) -> bool: ...  # False once a rank failed or the group was closed
+
+    def close(self) -> None: ...  # stop the rank group (a no-op for a single process)
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,14 @@ class TPVerifier:
     def release(self, session_id: str) -> bool:
         with self._lock:  # rank 0's bookkeeping only: workers read block tables per step
             return self._local.release(session_id)
+
+    def release_sessions(self, session_ids: Sequence[str]) -> frozenset[str]:
+        with self._lock:
+            return self._local.release_sessions(session_ids)
+
+    def holding(self, session_ids: Sequence[str]) -> frozenset[str]:
+        with self._lock:
+            return self._local.holding(session_ids)
 
     def kv_stats(self) -> KVStats:
         with self._lock:

@@ -174,3 +174,22 @@ def test_a_call_never_overtakes_an_earlier_call_for_the_same_session() -> None:
         await ex.close()
 
     run(go())
+
+
+def test_close_runs_the_backends_close_on_the_model_thread_after_the_queue() -> None:
+    async def go() -> None:
+        ex, backend, _ = await started()
+        closed_on: list[str] = []
+        backend.close = lambda: closed_on.append(threading.current_thread().name)  # type: ignore[attr-defined]
+        backend.gate.clear()  # hold the model thread so that a job is queued at close
+        first = asyncio.ensure_future(ex.submit(Backend.echo, "a", sessions=["a"]))
+        await asyncio.sleep(0.05)
+        closing = asyncio.ensure_future(ex.close())
+        await asyncio.sleep(0.05)
+        assert not closed_on  # the job in flight finishes first
+        backend.gate.set()
+        await closing
+        assert (await first).value == "done:a"
+        assert closed_on == ["test-model"]
+
+    run(go())

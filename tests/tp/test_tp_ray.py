@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.tp.isolation import netns_prefix
 
 pytestmark = [
     pytest.mark.tp,
@@ -28,19 +29,10 @@ pytestmark = [
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _isolated() -> list[str]:
-    """A command prefix that runs in a fresh network namespace with lo up, if one works."""
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return []
-    prefix = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
-    probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
-    return prefix if probe.returncode == 0 else []
-
-
 def test_ray_group_decodes_as_the_torchrun_group(
     tmp_path: Path, tp2_greedy: dict[str, Any]
 ) -> None:
-    command = [*_isolated(), sys.executable, "-m", "tests.tp.ray_program", str(tmp_path)]
+    command = [*netns_prefix(), sys.executable, "-m", "tests.tp.ray_program", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     report = pickle.loads((tmp_path / "ray.pkl").read_bytes())
