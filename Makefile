@@ -7,6 +7,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
+# The venv's bin first: torch finds ninja there to build the CPU kernels.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: demo test lint install slow proto bench clean
 

@@ -1,0 +1,421 @@
+// CPU kernels of the specserve engine: float32, AVX-512, torch's intra-op threads.
+// Compiled on first use by specserve/engine/cpu_kernels.py (which documents them);
+// LIBNAME (the op namespace) comes from its compiler flags.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// Blocking of the products (measured on the 1.5B's projections, 2 threads, see ops.py):
+// up to SMALL_ROWS rows of x, blocks of 8 weight rows (3 x 8 = 24 accumulators): more
+// concurrent weight streams, ~3% faster than 4 at 1-2 rows; more rows, blocks of 4 weight
+// rows and register tiles of 6 rows of x (6 x 4 = 24 accumulators + 4 weights + 1 x).
+constexpr int SMALL_ROWS = 3;
+constexpr int MAX_ROWS = 32;   // rows of x one pass over a block takes (ops.py sends <= 32)
+constexpr int K_CHUNK = 256;   // floats of each weight row per pass for > 1 tile of rows
+constexpr int PREFETCH = 512;  // floats ahead in a weight row (256-512 were best)
+
+// acc[r * NO + o] += x[r, k0:k1] . w[o, k0:k1] lane-wise, for R rows of x and NO weight
+// rows; k0 is a multiple of 16, and a tail past the last multiple of 16 of K is read
+// with masked loads. Each (r, o) has one zmm accumulator whose 16 lanes see the products
+// in the same order however the caller splits [0, K) or groups the rows, so results do
+// not depend on R, NO or the blocking.
+template <int R, int NO>
+__attribute__((always_inline)) inline void tile_acc(const float* x, int64_t ldx, const float* w,
+                                                    int64_t ldw, int64_t k0, int64_t k1,
+                                                    __m512* acc) {
+  __m512 a[R][NO];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int o = 0; o < NO; ++o) a[r][o] = acc[r * NO + o];
+  int64_t k = k0;
+  for (; k + 16 <= k1; k += 16) {
+    __m512 wv[NO];
+    // Software prefetch 2 KiB ahead in every weight row: the hardware streamers restart
+    // at each 4 KiB page; measured 3% (1 row) to 9% (5 rows) faster than without.
+#pragma GCC unroll 8
+    for (int o = 0; o < NO; ++o)
+      _mm_prefetch((const char*)(w + o * ldw + k + PREFETCH), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int o = 0; o < NO; ++o) wv[o] = _mm512_loadu_ps(w + o * ldw + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
+#pragma GCC unroll 8
+      for (int o = 0; o < NO; ++o) a[r][o] = _mm512_fmadd_ps(xv, wv[o], a[r][o]);
+    }
+  }
+  if (k < k1) {  // the tail of K: masked loads read zeros past it
+    const __mmask16 m = (__mmask16)((1u << (k1 - k)) - 1u);
+    __m512 wv[NO];
+#pragma GCC unroll 8
+    for (int o = 0; o < NO; ++o) wv[o] = _mm512_maskz_loadu_ps(m, w + o * ldw + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * ldx + k);
+#pragma GCC unroll 8
+      for (int o = 0; o < NO; ++o) a[r][o] = _mm512_fmadd_ps(xv, wv[o], a[r][o]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int o = 0; o < NO; ++o) acc[r * NO + o] = a[r][o];
+}
+
+// tile_acc<g, NO> for a run-time g in [1, G].
+template <int G, int NO>
+inline void tile_acc_n(int64_t g, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                       int64_t k0, int64_t k1, __m512* acc) {
+  if (g == G) {
+    tile_acc<G, NO>(x, ldx, w, ldw, k0, k1, acc);
+  } else if constexpr (G > 1) {
+    tile_acc_n<G - 1, NO>(g, x, ldx, w, ldw, k0, k1, acc);
+  }
+}
+
+// y[r, o] = sum of the lanes of acc[r * NO + o] (+ bias[o]), summed in a fixed order.
+inline void store(int64_t R, int64_t NO, const __m512* acc, float* y, int64_t ldy,
+                  const float* bias) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t o = 0; o < NO; ++o) {
+      const float s = _mm512_reduce_add_ps(acc[r * NO + o]);
+      y[r * ldy + o] = bias ? s + bias[o] : s;
+    }
+}
+
+// y[r, o] = x[r, :] . w[o, :] (+ bias[o]) for all R rows of x and NO weight rows.
+// Up to RG rows: one pass over [0, K) with the accumulators in registers. More: the
+// block's weight rows are read once from memory in chunks of K_CHUNK, and every group of
+// RG rows meets each chunk while it is in L1 (accumulators kept in a stack buffer
+// between chunks), so neither the weights nor x fall out of L1.
+template <int NO, int RG>
+void block(int64_t R, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+           float* y, int64_t ldy, const float* bias) {
+  alignas(64) __m512 acc[MAX_ROWS * NO];
+  for (int64_t s0 = 0; s0 < R; s0 += MAX_ROWS) {
+    const int64_t rows = R - s0 < MAX_ROWS ? R - s0 : MAX_ROWS;
+    const float* xs = x + s0 * ldx;
+    for (int64_t i = 0; i < rows * NO; ++i) acc[i] = _mm512_setzero_ps();
+    if (rows <= RG) {
+      tile_acc_n<RG, NO>(rows, xs, ldx, w, ldw, 0, K, acc);
+    } else {
+      for (int64_t k0 = 0; k0 < K; k0 += K_CHUNK) {
+        const int64_t k1 = K - k0 < K_CHUNK ? K : k0 + K_CHUNK;
+        for (int64_t r0 = 0; r0 < rows; r0 += RG) {
+          const int64_t g = rows - r0 < RG ? rows - r0 : RG;
+          tile_acc_n<RG, NO>(g, xs + r0 * ldx, ldx, w, ldw, k0, k1, acc + r0 * NO);
+        }
+      }
+    }
+    store(rows, NO, acc, y + s0 * ldy, ldy, bias);
+  }
+}
+
+// The NB weight rows from row o of w [out, K] (fewer at the end of w); yo: y's column o.
+template <int NB, int RG>
+inline void rows_block(int64_t R, const float* x, int64_t ldx, const float* w, int64_t ldw,
+                       int64_t K, int64_t o, int64_t out, float* yo, int64_t ldy,
+                       const float* bias) {
+  const float* wo = w + o * ldw;
+  const float* bo = bias ? bias + o : nullptr;
+  if (out - o >= NB) {
+    block<NB, RG>(R, x, ldx, wo, ldw, K, yo, ldy, bo);
+  } else {
+    for (int64_t j = 0; j < out - o; ++j)
+      block<1, 6>(R, x, ldx, wo + j * ldw, ldw, K, yo + j, ldy, bo ? bo + j : nullptr);
+  }
+}
+
+// x [R, K] times each ws[i] [out_i, K] (+ bs[i]). The results lie side by side in one
+// [R, sum out_i] buffer; returned as column views of it, one per weight.
+std::vector<at::Tensor> linears(const at::Tensor& x_in, at::TensorList ws_in,
+                                const c10::List<std::optional<at::Tensor>>& bs) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "x must be a float32 CPU matrix");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  std::vector<at::Tensor> ws;  // unit column stride (a no-op for checkpoint weights)
+  ws.reserve(ws_in.size());
+  for (const at::Tensor& w : ws_in)
+    ws.push_back(w.dim() == 2 && w.stride(1) != 1 ? w.contiguous() : w);
+  TORCH_CHECK(bs.size() == ws.size(), "one bias entry (or None) per weight");
+  const int64_t R = x.size(0), K = x.size(1), ldx = x.stride(0);
+  const size_t n = ws.size();
+  std::vector<const float*> wp(n), bp(n);
+  std::vector<int64_t> ldw(n), outs(n), col(n + 1, 0), first(n + 1, 0);
+  std::vector<at::Tensor> keep;  // contiguous copies of odd biases live until the end
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& w = ws[i];
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.scalar_type() == at::kFloat &&
+                    w.device().is_cpu(),
+                "each weight must be a float32 CPU matrix [out, K] matching x");
+    outs[i] = w.size(0);
+    ldw[i] = w.stride(0);
+    wp[i] = w.const_data_ptr<float>();
+    const std::optional<at::Tensor> b = bs.get(i);
+    bp[i] = nullptr;
+    if (b.has_value() && b->defined()) {
+      TORCH_CHECK(b->numel() == outs[i] && b->scalar_type() == at::kFloat && b->device().is_cpu(),
+                  "each bias must be a float32 CPU vector [out] or None");
+      keep.push_back(b->contiguous());
+      bp[i] = keep.back().const_data_ptr<float>();
+    }
+    col[i + 1] = col[i] + outs[i];
+  }
+  at::Tensor y = at::empty({R, col[n]}, x.options());
+  float* yp = y.mutable_data_ptr<float>();
+  const float* xp = x.const_data_ptr<float>();
+  const int64_t ldy = col[n];
+  const int64_t nb = R <= SMALL_ROWS ? 8 : 4;  // weight rows per block
+  for (size_t i = 0; i < n; ++i) first[i + 1] = first[i] + (outs[i] + nb - 1) / nb;
+  // Threads only when each gets at least ~64 KiB of weight: a tiny product is not worth
+  // waking the other threads (on a busy machine that can cost a scheduler slice).
+  const int64_t grain = (16384 + nb * K - 1) / (nb * K);
+  at::parallel_for(0, first[n], grain, [&](int64_t b0, int64_t b1) {
+    size_t i = 0;
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      while (blk >= first[i + 1]) ++i;
+      const int64_t o = (blk - first[i]) * nb;
+      float* yo = yp + col[i] + o;
+      if (nb == 8) {
+        rows_block<8, 3>(R, xp, ldx, wp[i], ldw[i], K, o, outs[i], yo, ldy, bp[i]);
+      } else {
+        rows_block<4, 6>(R, xp, ldx, wp[i], ldw[i], K, o, outs[i], yo, ldy, bp[i]);
+      }
+    }
+  });
+  std::vector<at::Tensor> views;
+  views.reserve(n);
+  for (size_t i = 0; i < n; ++i) views.push_back(y.narrow(1, col[i], outs[i]));
+  return views;
+}
+
+// silu(x @ wg.T) * (x @ wu.T): the gate and up rows of one block go through the same tile
+// code as linears (same bits for g and u), then the activation, so the [R, I] gate and up
+// products are never written out and no separate silu / mul ops run.
+at::Tensor gate_up_silu(const at::Tensor& x_in, const at::Tensor& wg_in, const at::Tensor& wu_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "x must be a float32 CPU matrix");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const at::Tensor wg = wg_in.contiguous(), wu = wu_in.contiguous();
+  const int64_t R = x.size(0), K = x.size(1), ldx = x.stride(0), I = wg.size(0);
+  for (const at::Tensor* w : {&wg, &wu})
+    TORCH_CHECK(w->dim() == 2 && w->size(0) == I && w->size(1) == K &&
+                    w->scalar_type() == at::kFloat && w->device().is_cpu(),
+                "gate and up must be float32 CPU matrices [I, K] matching x");
+  at::Tensor y = at::empty({R, I}, x.options());
+  float* yp = y.mutable_data_ptr<float>();
+  const float* xp = x.const_data_ptr<float>();
+  const float* gp = wg.const_data_ptr<float>();
+  const float* up = wu.const_data_ptr<float>();
+  const int64_t nb = R <= SMALL_ROWS ? 8 : 4;  // weight rows per block, as in linears
+  const int64_t grain = (16384 + 2 * nb * K - 1) / (2 * nb * K);
+  at::parallel_for(0, (I + nb - 1) / nb, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<float> g(R * nb), u(R * nb);  // [R, nb] gate and up products of a block
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t o = blk * nb, no = I - o < nb ? I - o : nb;
+      if (nb == 8) {
+        rows_block<8, 3>(R, xp, ldx, gp, K, K, o, I, g.data(), nb, nullptr);
+        rows_block<8, 3>(R, xp, ldx, up, K, K, o, I, u.data(), nb, nullptr);
+      } else {
+        rows_block<4, 6>(R, xp, ldx, gp, K, K, o, I, g.data(), nb, nullptr);
+        rows_block<4, 6>(R, xp, ldx, up, K, K, o, I, u.data(), nb, nullptr);
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = 0; j < no; ++j) {
+          const float gv = g[r * nb + j];
+          yp[r * I + o + j] = gv / (1.0f + std::exp(-gv)) * u[r * nb + j];
+        }
+    }
+  });
+  return y;
+}
+
+// weight * (x * rsqrt(mean(x^2) + eps)) per row, as the decoder's RMSNorm in float32.
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.device().is_cpu() && x_in.dim() >= 1,
+              "x must be a float32 CPU tensor");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t K = x.size(-1), R = K ? x.numel() / K : 0;
+  TORCH_CHECK(w.numel() == K && w.scalar_type() == at::kFloat, "weight must be float32 [hidden]");
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
+  float* yp = y.mutable_data_ptr<float>();
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * K;
+      float* yr = yp + r * K;
+      __m512 acc = _mm512_setzero_ps();
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) {
+        const __m512 v = _mm512_loadu_ps(xr + k);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      if (k < K) {
+        const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (K - k)) - 1u), xr + k);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)K + (float)eps);
+      for (k = 0; k < K; ++k) yr[k] = wp[k] * (xr[k] * scale);
+    }
+  });
+  return y;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// y += w * x over n floats
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+  const __m512 wv = _mm512_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += w * x[i];
+}
+
+// out = x * cos + rotate_half(x) * sin for one head of D = 2 * half values.
+inline void rotate(const float* x, const float* c, const float* s, int64_t half, float* out) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    out[i] = a * c[i] - b * s[i];
+    out[i + half] = b * c[i] + a * s[i];
+  }
+}
+
+// One attention step for a few new tokens over a paged KV cache, as the decoder's
+// torch path computes it (RoPE, cache write, causal SDPA with GQA, optional window):
+//   q [T, H, D], k and v [T, KH, D] (views with unit last stride) are the projections of the
+//   T packed new tokens; positions [T] their absolute positions; token_session [T] the
+//   row of read_slots [B, L] (each session's slots by position) each belongs to.
+//   K (after RoPE) and V go to k_cache / v_cache [S, KH, D] at write_slots [T] first, so
+//   a token sees the keys of the new tokens before it. Returns [T, H * D].
+at::Tensor rope_cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& positions_in, const at::Tensor& inv_freq_in,
+                                double rope_scale, at::Tensor& k_cache, at::Tensor& v_cache,
+                                const at::Tensor& write_slots_in, const at::Tensor& read_slots_in,
+                                const at::Tensor& token_session_in, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, D]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KH = k.size(1), half = D / 2;
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->size(0) == T &&
+                    t->size(2) == D && t->stride(2) == 1,
+                "q, k, v must be float32 CPU [T, heads, D] with unit last stride");
+  TORCH_CHECK(v.size(1) == KH && KH > 0 && H % KH == 0 && D % 2 == 0, "bad head counts");
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->scalar_type() == at::kFloat && c->is_contiguous() && c->dim() == 3 &&
+                    c->size(1) == KH && c->size(2) == D,
+                "caches must be contiguous float32 [slots, KH, D]");
+  const at::Tensor positions = positions_in.contiguous(), write_slots = write_slots_in.contiguous();
+  const at::Tensor read_slots = read_slots_in.contiguous();
+  const at::Tensor token_session = token_session_in.contiguous();
+  const at::Tensor inv_freq = inv_freq_in.contiguous();
+  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.numel() == half, "bad inv_freq");
+  for (const at::Tensor* t : {&positions, &write_slots, &token_session})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == T, "bad index tensor");
+  TORCH_CHECK(read_slots.scalar_type() == at::kLong && read_slots.dim() == 2, "bad read_slots");
+  const int64_t B = read_slots.size(0), L = read_slots.size(1), S = k_cache.size(0);
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  const int64_t* wslot = write_slots.const_data_ptr<int64_t>();
+  const int64_t* rslot = read_slots.const_data_ptr<int64_t>();
+  const int64_t* sess = token_session.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sess[t] >= 0 && sess[t] < B && pos[t] >= 0 && pos[t] < L && wslot[t] >= 0 &&
+                    wslot[t] < S,
+                "token ", t, " has an index outside the cache");
+  const float* inv = inv_freq.const_data_ptr<float>();
+  float* kc = k_cache.mutable_data_ptr<float>();
+  float* vc = v_cache.mutable_data_ptr<float>();
+  at::Tensor qr = at::empty({T, H, D}, q.options());
+  float* qrp = qr.mutable_data_ptr<float>();
+  // RoPE on q (into qr) and k (straight into the cache); v into the cache.
+  std::vector<float> cs(half), sn(half);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = (float)pos[t] * inv[i];
+      cs[i] = std::cos(a) * (float)rope_scale;
+      sn[i] = std::sin(a) * (float)rope_scale;
+    }
+    const float* qt = q.const_data_ptr<float>() + t * q.stride(0);
+    for (int64_t h = 0; h < H; ++h)
+      rotate(qt + h * q.stride(1), cs.data(), sn.data(), half, qrp + (t * H + h) * D);
+    const float* kt = k.const_data_ptr<float>() + t * k.stride(0);
+    const float* vt = v.const_data_ptr<float>() + t * v.stride(0);
+    for (int64_t g = 0; g < KH; ++g) {
+      rotate(kt + g * k.stride(1), cs.data(), sn.data(), half, kc + (wslot[t] * KH + g) * D);
+      std::copy(vt + g * v.stride(1), vt + g * v.stride(1) + D, vc + (wslot[t] * KH + g) * D);
+    }
+  }
+  // Attention per (token, kv head): the G query heads of a group share each K / V row read.
+  const int64_t G = H / KH;
+  const float sm_scale = 1.0f / std::sqrt((float)D);
+  at::Tensor out = at::empty({T, H * D}, q.options());
+  out.zero_();
+  float* op = out.mutable_data_ptr<float>();
+  at::parallel_for(0, T * KH, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> w;
+    for (int64_t idx = i0; idx < i1; ++idx) {
+      const int64_t t = idx / KH, g = idx % KH, p = pos[t];
+      const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
+      const int64_t* slots = rslot + sess[t] * L + lo;
+      w.resize(G * n);
+      const float* qg = qrp + (t * H + g * G) * D;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* krow = kc + (slots[j] * KH + g) * D;
+        for (int64_t h = 0; h < G; ++h) w[h * n + j] = dot(qg + h * D, krow, D) * sm_scale;
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        float* wh = w.data() + h * n;
+        float m = wh[0];
+        for (int64_t j = 1; j < n; ++j) m = wh[j] > m ? wh[j] : m;
+        float z = 0.0f;
+        for (int64_t j = 0; j < n; ++j) z += (wh[j] = std::exp(wh[j] - m));
+        const float rz = 1.0f / z;
+        for (int64_t j = 0; j < n; ++j) wh[j] *= rz;
+      }
+      float* og = op + t * H * D + g * G * D;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vrow = vc + (slots[j] * KH + g) * D;
+        for (int64_t h = 0; h < G; ++h) axpy(w[h * n + j], vrow, og + h * D, D);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(LIBNAME, m) {
+  m.def("linears(Tensor x, Tensor[] ws, Tensor?[] bs) -> Tensor[]");
+  m.def("gate_up_silu(Tensor x, Tensor wg, Tensor wu) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def(
+      "rope_cache_attention(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor inv_freq, "
+      "float rope_scale, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, "
+      "Tensor read_slots, Tensor token_session, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(LIBNAME, CPU, m) {
+  m.impl("linears", &linears);
+  m.impl("gate_up_silu", &gate_up_silu);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_cache_attention", &rope_cache_attention);
+}

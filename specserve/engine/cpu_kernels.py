@@ -1,0 +1,116 @@
+"""AVX-512 kernels for the few-token float32 steps of decoding (``cpu_kernels.cpp``).
+
+A decode or verify step multiplies 1 to k + 1 rows by every weight of the model, so
+it is bound by streaming the weights from memory. MKL's ``sgemm`` re-reads a weight
+once per ~3 rows, so a 5-row product costs about twice a 1-row one; and between two
+weight streams (which evict the caches) each small torch op costs ~100-250 us of
+cache misses instead of ~10 us. The kernels here answer both:
+
+``linears(x, ws, bs)``
+    ``[x @ w.T + b for w, b]`` reading each weight row once for all rows of ``x``.
+    Output rows are cut into blocks of 8 (up to 3 rows of ``x``) or 4 weight rows;
+    ``at::parallel_for`` (torch's own intra-op threads) gives each thread a
+    contiguous run of blocks; register tiles of 3 x 8 or 6 x 4 accumulators, and past
+    6 rows the weights go in chunks of 256 floats that every tile of rows meets while
+    they sit in L1. Each output is one dot product accumulated in 16 fixed lanes over
+    the input and summed in a fixed order, so a row's result does not depend on how
+    many rows came with it, on the thread count or on the blocking: verify-step
+    products are bit-identical to one-token ones. Weights that share the input
+    (q/k/v) are one range for the threads and land side by side in one
+    ``[rows, sum(out)]`` buffer, like a fused weight without copying one; the results
+    are column views.
+``gate_up_silu(x, wg, wu)``
+    ``silu(x @ wg.T) * (x @ wu.T)`` with the same tiles (same bits for both
+    products), the activation applied per block: no gate/up tensors, no extra ops.
+``rms_norm(x, w, eps)``
+    ``w * (x * rsqrt(mean(x^2) + eps))`` per row, one op instead of seven.
+``rope_cache_attention(q, k, v, ...)``
+    RoPE, the paged KV-cache write and causal GQA attention (optional sliding
+    window) for a few packed new tokens of a ragged batch: one op instead of ~35.
+
+The source is compiled on first use with ``torch.utils.cpp_extension`` (~10 s, then
+cached on disk by torch). :func:`kernels` returns ``None`` where that is impossible
+(no AVX-512, no compiler, a build error); :mod:`specserve.engine.ops` then uses torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_LIB = "specserve_cpu"
+
+LinearsFn = Callable[
+    [torch.Tensor, Sequence[torch.Tensor], Sequence[torch.Tensor | None]], list[torch.Tensor]
+]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The compiled ops (float32, CPU, no autograd); shapes as in the module doc."""
+
+    linears: LinearsFn
+    gate_up_silu: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rope_cache_attention: Callable[..., torch.Tensor]
+
+
+_lock = threading.Lock()
+_state: dict[str, Kernels | None] = {}
+
+
+def _build() -> Kernels | None:
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        log.info("the CPU lacks AVX-512: the engine uses torch ops only")
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        source = resources.files(__package__).joinpath("cpu_kernels.cpp").read_text()
+        flags = [
+            "-O3",
+            "-mavx512f",
+            "-mfma",
+            "-fopenmp",  # at::parallel_for is inline OpenMP; torch's libgomp is reused
+        ]
+        # One build directory (and op namespace) per source version: torch's JIT cache
+        # is keyed by name, and a process that waits on another's build of an older
+        # source would otherwise load that one.
+        digest = hashlib.sha256("\n".join([source, *flags]).encode()).hexdigest()[:12]
+        name = f"{_LIB}_{digest}"
+        load_inline(
+            name,
+            [source],
+            extra_cflags=[*flags, f"-DLIBNAME={name}"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            no_implicit_headers=True,
+        )
+    except Exception as exc:  # no source, compiler or headers, a failed build: fall back
+        log.warning("CPU kernels unavailable (%s); the engine uses torch ops only", exc)
+        return None
+    lib = getattr(torch.ops, name)
+    return Kernels(
+        lib.linears.default,
+        lib.gate_up_silu.default,
+        lib.rms_norm.default,
+        lib.rope_cache_attention.default,
+    )
+
+
+def kernels() -> Kernels | None:
+    """The compiled ops, or ``None`` where they cannot be built; built once per process."""
+    if "ops" in _state:  # the hot path: no lock once built
+        return _state["ops"]
+    with _lock:
+        if "ops" not in _state:
+            _state["ops"] = _build()
+        return _state["ops"]

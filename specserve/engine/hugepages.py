@@ -1,0 +1,82 @@
+"""Weights on transparent huge pages: ~20% faster weight streaming on CPU.
+
+A decode step reads every weight once, ~6 GB for a 1.5B model in float32, and on
+4 KiB pages that is 1.5 M TLB misses a token. Backed by 2 MiB pages the same
+products stream ~20% faster here (measured in ``bench/engine_decode.py``: a
+1-row product 25 -> 30 GB/s, ``torch.sum`` 20 -> 28 GB/s).
+
+Linux only hands huge pages to memory that asks for them when
+``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` (the common
+default), and torch's allocator asks only when ``THP_MEM_ALLOC_ENABLE=1`` is set
+before it starts. :func:`move_to_huge_pages` does it after loading instead: it
+copies the parameters of a model into one ``madvise(MADV_HUGEPAGE)`` anonymous
+mapping and points them there. Names, shapes, values and tied weights stay as
+they were; only the memory behind them moves.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+_THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_ALIGN = 64  # bytes: every tensor starts on a cache line
+
+
+def huge_pages_available() -> bool:
+    """Whether ``madvise(MADV_HUGEPAGE)`` can give this process transparent huge pages."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        setting = _THP_SETTING.read_text()
+    except OSError:
+        return False
+    return "[never]" not in setting
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:  # [nbytes] uint8
+    """A zero-filled byte tensor on memory that asks for huge pages (where available).
+
+    It is an anonymous mapping, not from torch's allocator; the tensor keeps it alive.
+    """
+    arena = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages_available():
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(arena, dtype=torch.uint8)[:nbytes]
+
+
+def move_to_huge_pages(module: nn.Module, min_bytes: int = 1 << 20) -> int:
+    """Copy the CPU parameters of ``module`` of at least ``min_bytes`` onto huge pages.
+
+    Returns the bytes moved (0 where huge pages are unavailable). Call it once after
+    loading, before serving; the old storage is freed as each tensor moves unless
+    something else still holds it. Parameters shared between modules move once.
+    """
+    if not huge_pages_available():
+        log.info("transparent huge pages unavailable: weights stay on normal pages")
+        return 0
+    params: dict[int, nn.Parameter] = {}
+    for p in module.parameters():  # parameters() already yields a shared one once
+        if p.device.type == "cpu" and p.numel() * p.element_size() >= min_bytes:
+            params.setdefault(id(p), p)
+    if not params:
+        return 0
+    offsets: list[int] = []
+    total = 0
+    for p in params.values():
+        offsets.append(total)
+        total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+    raw = huge_page_buffer(total)
+    with torch.no_grad():
+        for off, p in zip(offsets, params.values(), strict=True):
+            nbytes = p.numel() * p.element_size()
+            new = raw[off : off + nbytes].view(p.dtype).view(p.shape)
+            new.copy_(p.data)
+            p.data = new
+    return total
