@@ -47,6 +47,22 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_id() -> str:
+    """Family, model and stepping as the (possibly virtual) CPU reports them."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("cpu family", "model", "stepping") and key not in fields:
+                fields[key] = value.strip()
+            if not line.strip() and fields:
+                break
+    except OSError:
+        return "unknown"
+    return " ".join(f"{k} {v}" for k, v in fields.items()) or "unknown"
+
+
 def cpu_flags() -> dict[str, bool]:
     """Which of :data:`FLAGS_OF_INTEREST` the CPU reports."""
     flags: set[str] = set()
@@ -79,6 +95,7 @@ def environment() -> dict[str, Any]:
     return {
         "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu_model(),
+        "cpu_id": cpu_id(),
         "cpu_flags": cpu_flags(),
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -95,7 +112,8 @@ def environment_md(env: Mapping[str, Any]) -> str:
     flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in env["cpu_flags"].items())
     lines = [
         f"- date: {env['date_utc']}",
-        f"- CPU: {env['cpu']} ({env['logical_cpus']} logical CPUs); flags: {flags}",
+        f"- CPU: {env['cpu']} ({env.get('cpu_id', 'unknown')}), {env['logical_cpus']} "
+        f"logical CPUs; flags: {flags}",
         f"- torch {env['torch']} (CPU capability {env['torch_cpu_capability']}), "
         f"{env['torch_threads']} threads; transformers {env['transformers']}; "
         f"Python {env['python']}",
