@@ -55,7 +55,7 @@ class Run:
 @dataclass
 class Variant:
     name: str
-    fn: Callable[[list[int]], Run]
+    fn: Callable[[list[int], int], Run]  # (prompt, new tokens)
     runs: list[Run] = field(default_factory=list)
     wrong: list[int] = field(default_factory=list)  # prompt indices whose tokens differ
 
@@ -66,11 +66,11 @@ def parse_range(text: str) -> list[int]:
 
 
 def engine_variant(
-    verifier: TargetVerifier, drafter_name: str, drafter: Any, k: int | None, n: int
-) -> Callable[[list[int]], Run]:
+    verifier: TargetVerifier, drafter_name: str, drafter: Any, k: int | None
+) -> Callable[[list[int], int], Run]:
     engine = SpeculativeEngine(verifier, {drafter_name: drafter} if drafter else {})
 
-    def run(prompt: list[int]) -> Run:
+    def run(prompt: list[int], n: int) -> Run:
         state = DecodeState(
             "bench", prompt, SamplingParams(), StopCriteria(n), KPolicy(k), drafter=drafter_name
         )
@@ -87,8 +87,8 @@ def engine_variant(
 
 
 def hf_variant(
-    hf: Any, n: int, assistant: Any | None = None, k: int = 4
-) -> Callable[[list[int]], Run]:
+    hf: Any, assistant: Any | None = None, k: int = 4
+) -> Callable[[list[int], int], Run]:
     if assistant is not None:
         cfg = assistant.generation_config
         # transformers reads the draft length from the draft's generation config
@@ -97,7 +97,7 @@ def hf_variant(
         cfg.num_assistant_tokens_schedule = "constant"
         cfg.assistant_confidence_threshold = 0.0
 
-    def run(prompt: list[int]) -> Run:
+    def run(prompt: list[int], n: int) -> Run:
         ids = torch.tensor([prompt])
         kwargs: dict[str, Any] = {"assistant_model": assistant} if assistant is not None else {}
         t0 = time.perf_counter()
@@ -118,9 +118,8 @@ def hf_variant(
 def build_variants(
     args: argparse.Namespace, target: CausalLM, hf_target: Any, draft32: CausalLM, hf_draft: Any
 ) -> list[Variant]:
-    n = args.new_tokens
     verifier = TargetVerifier(target, KV_BUDGET)
-    out = [Variant(BASELINE, engine_variant(verifier, "none", None, 0, n))]
+    out = [Variant(BASELINE, engine_variant(verifier, "none", None, 0))]
     want = set(args.variants.split(","))
     draft16 = None
     for k in [*args.ks, None]:
@@ -130,7 +129,7 @@ def build_variants(
             out.append(
                 Variant(
                     f"engine spec k={label} (draft fp32)",
-                    engine_variant(verifier, "model", d, k, n),
+                    engine_variant(verifier, "model", d, k),
                 )
             )
         if "bf16" in want:
@@ -140,20 +139,20 @@ def build_variants(
             out.append(
                 Variant(
                     f"engine spec k={label} (draft bf16)",
-                    engine_variant(verifier, "model", d, k, n),
+                    engine_variant(verifier, "model", d, k),
                 )
             )
     if "ngram" in want:
         out.append(
-            Variant("engine n-gram k=4", engine_variant(verifier, "ngram", NgramDrafter(), 4, n))
+            Variant("engine n-gram k=4", engine_variant(verifier, "ngram", NgramDrafter(), 4))
         )
     if "hf" in want:
-        out.append(Variant("transformers generate", hf_variant(hf_target, n)))
+        out.append(Variant("transformers generate", hf_variant(hf_target)))
     if "hf-assisted" in want:
         out.append(
             Variant(
                 f"transformers assisted k={args.hf_k}",
-                hf_variant(hf_target, n, hf_draft, args.hf_k),
+                hf_variant(hf_target, hf_draft, args.hf_k),
             )
         )
     return out
@@ -287,10 +286,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     hf_draft, draft32 = load_pair(draft_dir)
     variants = build_variants(args, target, hf_target, draft32, hf_draft)
     env = environment()
+    for v in variants:  # warm-up, untimed: first-use costs (page faults, kernel build)
+        v.fn(prompts[0][:64], 8)
     for i, prompt in enumerate(prompts):
         for v in variants:
             gc.collect()
-            run = v.fn(prompt)
+            run = v.fn(prompt, args.new_tokens)
             v.runs.append(run)
             if run.tokens != variants[0].runs[i].tokens:
                 v.wrong.append(i)
