@@ -84,6 +84,36 @@ def load_average() -> tuple[float, float, float] | None:
         return None
 
 
+class LoadProbe:
+    """How much CPU the rest of the machine used while a benchmark ran (Linux).
+
+    Load averages count the benchmark's own threads; this does not: the busy time of
+    all CPUs (``/proc/stat``, steal included) minus this process's CPU time, over the
+    wall time of all CPUs, between construction and :meth:`others_share`.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._snapshot()
+
+    @staticmethod
+    def _snapshot() -> tuple[float, float, float] | None:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + fields[4]  # idle + iowait
+        busy = (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+        return busy, time.process_time(), time.monotonic()
+
+    def others_share(self) -> float | None:
+        """Fraction of all CPUs' time other processes used since construction."""
+        end = self._snapshot()
+        if self._start is None or end is None:
+            return None
+        busy, own, wall = (e - s for e, s in zip(end, self._start, strict=True))
+        return max(0.0, (busy - own) / (wall * (os.cpu_count() or 1)))
+
+
 def environment() -> dict[str, Any]:
     """What a results table must state: CPU, flags, threads, versions, date, load."""
     try:
@@ -184,7 +214,7 @@ class StreamMeter:
     cascade summation ran ~9% slower than a bare AVX-512 read loop here; ``amax``
     matched the loop). With ``huge_pages`` the buffer asks for 2 MiB pages, like the
     weights after :func:`specserve.engine.hugepages.move_to_huge_pages`; on 4 KiB
-    pages the same read was ~35% slower on the machine these benchmarks ran on.
+    pages the same read was ~40% slower on the machine these benchmarks ran on.
     """
 
     def __init__(self, nbytes: int = 1 << 30, huge_pages: bool = True) -> None:

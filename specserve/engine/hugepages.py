@@ -1,9 +1,9 @@
-"""Weights on transparent huge pages: ~20% faster weight streaming on CPU.
+"""Weights on transparent huge pages: faster weight streaming on CPU.
 
 A decode step reads every weight once, ~6 GB for a 1.5B model in float32, and on
 4 KiB pages that is 1.5 M TLB misses a token. Backed by 2 MiB pages the same
-products stream ~20% faster here (measured in ``bench/engine_decode.py``: a
-1-row product 25 -> 30 GB/s, ``torch.sum`` 20 -> 28 GB/s).
+products ran 5-20% faster here (varying with the machine's load; see
+``bench/results/engine_decode.md``) and a plain streaming read 1.6-1.9x faster.
 
 Linux only hands huge pages to memory that asks for them when
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` (the common
@@ -11,7 +11,10 @@ default), and torch's allocator asks only when ``THP_MEM_ALLOC_ENABLE=1`` is set
 before it starts. :func:`move_to_huge_pages` does it after loading instead: it
 copies the parameters of a model into one ``madvise(MADV_HUGEPAGE)`` anonymous
 mapping and points them there. Names, shapes, values and tied weights stay as
-they were; only the memory behind them moves.
+they were; only the memory behind them moves. It also turns weights that are
+private mappings of the checkpoint files (as safetensors loading leaves them:
+faulted in lazily, droppable under memory pressure, at 8-byte offsets) into
+resident anonymous memory with every tensor on a 64-byte boundary.
 """
 
 from __future__ import annotations
