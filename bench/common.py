@@ -148,6 +148,12 @@ def environment_md(env: Mapping[str, Any]) -> str:
         f"{env['torch_threads']} threads; transformers {env['transformers']}; "
         f"Python {env['python']}",
     ]
+    others = env.get("other_processes_cpu_share")
+    if others is not None:
+        lines.append(
+            f"- machine load: other processes used {others:.0%} of the CPUs' time during "
+            "the run; absolute speeds move with it, the ratios within the run are the claim"
+        )
     return "\n".join(lines)
 
 

@@ -7,6 +7,12 @@ bfloat16 draft, fixed k and adaptive k); the n-gram drafter; transformers
 variant emits exactly ``--new-tokens`` tokens, and every variant's tokens are
 checked against engine target-only (a variant that differs is reported as wrong).
 
+transformers and the engine share one copy of each model's float32 weights, moved
+onto huge pages as the engine's loader does (``load_pair(huge_pages=True)``): both
+read the same memory, and transformers runs faster than as ``from_pretrained``
+leaves it (lazily faulted 4 KiB pages of the checkpoint file; see
+``bench/results/engine_decode.md``), so the comparison with it is conservative.
+
     .venv/bin/python -m bench.local_speedup --prompts 0-19 --new-tokens 128
 
 Writes bench/results/local_speedup.{md,json,png}.
@@ -24,7 +30,13 @@ from typing import Any
 
 import torch
 
-from bench.common import environment, environment_md, reproduce_command, write_results
+from bench.common import (
+    LoadProbe,
+    environment,
+    environment_md,
+    reproduce_command,
+    write_results,
+)
 from bench.engine_decode import load_pair
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
@@ -132,7 +144,7 @@ def build_variants(
                     engine_variant(verifier, "model", d, k),
                 )
             )
-        if "bf16" in want:
+        if "bf16" in want and label in args.bf16_ks:
             if draft16 is None:
                 draft16 = _bf16_copy(draft32)
             d = ModelDrafter(draft16, KV_BUDGET)
@@ -201,7 +213,8 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: dict[str
         f"Target {TARGET} (float32), draft {DRAFT}; HumanEval prompts {args.prompts} (raw "
         f"prompt), {args.new_tokens} new tokens, greedy, EOS ignored, variants interleaved "
         "per prompt in one process. Ratio = median over prompts of target-only time / "
-        "variant time. `wrong` lists prompts whose tokens differ from engine target-only.",
+        "variant time. `wrong` lists prompts whose tokens differ from engine target-only. "
+        "transformers and the engine share each model's weights on huge pages.",
         "",
         "| variant | tok/s | vs engine target-only | acceptance | mean acc. length "
         "| draft time | wrong |",
@@ -271,6 +284,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="fp32,bf16,ngram,hf,hf-assisted",
         help="comma list of: fp32, bf16, ngram, hf, hf-assisted",
     )
+    p.add_argument(
+        "--bf16-ks",
+        type=lambda s: s.split(","),
+        default=["4", "auto"],
+        help="k values (of --ks, or auto) run with the bfloat16 draft as well",
+    )
     p.add_argument("--hf-k", type=int, default=4, help="k for transformers assisted generation")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
@@ -282,10 +301,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     problems = read_problems()
     prompts = [tok.encode(problems[f"HumanEval/{i}"]["prompt"]) for i in parse_range(args.prompts)]
-    hf_target, target = load_pair(target_dir)
-    hf_draft, draft32 = load_pair(draft_dir)
+    hf_target, target = load_pair(target_dir, huge_pages=True)
+    hf_draft, draft32 = load_pair(draft_dir, huge_pages=True)
     variants = build_variants(args, target, hf_target, draft32, hf_draft)
     env = environment()
+    probe = LoadProbe()
     for v in variants:  # warm-up, untimed: first-use costs (page faults, kernel build)
         v.fn(prompts[0][:64], 8)
     for i, prompt in enumerate(prompts):
@@ -301,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 flush=True,
             )
     rows = summarize(variants)
+    env["other_processes_cpu_share"] = probe.others_share()
     write_results(
         "local_speedup",
         markdown(rows, args, env),

@@ -34,6 +34,8 @@ def load_model(spec: str, dtype: str, *, fail_after: int | None = None) -> Loade
 def load_weights(spec: str, dtype: str, fail_after: int | None = None) -> CausalLM:
     """The model of ``spec`` alone, no tokenizer: what every tensor-parallel rank builds.
 
+    Weights stay on normal pages: a rank keeps only its shard, which moves onto huge
+    pages after sharding (one mapping for the whole model would outlive the shards).
     Module level so that ``functools.partial(load_weights, spec, dtype)`` pickles
     (Ray sends it to the rank actors).
     """
@@ -44,7 +46,7 @@ def load_weights(spec: str, dtype: str, fail_after: int | None = None) -> Causal
     if spec.startswith("tiny:"):
         model = tiny_from_spec(spec).to(DTYPES[dtype])
     else:
-        model, _ = load_model(resolve(spec), DTYPES[dtype])
+        model, _ = load_model(resolve(spec), DTYPES[dtype], huge_pages=False)
     if fail_after is not None:
         fail_after_forwards(model, fail_after)
     return model

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from specserve.engine.errors import InvalidArgument
+from specserve.engine.hugepages import move_to_huge_pages
 from specserve.engine.kv_cache import KVPool, KVStats
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.tp import (
@@ -280,6 +281,8 @@ def run_worker(model: CausalLM, kv_budget_bytes: int, ctx: TPContext) -> None:
 def shard_model(load: ModelFactory, ctx: TPContext) -> CausalLM:
     """Build the model, keep this rank's shard and move it to the rank's device."""
     model = apply_tp(load(), ctx.rank, ctx.world_size, ctx.group)
+    if torch.device(ctx.device).type == "cpu":
+        move_to_huge_pages(model)  # the shard alone: the full weights loaded off huge pages
     return model.to(ctx.device)
 
 
