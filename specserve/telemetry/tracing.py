@@ -83,6 +83,14 @@ def make_exporter(config: TracingConfig) -> SpanExporter:
     return HttpOTLPSpanExporter(**kwargs)
 
 
+def make_provider(config: TracingConfig, identity: ServiceIdentity) -> TracerProvider:
+    """A provider with the process's resource and sampler (no processor, not installed)."""
+    return TracerProvider(
+        resource=resource_for(config, identity),
+        sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
+    )
+
+
 def setup_tracing(config: TracingConfig, identity: ServiceIdentity) -> TracerProvider | None:
     """Install the process's tracer provider; None (and nothing installed) when off.
 
@@ -91,10 +99,7 @@ def setup_tracing(config: TracingConfig, identity: ServiceIdentity) -> TracerPro
     """
     if not config.enabled:
         return None
-    provider = TracerProvider(
-        resource=resource_for(config, identity),
-        sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
-    )
+    provider = make_provider(config, identity)
     provider.add_span_processor(BatchSpanProcessor(make_exporter(config)))
     trace.set_tracer_provider(provider)
     log.info(
@@ -130,10 +135,15 @@ def client_interceptors(config: TracingConfig) -> list[Any]:
     return list(aio_client_interceptors(filter_=_untraced_filter()))
 
 
-def instrument_redis(client: Any, config: TracingConfig) -> None:
-    """Trace every command and pipeline of one ``redis.asyncio`` client (or fakeredis)."""
+def instrument_redis(
+    client: Any, config: TracingConfig, provider: trace.TracerProvider | None = None
+) -> None:
+    """Trace every command and pipeline of one ``redis.asyncio`` client (or fakeredis).
+
+    ``provider`` defaults to the global one (the one :func:`setup_tracing` installed).
+    """
     if not config.enabled:
         return
     from opentelemetry.instrumentation.redis import RedisInstrumentor
 
-    RedisInstrumentor.instrument_client(client)
+    RedisInstrumentor.instrument_client(client, tracer_provider=provider)
