@@ -1,6 +1,7 @@
 """The gRPC server factory shared by the draft and target services.
 
-:func:`start_server` builds a ``grpc.aio`` server with the error interceptor, the
+:func:`start_server` builds a ``grpc.aio`` server with the error interceptor (and,
+when tracing is on, the OpenTelemetry server interceptor before it), the
 standard health service (``grpc.health.v1``) and reflection, binds ``host:port``
 (port 0 = an ephemeral port) and returns a :class:`RunningServer` that knows the
 bound port. Health follows the model executor: NOT_SERVING while the model loads,

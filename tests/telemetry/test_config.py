@@ -21,6 +21,7 @@ from specserve.telemetry.config import (
 from specserve.telemetry.tracing import (
     ServiceIdentity,
     client_interceptors,
+    make_exporter,
     make_provider,
     resource_for,
     server_interceptors,
@@ -122,3 +123,19 @@ def test_sampling_is_by_ratio_for_new_traces_and_follows_a_sampled_caller() -> N
     everything = make_provider(TracingConfig("console"), ServiceIdentity("target", "m"))
     with everything.get_tracer("t").start_as_current_span("new trace") as root:
         assert root.is_recording()
+
+
+def test_the_exporter_follows_protocol_and_endpoint() -> None:
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+        OTLPSpanExporter as GrpcExporter,
+    )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    http = make_exporter(TracingConfig("otlp", "http/protobuf", "http://collector:4318/v1/traces"))
+    assert isinstance(http, HttpExporter)
+    assert http._endpoint == "http://collector:4318/v1/traces"
+    assert isinstance(make_exporter(TracingConfig("otlp", "grpc")), GrpcExporter)
+    assert isinstance(make_exporter(TracingConfig("console")), ConsoleSpanExporter)
