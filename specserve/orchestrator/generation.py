@@ -11,6 +11,7 @@ back (see :mod:`specserve.orchestrator.rounds`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
 import secrets
@@ -78,11 +79,14 @@ class Orchestrator:
         reason = "error"
         usage = None
         try:
-            async for chunk in self._generate(params, span, t0):
-                if chunk.finish_reason is not None:
-                    reason, usage = str(chunk.finish_reason), chunk.usage
-                    finish_request_span(span, chunk)
-                yield chunk
+            # aclosing: a client that leaves closes the turn's generator at once (its
+            # finally cancels the session), not whenever it is collected.
+            async with contextlib.aclosing(self._generate(params, span, t0)) as chunks:
+                async for chunk in chunks:
+                    if chunk.finish_reason is not None:
+                        reason, usage = str(chunk.finish_reason), chunk.usage
+                        finish_request_span(span, chunk)
+                    yield chunk
         except BaseException as e:
             if isinstance(e, asyncio.CancelledError | GeneratorExit):  # the client left
                 reason = "cancelled"
