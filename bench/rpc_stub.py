@@ -31,7 +31,7 @@ from specserve.engine.sampling import SamplingParams
 from specserve.engine.verifier import VerifyInput, VerifyOutcome
 from specserve.serving import sparse_q
 from specserve.serving.cli_args import add_server_arguments, server_options
-from specserve.serving.server import ServerOptions, run_process
+from specserve.serving.server import ServerOptions, identity_of, run_process
 from specserve.target_service.backend import TargetBackend, TargetLoad, Verified
 from specserve.target_service.config import TargetServerConfig
 from specserve.target_service.server import start as start_target
@@ -169,9 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         def load_draft() -> DraftBackend:
             return DraftBackend(stub, model_name="stub", dtype="float32", vocab=VOCAB)  # type: ignore[arg-type]
 
-        return run_process(lambda: start_draft(draft, load=load_draft), options)
+        identity = identity_of(options, "draft", "stub")
+        return run_process(lambda: start_draft(draft, load=load_draft), options, identity)
     target = TargetServerConfig(model="stub", server=options)
-    return run_process(lambda: start_target(target, load=StubTarget), options)
+    identity = identity_of(options, "target", "stub")
+    return run_process(lambda: start_target(target, load=StubTarget), options, identity)
 
 
 if __name__ == "__main__":

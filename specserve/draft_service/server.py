@@ -14,10 +14,12 @@ import grpc.aio
 from specserve.draft_service import config as draft_config
 from specserve.draft_service.backend import DraftBackend
 from specserve.draft_service.config import DraftServerConfig
+from specserve.draft_service.metrics import DraftCollector
 from specserve.draft_service.servicer import DraftServicer
 from specserve.engine.model_drafter import ModelDrafter
+from specserve.serving.metrics import serve_replica_metrics
 from specserve.serving.models import load_model
-from specserve.serving.server import RunningServer, run_process, start_server
+from specserve.serving.server import RunningServer, identity_of, run_process, start_server
 from specserve.v1 import draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -43,16 +45,21 @@ async def start(
 ) -> RunningServer[DraftBackend]:
     """Start a draft server in this event loop; ``load`` replaces the model load (tests)."""
 
-    def register(server: grpc.aio.Server, running: RunningServer[DraftBackend]) -> None:
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(running), server)
+    servicers: list[DraftServicer] = []
 
-    return await start_server(
+    def register(server: grpc.aio.Server, running: RunningServer[DraftBackend]) -> None:
+        servicers.append(DraftServicer(running))
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicers[0], server)
+
+    running = await start_server(
         config.server,
         "draft",
         load or (lambda: load_backend(config)),
         register,
         [SERVICE_NAME],
     )
+    serve_replica_metrics(running, "draft", [DraftCollector(servicers[0].counts)])
+    return running
 
 
 def build_parser(prog: str = "specserve draft-server") -> argparse.ArgumentParser:
@@ -63,7 +70,8 @@ def build_parser(prog: str = "specserve draft-server") -> argparse.ArgumentParse
 
 def run(config: DraftServerConfig) -> int:
     """Serve draft proposals (Propose / Release / GetLoad) until SIGTERM."""
-    return run_process(lambda: start(config), config.server)
+    identity = identity_of(config.server, "draft", config.model or "ngram")
+    return run_process(lambda: start(config), config.server, identity)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

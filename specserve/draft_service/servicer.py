@@ -8,12 +8,15 @@ status codes in :class:`~specserve.serving.errors.ErrorInterceptor`.
 from __future__ import annotations
 
 import grpc.aio
+from opentelemetry import trace
 
 from specserve.draft_service import convert as wire
 from specserve.draft_service.backend import DraftBackend, DraftCall, Proposed
+from specserve.draft_service.metrics import DraftCounts
 from specserve.serving import convert
 from specserve.serving.errors import check_strict
 from specserve.serving.server import RunningServer
+from specserve.telemetry import attributes as attr
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 
@@ -33,6 +36,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self, running: RunningServer[DraftBackend]) -> None:
         self.running = running
         self.executor = running.executor
+        self.counts = DraftCounts()
 
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
@@ -42,8 +46,27 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         for c in calls:
             backend.check_drafter(c.drafter, c.input.session_id)
         done = await self.executor.submit(
-            _run_propose, calls, key="propose", sessions=[c.input.session_id for c in calls]
+            _run_propose,
+            calls,
+            key="propose",
+            sessions=[c.input.session_id for c in calls],
+            kind="propose",
         )
+        self.counts.record(calls, done.value.outcomes)
+        span = trace.get_current_span()  # the gRPC server span
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    attr.SPEC_K: sum(c.input.k for c in calls),
+                    attr.SPEC_DRAFTED: sum(
+                        len(o.proposal.tokens) for o in done.value.outcomes if o.proposal
+                    ),
+                    attr.BATCH_SIZE: done.batch_sessions,
+                    attr.BATCH_CALLS: done.batch_jobs,
+                    attr.QUEUE_WAIT: done.queue_s,
+                    attr.COMPUTE: done.compute_ns / 1e9,
+                }
+            )
         if request.strict:
             stale = [
                 c.input.session_id

@@ -24,7 +24,9 @@ from specserve.orchestrator.scheduler import Scheduler
 from specserve.orchestrator.service import GenerationServicer
 from specserve.orchestrator.session_store import SessionStore
 from specserve.orchestrator.text import Tokenization
-from specserve.serving.server import RunningServer, start_server
+from specserve.serving.server import RunningServer, identity_of, start_server
+from specserve.telemetry.process import setup_telemetry
+from specserve.telemetry.tracing import client_interceptors, instrument_redis
 from specserve.v1 import draft_pb2_grpc, generate_pb2, generate_pb2_grpc, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -74,15 +76,26 @@ class App:
 
 async def start(config: OrchestratorConfig) -> App:
     """Start an orchestrator in this event loop."""
+    tracing = config.server.telemetry.tracing
     if config.redis is None:
         store = SessionStore(embedded_client(), config.ttls, where="embedded store")
     else:
         store = SessionStore(config.redis.client(), config.ttls, where=config.redis.display)
+    instrument_redis(store.redis, tracing)
+    interceptors = client_interceptors(tracing)
     drafts = ReplicaPool(
-        "draft", config.drafts, draft_pb2_grpc.DraftServiceStub, refresh_s=config.dns_refresh_s
+        "draft",
+        config.drafts,
+        draft_pb2_grpc.DraftServiceStub,
+        refresh_s=config.dns_refresh_s,
+        interceptors=interceptors,
     )
     targets = ReplicaPool(
-        "target", config.targets, target_pb2_grpc.TargetServiceStub, refresh_s=config.dns_refresh_s
+        "target",
+        config.targets,
+        target_pb2_grpc.TargetServiceStub,
+        refresh_s=config.dns_refresh_s,
+        interceptors=interceptors,
     )
     await drafts.start()
     await targets.start()
@@ -94,6 +107,7 @@ async def start(config: OrchestratorConfig) -> App:
         lambda: holder[0].executor.backend,
         k_max=config.scheduler.k_curve.k_max,
         active_stale_s=config.active_stale_s,
+        model_name=config.model_name,
     )
 
     def register(server: grpc.aio.Server, running: RunningServer[Tokenization]) -> None:
@@ -109,15 +123,16 @@ async def start(config: OrchestratorConfig) -> App:
     )
     metrics_port = None
     if config.metrics_port is not None:
-        metrics_port = serve_metrics(runner, config.server.host, config.metrics_port)
+        metrics_port = serve_metrics(
+            runner, orchestrator.stats, config.server.host, config.metrics_port
+        )
     return App(config, running, orchestrator, runner, store, drafts, targets, metrics_port)
 
 
 def run(config: OrchestratorConfig) -> int:
-    """An orchestrator process's main: serve until SIGTERM/SIGINT."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    """An orchestrator process's main: serve until SIGTERM/SIGINT, then flush the spans."""
+    identity = identity_of(config.server, "orchestrator", config.model_name)
+    telemetry = setup_telemetry(config.server.telemetry, identity)
 
     async def main() -> int:
         app = await start(config)
@@ -127,9 +142,15 @@ def run(config: OrchestratorConfig) -> int:
             log.warning("the session store is not reachable yet: %s", e)
         app.running.announce()
         if app.metrics_port is not None:
-            print(f"orchestrator metrics on {config.server.host}:{app.metrics_port}", flush=True)
+            print(
+                f"orchestrator metrics on http://{config.server.host}:{app.metrics_port}/metrics",
+                flush=True,
+            )
         code = await app.running.serve_until_stopped()  # stops the gRPC server
         await app.shutdown()
         return code
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        telemetry.shutdown()

@@ -14,11 +14,13 @@ flag                            environment                      default
 ``--redis-tls-cert/-key``       ``SPECSERVE_REDIS_TLS_CERT/KEY``  none
 ``--tokenizer``                 ``SPECSERVE_TOKENIZER``          none (token ids only)
 ``--host`` / ``--port``         ``SPECSERVE_HOST`` / ``_PORT``   127.0.0.1 / 50051
-``--metrics-port``              ``SPECSERVE_METRICS_PORT``       off
+``--served-model-name``         ``SPECSERVE_SERVED_MODEL_NAME``  the tokenizer's model
 ==============================  ===============================  ======================
 
-and the scheduling knobs below (``--k-max``, ``--k-full-below``, ``--k-zero-at``,
-``--pipeline-groups``, ``--max-batch``, ``--draft-timeout-s``, ...).
+the scheduling knobs below (``--k-max``, ``--k-full-below``, ``--k-zero-at``,
+``--pipeline-groups``, ``--max-batch``, ``--draft-timeout-s``, ...), and the
+telemetry flags every server takes (:mod:`specserve.telemetry.config`: tracing,
+logs, ``--metrics-port``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from specserve.orchestrator.rounds import RoundTimeouts
 from specserve.orchestrator.scheduler import KCapCurve, SchedulerConfig
 from specserve.orchestrator.session_store import StoreTtls
 from specserve.serving.server import ServerOptions
+from specserve.telemetry.config import add_telemetry_arguments, telemetry_config
 
 DEFAULT_PORT = 50051
 
@@ -53,7 +56,7 @@ class OrchestratorConfig:
     ttls: StoreTtls = field(default_factory=StoreTtls)
     active_stale_s: float = keys.ACTIVE_STALE_S
     dns_refresh_s: float = 10.0
-    metrics_port: int | None = None
+    served_model_name: str | None = None  # gen_ai.request.model; None = the tokenizer's spec
     server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
 
     def __post_init__(self) -> None:
@@ -61,8 +64,16 @@ class OrchestratorConfig:
             raise ValueError("the orchestrator needs at least one target endpoint (--target)")
         if self.dns_refresh_s <= 0 or self.active_stale_s <= 0:
             raise ValueError("dns_refresh_s and active_stale_s must be > 0")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+
+    @property
+    def metrics_port(self) -> int | None:
+        """Where Prometheus metrics are served (None = nowhere; 0 = any free port)."""
+        return self.server.telemetry.metrics_port
+
+    @property
+    def model_name(self) -> str:
+        """The model requests are said to be made to (traces' ``gen_ai.request.model``)."""
+        return self.served_model_name or self.tokenizer or "specserve"
 
 
 def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
@@ -153,13 +164,12 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     )
     g.add_argument("--grace-s", type=float, default=float(str(e("GRACE_S", 10.0))))
     g.add_argument("--replica-id", default=e("REPLICA_ID", ""))
-    metrics = e("METRICS_PORT")
     g.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(str(metrics)) if metrics else None,
-        help="serve Prometheus metrics on this port (0 = any free port)",
+        "--served-model-name",
+        default=e("SERVED_MODEL_NAME"),
+        help="the model name traces report (gen_ai.request.model); default the tokenizer's",
     )
+    add_telemetry_arguments(parser, env)
 
 
 def from_args(args: argparse.Namespace) -> OrchestratorConfig:
@@ -194,12 +204,13 @@ def _from_args(args: argparse.Namespace) -> OrchestratorConfig:
         timeouts=RoundTimeouts(args.draft_timeout_s, args.target_timeout_s, args.failover_s),
         ttls=StoreTtls(session_s=args.session_ttl_s),
         dns_refresh_s=args.dns_refresh_s,
-        metrics_port=args.metrics_port,
+        served_model_name=args.served_model_name or None,
         server=ServerOptions(
             host=args.host,
             port=args.port,
             port_file=args.port_file,
             grace_s=args.grace_s,
             replica_id=args.replica_id,
+            telemetry=telemetry_config(args),
         ),
     )

@@ -11,6 +11,7 @@ back (see :mod:`specserve.orchestrator.rounds`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import re
 import secrets
@@ -18,11 +19,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.errors import EngineError, InvalidArgument, NotFound
 from specserve.engine.k_policy import KPolicy
 from specserve.orchestrator import records
 from specserve.orchestrator.errors import SessionBusy
+from specserve.orchestrator.request_span import (
+    fail_request_span,
+    finish_request_span,
+    start_request_span,
+)
+from specserve.orchestrator.request_stats import RequestStats
 from specserve.orchestrator.rounds import RoundRunner
 from specserve.orchestrator.session import Ended, LiveSession
 from specserve.orchestrator.session_store import SessionStore, now_ms
@@ -52,16 +62,43 @@ class Orchestrator:
         *,
         k_max: int = 8,
         active_stale_s: float = 120.0,
+        model_name: str = "specserve",
     ) -> None:
         self.store = store
         self.runner = runner
         self.text = text  # the tokenizer may still be loading: ask each time
         self.k_max = k_max
         self.active_stale_s = active_stale_s
+        self.model_name = model_name  # what traces call the model (gen_ai.request.model)
+        self.stats = RequestStats()
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[Chunk]:
         """Run one turn; yields chunks as rounds commit, the last one with the finish."""
         t0 = time.perf_counter_ns()
+        span = start_request_span(params, self.model_name)
+        reason = "error"
+        usage = None
+        try:
+            # aclosing: a client that leaves closes the turn's generator at once (its
+            # finally cancels the session), not whenever it is collected.
+            async with contextlib.aclosing(self._generate(params, span, t0)) as chunks:
+                async for chunk in chunks:
+                    if chunk.finish_reason is not None:
+                        reason, usage = str(chunk.finish_reason), chunk.usage
+                        finish_request_span(span, chunk)
+                    yield chunk
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError | GeneratorExit):  # the client left
+                reason = "cancelled"
+            fail_request_span(span, e)
+            raise
+        finally:
+            self.stats.ended(reason, (time.perf_counter_ns() - t0) / 1e9, usage)
+            span.end()
+
+    async def _generate(
+        self, params: GenerateParams, span: trace.Span, t0: int
+    ) -> AsyncIterator[Chunk]:
         text = self.text()
         prompt = text.encode(params.prompt, continuing=bool(params.session_id))
         if not 1 <= params.max_new_tokens <= MAX_NEW_TOKENS:
@@ -71,8 +108,10 @@ class Orchestrator:
         stop = StopCriteria(params.max_new_tokens, text.eos_ids, params.stop)
         # Shielded: a client that leaves while the record is being written must not
         # leave an ACTIVE record without a runner; the session then ends at its first
-        # round boundary instead, and the ledger cleans up.
-        opening = asyncio.ensure_future(self._start(params, prompt, stop, text))
+        # round boundary instead, and the ledger cleans up. The task starts in the
+        # request span's context, so the store calls and rounds are its children.
+        with trace.use_span(span, end_on_exit=False):
+            opening = asyncio.ensure_future(self._start(params, prompt, stop, text))
         try:
             live = await asyncio.shield(opening)
         except asyncio.CancelledError:
@@ -80,7 +119,7 @@ class Orchestrator:
             raise
         stream = TextStream(text, params.stop)
         delivered = 0
-        first_ns = 0
+        first_ns = last_ns = 0
         try:
             while True:
                 item = await live.outbox.get()
@@ -98,7 +137,13 @@ class Orchestrator:
                         duration_ns=done_ns - t0,
                     )
                     return
-                first_ns = first_ns or time.perf_counter_ns()
+                now = time.perf_counter_ns()
+                if first_ns:
+                    self.stats.delivered((now - last_ns) / 1e9, len(item))
+                else:
+                    first_ns = now
+                    self.stats.first_token((now - t0) / 1e9)
+                last_ns = now
                 delivered += len(item)
                 delta = stream.push(live.state.completion[:delivered])
                 yield Chunk(live.sid, delta, tuple(item))
@@ -167,6 +212,7 @@ class Orchestrator:
             base_usage=records.usage_of(base),
             pre_turn=pre_turn,
             deadline=params.deadline,
+            trace_context=otel_context.get_current(),
         )
 
     async def cancel(self, session_id: str) -> bool:

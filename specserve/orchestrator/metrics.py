@@ -1,37 +1,51 @@
-"""Prometheus metrics of the orchestrator, read from the runner's state at scrape time.
+"""Prometheus metrics of the orchestrator, read from its plain counts at scrape time.
 
 A collector rather than counters sprinkled through the round loop: the runner
-keeps plain counts (:class:`~specserve.orchestrator.rounds.RunnerStats`) and this
-module names them. Served on ``--metrics-port`` when given.
+keeps plain counts (:class:`~specserve.orchestrator.rounds.RunnerStats`), the
+request path its latencies (:class:`~specserve.orchestrator.request_stats.RequestStats`),
+and this module names them. Served on ``--metrics-port`` when given. The token
+counts grow exactly as the requests' usage does, so
+``specserve_orchestrator_accepted_tokens_total`` over a run equals the sum of
+``usage.accepted_tokens`` of its requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from specserve.orchestrator.request_stats import RequestStats
 from specserve.orchestrator.rounds import RoundRunner
+from specserve.telemetry.prometheus import histogram_family, serve
+
+P = "specserve_orchestrator"
 
 
 class RunnerCollector(Collector):
-    """Exposes a :class:`RoundRunner`'s counters and gauges."""
+    """Exposes a :class:`RoundRunner`'s counters and gauges, and the request latencies."""
 
-    def __init__(self, runner: RoundRunner) -> None:
+    def __init__(self, runner: RoundRunner, requests: RequestStats | None = None) -> None:
         self.runner = runner
+        self.requests = requests
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._rounds()
+        if self.requests is not None:
+            yield from self._requests(self.requests)
+
+    def _rounds(self) -> Iterator[Metric]:
         stats = self.runner.stats
-        yield GaugeMetricFamily(
-            "specserve_orchestrator_sessions", "Sessions decoding now", len(self.runner.sessions)
-        )
+        yield GaugeMetricFamily(f"{P}_sessions", "Sessions decoding now", len(self.runner.sessions))
+        yield CounterMetricFamily(f"{P}_rounds", "Batch rounds (one per lane batch)", stats.rounds)
         yield CounterMetricFamily(
-            "specserve_orchestrator_rounds", "Rounds run (one per lane batch)", stats.rounds
+            f"{P}_session_rounds",
+            "Session rounds: one verdict per session per round (usage.rounds summed)",
+            stats.session_rounds,
         )
         batches = CounterMetricFamily(
-            "specserve_orchestrator_verify_calls",
+            f"{P}_verify_calls",
             "Verify calls by the batch size the target reported for its forward",
             labels=["batch_size"],
         )
@@ -39,26 +53,101 @@ class RunnerCollector(Collector):
             batches.add_metric([str(size)], count)
         yield batches
         yield CounterMetricFamily(
-            "specserve_orchestrator_draft_fallbacks",
-            "Sessions verified at k = 0 because their draft replica failed",
+            f"{P}_drafts", "Session rounds that verified at least one draft token", stats.drafts
+        )
+        yield CounterMetricFamily(
+            f"{P}_draft_tokens",
+            "Draft tokens verified (usage.drafted_tokens summed)",
+            stats.draft_tokens,
+        )
+        yield CounterMetricFamily(
+            f"{P}_accepted_tokens",
+            "Draft tokens accepted (usage.accepted_tokens summed)",
+            stats.accepted_tokens,
+        )
+        drafted = CounterMetricFamily(
+            f"{P}_draft_tokens_by_position",
+            "Draft tokens verified at each draft position (1 = the first draft token)",
+            labels=["position"],
+        )
+        for position, count in sorted(stats.drafted_by_position.items()):
+            drafted.add_metric([str(position)], count)
+        yield drafted
+        accepted = CounterMetricFamily(
+            f"{P}_accepted_tokens_by_position",
+            "Draft tokens accepted at each draft position (1 = the first draft token)",
+            labels=["position"],
+        )
+        for position, count in sorted(stats.accepted_by_position.items()):
+            accepted.add_metric([str(position)], count)
+        yield accepted
+        yield GaugeMetricFamily(
+            f"{P}_acceptance_ratio",
+            "Accepted over drafted tokens since start (0 before any draft)",
+            stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0,
+        )
+        yield GaugeMetricFamily(
+            f"{P}_mean_acceptance_length",
+            "Tokens committed per session round since start: 1 + accepted / session rounds "
+            "(0 before any round)",
+            1 + stats.accepted_tokens / stats.session_rounds if stats.session_rounds else 0.0,
+        )
+        yield CounterMetricFamily(
+            f"{P}_draft_fallbacks",
+            "Session rounds that wanted drafts but verified at k = 0 (draft replica failed, "
+            "too slow, refused, or none usable)",
             stats.draft_fallbacks,
         )
         yield CounterMetricFamily(
-            "specserve_orchestrator_target_failovers",
+            f"{P}_target_failovers",
             "Sessions whose round was replayed on another target replica",
             stats.target_failovers,
         )
+        yield CounterMetricFamily(
+            f"{P}_replayed_rounds",
+            "Verify batches replayed on another target replica after theirs was lost",
+            stats.replayed_rounds,
+        )
         for role, pool in (("draft", self.runner.drafts), ("target", self.runner.targets)):
             yield GaugeMetricFamily(
-                f"specserve_orchestrator_{role}_replicas_up",
+                f"{P}_{role}_replicas_up",
                 f"{role.capitalize()} replicas currently usable",
                 len(pool.usable()),
             )
 
+    def _requests(self, r: RequestStats) -> Iterator[Metric]:
+        yield histogram_family(
+            f"{P}_time_to_first_token_seconds",
+            "From a request's arrival to its first token (seconds)",
+            [((), r.time_to_first_token_s.snapshot())],
+        )
+        yield histogram_family(
+            f"{P}_inter_token_latency_seconds",
+            "Time per token after the first: a delivery's gap to the previous one over its "
+            "tokens, one observation per token (seconds)",
+            [((), r.inter_token_latency_s.snapshot())],
+        )
+        yield histogram_family(
+            f"{P}_request_duration_seconds",
+            "From a request's arrival to its last chunk (seconds)",
+            [((), r.duration_s.snapshot())],
+        )
+        finished = CounterMetricFamily(
+            f"{P}_requests",
+            "Requests ended, by finish reason (length, eos, stop, cancelled, error)",
+            labels=["finish_reason"],
+        )
+        for reason, count in r.finished_counts():
+            finished.add_metric([reason], count)
+        yield finished
+        yield CounterMetricFamily(
+            f"{P}_prompt_tokens", "Prompt tokens of ended requests", r.prompt_tokens
+        )
+        yield CounterMetricFamily(
+            f"{P}_completion_tokens", "Tokens generated by ended requests", r.completion_tokens
+        )
 
-def serve_metrics(runner: RoundRunner, host: str, port: int) -> int:
-    """Serve the runner's metrics over HTTP in a daemon thread; returns the bound port."""
-    registry = CollectorRegistry()
-    registry.register(RunnerCollector(runner))
-    server, _ = start_http_server(port, addr=host, registry=registry)
-    return int(server.server_port)
+
+def serve_metrics(runner: RoundRunner, requests: RequestStats | None, host: str, port: int) -> int:
+    """Serve the orchestrator's metrics over HTTP in a daemon thread; returns the bound port."""
+    return serve([RunnerCollector(runner, requests)], host, port)

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,8 +95,10 @@ class ReplicaPool:
         backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        interceptors: Sequence[Any] = (),
     ) -> None:
         self.role = role
+        self.interceptors = list(interceptors)  # e.g. tracing's client interceptors
         self.spec = spec
         self.stub_factory = stub_factory
         self.refresh_s = refresh_s
@@ -141,7 +143,9 @@ class ReplicaPool:
         changed = False
         for ep in wanted:
             if ep not in self.replicas:
-                channel = grpc.aio.insecure_channel(ep, options=channel_options())
+                channel = grpc.aio.insecure_channel(
+                    ep, options=channel_options(), interceptors=self.interceptors or None
+                )
                 self.replicas[ep] = Replica(ep, channel, self.stub_factory(channel))
                 changed = True
         for ep in [ep for ep in self.replicas if ep not in wanted]:

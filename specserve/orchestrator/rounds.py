@@ -18,7 +18,8 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    (another replica took it over) stops without writing.
 
 Commits and endings (releasing KV, final records) are the
-:class:`~specserve.orchestrator.ledger.Ledger`'s.
+:class:`~specserve.orchestrator.ledger.Ledger`'s; the round's spans are
+:class:`~specserve.orchestrator.round_spans.RoundSpans`'.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from specserve.engine.decode_state import FinishReason
@@ -38,14 +40,15 @@ from specserve.orchestrator.calls import Plan
 from specserve.orchestrator.errors import VersionConflict
 from specserve.orchestrator.ledger import Ending, Ledger
 from specserve.orchestrator.replicas import ReplicaPool
+from specserve.orchestrator.round_spans import RoundSpans
 from specserve.orchestrator.scheduler import LaneKey, Placement, Scheduler
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.session_store import SessionStore
 from specserve.serving.errors import Unavailable
+from specserve.telemetry import attributes as attr
 from specserve.v1 import session_pb2
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,11 +61,36 @@ class RoundTimeouts:
 
 @dataclass
 class RunnerStats:
-    rounds: int = 0
+    """Plain counts the metrics collector reads (:mod:`specserve.orchestrator.metrics`).
+
+    The session-round counts grow exactly as the sessions' usage does
+    (:class:`~specserve.engine.decode_state.SessionStats`): one per committed
+    verdict, whether or not the store then accepted the commit.
+    """
+
+    rounds: int = 0  # batch rounds (one Verify per lane round)
+    session_rounds: int = 0  # verdicts: one per session per round
+    drafts: int = 0  # session rounds that verified at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    # Draft position (1 = the first draft token) -> tokens drafted / accepted there.
+    drafted_by_position: collections.Counter[int] = field(default_factory=collections.Counter)
+    accepted_by_position: collections.Counter[int] = field(default_factory=collections.Counter)
     # Sessions per target forward, as the target reported them (its calls coalesce).
     verify_batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
-    draft_fallbacks: int = 0  # sessions verified at k = 0 because their draft replica failed
+    draft_fallbacks: int = 0  # session rounds that wanted drafts but verified at k = 0
     target_failovers: int = 0  # sessions moved to another target mid-round
+    replayed_rounds: int = 0  # Verify batches replayed on another target after a loss
+
+    def note_verdict(self, drafted: int, accepted: int) -> None:
+        self.session_rounds += 1
+        self.drafts += drafted > 0
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        for position in range(1, drafted + 1):
+            self.drafted_by_position[position] += 1
+        for position in range(1, accepted + 1):
+            self.accepted_by_position[position] += 1
 
 
 class RoundRunner:
@@ -156,6 +184,9 @@ class RoundRunner:
                 continue
             for s in batch:
                 s.in_round = True
+            # Work no span claims (ending sessions cancelled before their round) goes to
+            # the first session's trace rather than to whichever request started the lane.
+            token = otel_context.attach(batch[0].trace_context or otel_context.Context())
             try:
                 await self._round(lane[0], batch)
             except asyncio.CancelledError:
@@ -164,6 +195,7 @@ class RoundRunner:
                 log.exception("a round on %s failed", lane[0])
                 await self.ledger.finish([(s, None, e) for s in batch if not s.done])
             finally:
+                otel_context.detach(token)
                 for s in batch:
                     s.in_round = False
 
@@ -179,33 +211,61 @@ class RoundRunner:
             await self.ledger.finish(ending)
             return
         self.refresh_usable()
-        with tracer.start_as_current_span("specserve.round") as span:
-            if span.is_recording():
-                span.set_attribute("specserve.target", target)
-                span.set_attribute("specserve.batch_size", len(live))
-            with tracer.start_as_current_span("specserve.propose"):
-                plans = await self._propose(target, live)
-            with tracer.start_as_current_span("specserve.verify") as vspan:
-                outcome, moved = await self._verify(target, [(s, plans[s.sid]) for s in live])
-                if vspan.is_recording():
-                    vspan.set_attribute(
-                        "specserve.drafted", sum(len(p.proposal.tokens) for p in plans.values())
-                    )
-                    vspan.set_attribute(
-                        "specserve.accepted", sum(v.accepted for v in outcome.verdicts.values())
-                    )
-                    vspan.set_attribute("specserve.failovers", len(moved))
+        spans = RoundSpans(live, target)
+        try:
+            ending += await self._traced_round(target, live, spans)
+            if ending:
+                with spans.phase(attr.SPAN_FINISH):
+                    await self.ledger.finish(ending)
+        except BaseException as e:
+            spans.end(e)
+            raise
+        spans.end()
+
+    async def _traced_round(
+        self, target: str, live: list[LiveSession], spans: RoundSpans
+    ) -> list[Ending]:
+        """Propose, verify, commit; returns the sessions that end with this round."""
+        with spans.phase(attr.SPAN_PROPOSE) as pspan:
+            plans = await self._propose(target, live, spans)
+            if pspan.is_recording():
+                pspan.set_attributes(
+                    {
+                        attr.BATCH_SIZE: sum(1 for p in plans.values() if p.draft is not None),
+                        attr.SPEC_DRAFTED: sum(len(p.proposal.tokens) for p in plans.values()),
+                    }
+                )
+        with spans.phase(attr.SPAN_VERIFY) as vspan:
+            outcome, moved = await self._verify(target, [(s, plans[s.sid]) for s in live])
+            if vspan.is_recording():
+                vspan.set_attributes(
+                    {
+                        attr.TARGET: target,
+                        attr.BATCH_SIZE: max(outcome.batch_sizes, default=0),
+                        attr.SPEC_DRAFTED: sum(len(p.proposal.tokens) for p in plans.values()),
+                        attr.SPEC_ACCEPTED: sum(v.accepted for v in outcome.verdicts.values()),
+                        attr.REPLAYED: len(moved),
+                    }
+                )
         self.stats.rounds += 1
+        ending: list[Ending] = []
         committed = []
         for s in live:
             if s.sid in outcome.errors:
+                spans.fail(s, outcome.errors[s.sid])
                 ending.append((s, None, outcome.errors[s.sid]))
                 continue
-            plan = plans[s.sid]
-            committed.append((s, s.state.commit(plan.proposal, outcome.verdicts[s.sid])))
+            plan, verdict = plans[s.sid], outcome.verdicts[s.sid]
+            drafted = len(plan.proposal.tokens)
+            self.stats.note_verdict(drafted, verdict.accepted)
+            spans.verdict(s, drafted, verdict.accepted)
+            committed.append((s, s.state.commit(plan.proposal, verdict)))
         self._move(target, moved)
-        ending += await self.ledger.commit(committed)
-        await self.ledger.finish(ending)
+        with spans.phase(attr.SPAN_COMMIT) as cspan:
+            if cspan.is_recording():
+                cspan.set_attribute(attr.BATCH_SIZE, len(committed))
+            ending += await self.ledger.commit(committed)
+        return ending
 
     def _move(self, old: str, moved: dict[str, str]) -> None:
         """Sessions replayed on another target live there from now on."""
@@ -216,9 +276,12 @@ class RoundRunner:
             self._run_lane(self.scheduler.move(sid, Placement(new_target, group, placement.draft)))
         self._release_later(self.targets, old, list(moved))  # in case it was only slow
 
-    async def _propose(self, target: str, live: list[LiveSession]) -> dict[str, Plan]:
+    async def _propose(
+        self, target: str, live: list[LiveSession], spans: RoundSpans
+    ) -> dict[str, Plan]:
         cap = self.scheduler.k_cap(target)
         by_draft: dict[str, list[tuple[LiveSession, int]]] = collections.defaultdict(list)
+        wanted: list[str] = []  # sessions that want drafts this round
         for s in live:
             placement = self.scheduler.placement(s.sid)
             assert placement is not None
@@ -228,6 +291,9 @@ class RoundRunner:
                 placement.draft = self.scheduler.pick_draft()
                 s.state.draft_start = 0
             k = s.state.next_k(cap)
+            spans.asked(s, k)
+            if k > 0:
+                wanted.append(s.sid)
             if placement.draft is not None and k > 0:
                 by_draft[placement.draft].append((s, k))
         timeout = self._timeout(self.timeouts.draft_s, live)
@@ -239,10 +305,11 @@ class RoundRunner:
             plans.update(got)
             if ep not in self.drafts.usable():  # the replica failed: move its sessions
                 for s, _ in items:
-                    self.stats.draft_fallbacks += 1
                     self.scheduler.set_draft(s.sid, self.scheduler.pick_draft(avoid=[ep]))
                     s.state.draft_start = 0
                 self._release_later(self.drafts, ep, [s.sid for s, _ in items])
+        # No draft replica, a failed or slow one, or a refusal: these verify at k = 0.
+        self.stats.draft_fallbacks += sum(1 for sid in wanted if sid not in plans)
         return plans
 
     def _release_later(self, pool: ReplicaPool, endpoint: str, ids: list[str]) -> None:
@@ -268,6 +335,7 @@ class RoundRunner:
             out = await calls.verify(self.targets, target, todo, timeout)
             total.verdicts.update(out.verdicts)
             total.errors.update(out.errors)
+            total.batch_sizes.extend(out.batch_sizes)
             for size in out.batch_sizes:
                 self.stats.verify_batch_sizes[size] += 1
             todo = [
@@ -285,6 +353,10 @@ class RoundRunner:
                     )
                 break
             log.warning("replaying a round of %d sessions on target %s", len(todo), next_target)
+            trace.get_current_span().add_event(
+                "replay", {attr.TARGET: next_target, attr.BATCH_SIZE: len(todo), "why": out.why}
+            )
+            self.stats.replayed_rounds += 1
             target = next_target
             for s, _ in todo:
                 s.state.target_start = 0  # the new replica rebuilds the KV from the history

@@ -11,6 +11,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 
+from opentelemetry import context as otel_context
+
 from specserve.engine.decode_state import DecodeState, FinishReason
 from specserve.orchestrator import records
 from specserve.orchestrator.types import Usage
@@ -40,6 +42,7 @@ class LiveSession:
         base_usage: Usage,
         pre_turn: session_pb2.SessionRecord | None,
         deadline: float | None,
+        trace_context: otel_context.Context | None = None,
     ) -> None:
         self.sid = record.session_id
         self.record = record  # the last version written (record.version is the stored one)
@@ -56,6 +59,8 @@ class LiveSession:
         self.in_round = False  # a lane is running a round with it now
         self.gone = False  # the record was deleted or taken over: never write it again
         self.started_ns = time.perf_counter_ns()
+        # The request's tracing context: its round spans are children of the request span.
+        self.trace_context = trace_context
 
     @property
     def is_new(self) -> bool:

@@ -18,6 +18,9 @@ flag                      environment                     default
 ``--dtype``               ``SPECSERVE_DTYPE``             float32
 ``--kv-budget``           ``SPECSERVE_KV_BUDGET``         per server
 ========================  ==============================  =========================
+
+and the telemetry flags of :mod:`specserve.telemetry.config` (tracing, logs,
+``--metrics-port``), which the orchestrator takes as well.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import re
 from collections.abc import Mapping
 
 from specserve.serving.server import MAX_MESSAGE_BYTES, ServerOptions
+from specserve.telemetry.config import add_telemetry_arguments, telemetry_config
 
 DTYPES = ("float32", "bfloat16", "float16")
 _UNITS = {
@@ -133,6 +137,7 @@ def add_server_arguments(
         metavar="N",
         help="testing: simulate a device failure after N model forwards",
     )
+    add_telemetry_arguments(parser, env)
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -147,4 +152,5 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         grace_s=args.grace_s,
         replica_id=args.replica_id,
         threads=args.threads,
+        telemetry=telemetry_config(args),
     )

@@ -22,12 +22,21 @@ Failure handling:
   executor turns :attr:`State.FAILED`, later calls are refused with
   :class:`~specserve.serving.errors.Unavailable`, and the state listener (the
   server's health service) reports NOT_SERVING.
+
+Telemetry: a job submitted with a ``kind`` (``propose``, ``verify``) is counted
+in :attr:`ModelExecutor.stats` (batch size, queue wait, compute time), and when
+its caller was in a trace the batch runs in a span on the model thread
+(``specserve.<name>.<kind>``): the caller's OpenTelemetry context is captured at
+:meth:`ModelExecutor.submit` and re-attached there. A coalesced batch serves
+several callers, so its span is the child of the first traced caller's span and
+links to the others'.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import enum
 import logging
 import threading
@@ -36,10 +45,16 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
 from specserve.engine.errors import EngineError
+from specserve.serving.batch_stats import BatchStats
 from specserve.serving.errors import Unavailable
+from specserve.telemetry import attributes as attr
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 
 B = TypeVar("B")  # the loaded backend (model + caches)
 P = TypeVar("P")  # one job's payload
@@ -64,6 +79,7 @@ class Done(Generic[R]):
     compute_ns: int  # wall time of the batched call on the model thread
     batch_sessions: int  # sessions of every job in that batch
     batch_jobs: int
+    queue_s: float = 0.0  # this job's wait from submit to the start of its batch
 
 
 @dataclass
@@ -74,6 +90,8 @@ class _Job:
     sessions: frozenset[str]
     future: asyncio.Future[Done[Any]]
     loop: asyncio.AbstractEventLoop
+    kind: str | None = None  # counted and traced under this name; None = neither
+    context: otel_context.Context | None = None  # the caller's, when it was in a trace
     enqueued: float = field(default_factory=time.monotonic)
 
     def resolve(self, value: Done[Any] | BaseException) -> None:
@@ -111,6 +129,7 @@ class ModelExecutor(Generic[B]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()  # set once loading ended, either way
+        self.stats = BatchStats()
 
     # -- life cycle (event loop side) -------------------------------------------------
 
@@ -156,6 +175,11 @@ class ModelExecutor(Generic[B]):
         assert self._backend is not None
         return self._backend
 
+    @property
+    def loaded_backend(self) -> B | None:
+        """The backend once loaded, whatever the state (for metrics; no model calls)."""
+        return self._backend
+
     def queue_depth(self) -> int:
         """Jobs waiting for the model thread (not counting the batch it is running)."""
         return len(self._queue)
@@ -169,10 +193,17 @@ class ModelExecutor(Generic[B]):
         *,
         key: str | None = None,
         sessions: Collection[str] = (),
+        kind: str | None = None,
     ) -> Done[R]:
-        """Run ``op`` on the model thread; jobs with the same ``key`` may share one call."""
+        """Run ``op`` on the model thread; jobs with the same ``key`` may share one call.
+
+        ``kind`` names the work for metrics and the batch's span (see the module doc).
+        """
         loop = asyncio.get_running_loop()
-        job = _Job(op, payload, key, frozenset(sessions), loop.create_future(), loop)
+        ctx = None
+        if kind is not None and trace.get_current_span().get_span_context().is_valid:
+            ctx = otel_context.get_current()
+        job = _Job(op, payload, key, frozenset(sessions), loop.create_future(), loop, kind, ctx)
         with self._cv:
             self._check_open()
             self._queue.append(job)
@@ -264,9 +295,11 @@ class ModelExecutor(Generic[B]):
             for job in batch:
                 job.resolve(Unavailable(f"the {self.name} replica's model executor failed"))
             return
+        started = time.monotonic()
         t0 = time.perf_counter_ns()
         try:
-            results = batch[0].op(self._backend, [job.payload for job in batch])
+            with self._batch_span(batch):
+                results = batch[0].op(self._backend, [job.payload for job in batch])
         except EngineError as e:
             if len(batch) > 1:  # find whose request it was: re-run each job alone
                 for job in batch:
@@ -284,8 +317,29 @@ class ModelExecutor(Generic[B]):
         compute_ns = time.perf_counter_ns() - t0
         assert len(results) == len(batch), "a batched op must answer every job"
         sessions = sum(len(job.sessions) for job in batch)
-        for job, value in zip(batch, results, strict=True):
-            job.resolve(Done(value, compute_ns, sessions, len(batch)))
+        waits = [max(0.0, started - job.enqueued) for job in batch]
+        if batch[0].kind is not None:
+            self.stats.observe(batch[0].kind, sessions, waits, compute_ns / 1e9)
+        for job, value, wait in zip(batch, results, waits, strict=True):
+            job.resolve(Done(value, compute_ns, sessions, len(batch), wait))
+
+    def _batch_span(self, batch: list[_Job]) -> contextlib.AbstractContextManager[object]:
+        """The batch's span, under the first traced caller, linking the others (if any)."""
+        traced = [job.context for job in batch if job.context is not None]
+        kind = batch[0].kind
+        if not traced or kind is None:
+            return contextlib.nullcontext()
+        links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in traced[1:]]
+        return tracer.start_as_current_span(
+            attr.forward_span(self.name, kind),
+            context=traced[0],
+            links=links,
+            attributes={
+                attr.OP: kind,
+                attr.BATCH_SIZE: sum(len(job.sessions) for job in batch),
+                attr.BATCH_CALLS: len(batch),
+            },
+        )
 
     def _set_state(self, state: State) -> None:
         if self._state is state:

@@ -1,6 +1,7 @@
 """The gRPC server factory shared by the draft and target services.
 
-:func:`start_server` builds a ``grpc.aio`` server with the error interceptor, the
+:func:`start_server` builds a ``grpc.aio`` server with the error interceptor (and,
+when tracing is on, the OpenTelemetry server interceptor before it), the
 standard health service (``grpc.health.v1``) and reflection, binds ``host:port``
 (port 0 = an ephemeral port) and returns a :class:`RunningServer` that knows the
 bound port. Health follows the model executor: NOT_SERVING while the model loads,
@@ -23,7 +24,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -34,6 +35,9 @@ from grpc_reflection.v1alpha import reflection
 
 from specserve.serving.errors import ErrorInterceptor
 from specserve.serving.executor import ModelExecutor, State
+from specserve.telemetry.config import TelemetryConfig
+from specserve.telemetry.process import ProcessTelemetry, setup_telemetry
+from specserve.telemetry.tracing import ServiceIdentity, server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,7 @@ class ServerOptions:
     grace_s: float = 10.0  # graceful shutdown: time in-flight calls get to finish
     replica_id: str = ""  # empty = host:port
     threads: int | None = None  # torch intra-op threads; None = torch's default
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -92,6 +97,7 @@ class RunningServer(Generic[B]):
         self.service_names = tuple(service_names)
         self.options = options
         self.replica_id = options.replica_id or f"{options.host}:{port}"
+        self.metrics_port: int | None = None  # set once a metrics endpoint serves
         self._stop_requested = asyncio.Event()
         self._aborted = asyncio.Event()
         self._abort_reason = ""
@@ -138,6 +144,12 @@ class RunningServer(Generic[B]):
             tmp.write_text(f"{self.port}\n")
             tmp.replace(path)  # atomic: a reader never sees a half-written port
         print(f"{self.executor.name} server listening on {self.address}", flush=True)
+        if self.metrics_port is not None:
+            print(
+                f"{self.executor.name} metrics on http://{self.options.host}:{self.metrics_port}"
+                "/metrics",
+                flush=True,
+            )
 
     async def serve_until_stopped(self) -> int:
         """Serve until SIGTERM/SIGINT (exit 0), or a failed model load or :meth:`abort`
@@ -186,7 +198,9 @@ async def start_server(
         ("grpc.max_send_message_length", options.max_message_bytes),
         ("grpc.so_reuseport", 0),  # two servers must never share a port by accident
     ]
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=limits)
+    # Tracing first: its server span then covers the error mapping and sees the status.
+    interceptors = [*server_interceptors(options.telemetry.tracing), ErrorInterceptor()]
+    server = grpc.aio.server(interceptors=interceptors, options=limits)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{options.host}:{options.port}")
@@ -209,24 +223,36 @@ async def start_server(
     return running
 
 
-def setup_process(options: ServerOptions) -> None:
-    """Once per server process: logging, and torch's intra-op threads."""
+def setup_process(options: ServerOptions, identity: ServiceIdentity) -> ProcessTelemetry:
+    """Once per server process: logging and tracing, and torch's intra-op threads."""
     import torch
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    telemetry = setup_telemetry(options.telemetry, identity)
     if options.threads:
         torch.set_num_threads(options.threads)
+    return telemetry
 
 
-def run_process(start: Callable[[], Awaitable[RunningServer[B]]], options: ServerOptions) -> int:
-    """A server process's main: configure torch and logging, start, serve until stopped."""
-    setup_process(options)
+def run_process(
+    start: Callable[[], Awaitable[RunningServer[B]]],
+    options: ServerOptions,
+    identity: ServiceIdentity,
+) -> int:
+    """A server process's main: set up, start, serve until stopped, flush the spans."""
+    telemetry = setup_process(options, identity)
 
     async def main() -> int:
         running = await start()
         running.announce()
         return await running.serve_until_stopped()
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        telemetry.shutdown()
+
+
+def identity_of(options: ServerOptions, pool: str, model: str) -> ServiceIdentity:
+    """The trace resource of a server: its pool, model and replica id (if fixed before bind)."""
+    replica = options.replica_id or (f"{options.host}:{options.port}" if options.port else "")
+    return ServiceIdentity(pool, model, replica)

@@ -16,11 +16,13 @@ import grpc.aio
 
 from specserve.engine.errors import EngineError
 from specserve.engine.verifier import TargetVerifier
+from specserve.serving.metrics import serve_replica_metrics
 from specserve.serving.models import load_model
-from specserve.serving.server import RunningServer, run_process, start_server
+from specserve.serving.server import RunningServer, identity_of, run_process, start_server
 from specserve.target_service import config as target_config
 from specserve.target_service.backend import TargetBackend
 from specserve.target_service.config import TargetServerConfig
+from specserve.target_service.metrics import TargetCollector
 from specserve.target_service.servicer import TargetServicer
 from specserve.target_service.tp_config import is_torchrun_worker
 from specserve.target_service.tp_serving import GroupWatch, exit_now, serve_worker_rank
@@ -45,13 +47,17 @@ async def start(
     the rank group, and a watch ends the process once the group fails.
     """
 
+    servicers: list[TargetServicer] = []
+
     def register(server: grpc.aio.Server, running: RunningServer[TargetBackend]) -> None:
-        target_pb2_grpc.add_TargetServiceServicer_to_server(TargetServicer(running), server)
+        servicers.append(TargetServicer(running))
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicers[0], server)
 
     watch = GroupWatch(config) if load is None and config.tp.world_size > 1 else None
     if load is None:
         load = watch.load if watch is not None else (lambda: load_backend(config))
     running = await start_server(config.server, "target", load, register, [SERVICE_NAME])
+    serve_replica_metrics(running, "target", [TargetCollector(servicers[0].counts)])
     if watch is not None:
         running.watch(watch.run(running))
     return running
@@ -70,7 +76,8 @@ def run(config: TargetServerConfig) -> int:
     """
     if is_torchrun_worker(config.tp):
         return serve_worker_rank(config)
-    code = run_process(lambda: start(config), config.server)
+    identity = identity_of(config.server, "target", config.model)
+    code = run_process(lambda: start(config), config.server, identity)
     if code and config.tp.world_size > 1:
         exit_now(code)  # the group may be broken: skip the teardown it could hang
     return code

@@ -10,6 +10,7 @@ arrive together run in the same forward. Validation lives in
 from __future__ import annotations
 
 import grpc.aio
+from opentelemetry import trace
 
 from specserve.engine.verifier import VerifyInput
 from specserve.serving import convert
@@ -17,6 +18,8 @@ from specserve.serving.errors import check_strict
 from specserve.serving.server import RunningServer
 from specserve.target_service import convert as wire
 from specserve.target_service.backend import TargetBackend, Verified
+from specserve.target_service.metrics import TargetCounts
+from specserve.telemetry import attributes as attr
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 
@@ -36,6 +39,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def __init__(self, running: RunningServer[TargetBackend]) -> None:
         self.running = running
         self.executor = running.executor
+        self.counts = TargetCounts()
 
     async def Prefill(
         self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -53,8 +57,26 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self, inputs: list[VerifyInput], *, strict: bool
     ) -> target_pb2.VerifyResponse:
         done = await self.executor.submit(
-            _run_verify, inputs, key="verify", sessions=[x.session_id for x in inputs]
+            _run_verify,
+            inputs,
+            key="verify",
+            sessions=[x.session_id for x in inputs],
+            kind="verify",
         )
+        outcomes = done.value.outcomes
+        self.counts.record(inputs, outcomes)
+        span = trace.get_current_span()  # the gRPC server span
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    attr.SPEC_DRAFTED: sum(len(x.proposal.tokens) for x in inputs),
+                    attr.SPEC_ACCEPTED: sum(o.verdict.accepted for o in outcomes if o.verdict),
+                    attr.BATCH_SIZE: done.batch_sessions,
+                    attr.BATCH_CALLS: done.batch_jobs,
+                    attr.QUEUE_WAIT: done.queue_s,
+                    attr.COMPUTE: done.compute_ns / 1e9,
+                }
+            )
         if strict:
             stale = [
                 x.session_id for x, o in zip(inputs, done.value.outcomes, strict=True) if o.stale

@@ -25,7 +25,7 @@ from typing import NoReturn
 
 from specserve.serving.executor import State
 from specserve.serving.models import load_weights, tokenizer_vocab
-from specserve.serving.server import RunningServer, setup_process
+from specserve.serving.server import RunningServer, identity_of, setup_process
 from specserve.target_service.backend import TargetBackend
 from specserve.target_service.config import TargetServerConfig
 from specserve.target_service.tp_config import torchrun_rank
@@ -95,7 +95,7 @@ def serve_worker_rank(config: TargetServerConfig) -> int:
     Rank 0 drains, then closes the group, and this rank exits 0; if rank 0 dies
     instead, the next collective fails (within the TP timeout) and it exits 1.
     """
-    setup_process(config.server)
+    setup_process(config.server, identity_of(config.server, "target", config.model))
     rank, size = torchrun_rank(), config.tp.world_size
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
