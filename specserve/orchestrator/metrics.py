@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from specserve.orchestrator.kv_snapshots import SnapshotStats
 from specserve.orchestrator.rounds import RoundRunner
 
 
@@ -48,12 +49,44 @@ class RunnerCollector(Collector):
             "Sessions whose round was replayed on another target replica",
             stats.target_failovers,
         )
+        yield CounterMetricFamily(
+            "specserve_orchestrator_target_history_resends",
+            "Sessions a target answered NEEDS_HISTORY and got the whole history",
+            stats.target_history_resends,
+        )
+        if self.runner.snapshots is not None:
+            yield from snapshot_metrics(self.runner.snapshots.stats)
         for role, pool in (("draft", self.runner.drafts), ("target", self.runner.targets)):
             yield GaugeMetricFamily(
                 f"specserve_orchestrator_{role}_replicas_up",
                 f"{role.capitalize()} replicas currently usable",
                 len(pool.usable()),
             )
+
+
+_SNAPSHOT_COUNTERS = (
+    ("chunks_exported", "KV snapshot chunks exported from targets and stored"),
+    ("bytes_exported", "K/V bytes of the chunks stored"),
+    ("chunks_found", "Chunks an export found stored already (shared prefixes)"),
+    ("export_failures", "Exports that failed (logged; the request went on)"),
+    ("restores", "Sessions restored from KV snapshots on a target failover"),
+    ("restore_misses", "Failovers that found no stored chunk for the session"),
+    ("restore_failures", "Restores that failed part-way and fell back to re-prefill"),
+    ("chunks_imported", "Chunks imported into targets"),
+    ("tokens_restored", "Committed tokens restored instead of re-prefilled"),
+    ("tail_tokens", "Committed tokens a restored target still prefilled (the tail)"),
+)
+
+
+def snapshot_metrics(stats: SnapshotStats) -> Iterator[Metric]:
+    """``specserve_orchestrator_kv_*``: what KV snapshots saved and restored."""
+    for name, doc in _SNAPSHOT_COUNTERS:
+        yield CounterMetricFamily(f"specserve_orchestrator_kv_{name}", doc, getattr(stats, name))
+    yield CounterMetricFamily(
+        "specserve_orchestrator_kv_restore_seconds",
+        "Wall time of the restores (Redis reads and ImportKv calls)",
+        stats.restore_ns / 1e9,
+    )
 
 
 def serve_metrics(runner: RoundRunner, host: str, port: int) -> int:
