@@ -37,24 +37,33 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError
 
-from specserve.engine.errors import EngineError, FailedPrecondition
-from specserve.engine.kv_chunks import MAX_CHUNK_TOKENS, chain_keys
+from specserve.engine.errors import EngineError
+from specserve.engine.kv_chunks import MAX_CHUNK_TOKENS
 from specserve.orchestrator import keys
+from specserve.orchestrator.kv_chain import (
+    ChainParams,
+    Restored,
+    TargetKv,
+    restore_chain,
+    save_chain,
+    target_kv,
+)
 from specserve.orchestrator.kv_store import ChunkStore
 from specserve.orchestrator.replicas import ReplicaPool
 from specserve.orchestrator.session import LiveSession
-from specserve.v1 import common_pb2, session_pb2, target_pb2
+from specserve.v1 import session_pb2
 
 log = logging.getLogger(__name__)
 
-# A target that could not say or did not accept its fingerprint is asked again after this.
+# A target's fingerprint is asked again after this (a replica restarted with another model).
 TARGET_INFO_TTL_S = 30.0
 # Codes after which a target's fingerprint is asked again (a restart, another model).
 _REFRESH_CODES = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED})
@@ -83,6 +92,10 @@ class SnapshotConfig:
         if self.ttl_s <= 0 or self.timeout_s <= 0 or self.max_call_bytes < 1:
             raise ValueError("KV snapshot TTL, timeout and call size must be > 0")
 
+    @property
+    def chain(self) -> ChainParams:
+        return ChainParams(self.chunk_tokens, self.max_call_bytes, self.timeout_s)
+
 
 @dataclass
 class SnapshotStats:
@@ -93,19 +106,12 @@ class SnapshotStats:
     chunks_found: int = 0  # already stored (another session's prefix, an earlier export)
     export_failures: int = 0
     restores: int = 0  # sessions that restored at least one chunk
-    restore_misses: int = 0  # nothing stored for the session's prefix
+    restore_misses: int = 0  # nothing stored for the session's prefix (and nothing failed)
     restore_failures: int = 0  # Redis or the target failed; fell back to re-prefill
     chunks_imported: int = 0
     tokens_restored: int = 0
     tail_tokens: int = 0  # committed tokens a restored session's target still had to prefill
     restore_ns: int = 0  # summed over the restores
-
-
-@dataclass(frozen=True)
-class _TargetKv:
-    fingerprint: bytes  # empty: the target does not export or import (tensor-parallel)
-    bytes_per_token: int
-    asked: float  # time.monotonic()
 
 
 @dataclass
@@ -126,7 +132,7 @@ class KvSnapshots:
         self.targets = targets
         self.stats = SnapshotStats()
         self._chains: weakref.WeakKeyDictionary[LiveSession, _Chain] = weakref.WeakKeyDictionary()
-        self._targets: dict[str, _TargetKv] = {}
+        self._targets: dict[str, TargetKv] = {}
         self._exports = asyncio.Semaphore(config.max_exports)
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -178,30 +184,23 @@ class KvSnapshots:
         replica = self.targets.get(target)
         if not info.fingerprint or replica is None:
             return
-        c = self.config.chunk_tokens
-        all_keys = chain_keys(info.fingerprint, tokens, c)
-        present = await self.chunks.touch(all_keys)
-        first = next((i for i, p in enumerate(present) if not p), len(all_keys))
-        known = chain.chunks if chain.fingerprint == info.fingerprint else 0
-        self.stats.chunks_found += max(0, first - known)
-        per_call = self._per_call(info)
-        for i in range(first, len(all_keys), per_call):
-            j = min(len(all_keys), i + per_call)
-            request = target_pb2.ExportKvRequest(
-                session_id=s.sid, chunk_tokens=c, tokens=tokens[: j * c], first_chunk=i
+        try:
+            saved = await save_chain(
+                self.chunks, replica.stub, s.sid, tokens, info, self.config.chain
             )
-            response = await replica.stub.ExportKv(request, timeout=self.config.timeout_s)
-            if [ch.key for ch in response.chunks] != all_keys[i:j]:
-                self._targets.pop(target, None)
-                raise FailedPrecondition(
-                    f"target {target} answered chunks under other keys (its model changed?)"
-                )
-            await self.chunks.put([(ch.key, ch.SerializeToString()) for ch in response.chunks])
-            self.stats.chunks_exported += j - i
-            self.stats.bytes_exported += sum(len(ch.data) for ch in response.chunks)
-        chain.fingerprint, chain.chunks = info.fingerprint, len(all_keys)
+        except EngineError:
+            self._targets.pop(target, None)  # its model may have changed: ask again
+            raise
+        known = chain.chunks if chain.fingerprint == info.fingerprint else 0
+        self.stats.chunks_found += max(0, saved.found - known)
+        self.stats.chunks_exported += saved.exported
+        self.stats.bytes_exported += saved.bytes
+        chain.fingerprint, chain.chunks = info.fingerprint, saved.chunks
         s.kv_snapshot = session_pb2.KvSnapshot(
-            fingerprint=info.fingerprint, chunk_tokens=c, chunks=len(all_keys), head=all_keys[-1]
+            fingerprint=info.fingerprint,
+            chunk_tokens=self.config.chunk_tokens,
+            chunks=saved.chunks,
+            head=saved.head,
         )
 
     # -- restoring -----------------------------------------------------------------------
@@ -215,59 +214,50 @@ class KvSnapshots:
         t0 = time.perf_counter_ns()
         tokens = list(s.state.tokens)
         c = self.config.chunk_tokens
-        n = (len(tokens) - 1) // c  # the replayed verify needs at least one new token
+        whole = (len(tokens) - 1) // c * c  # the replayed verify needs at least one new token
         replica = self.targets.get(target)
-        if n == 0 or replica is None:
+        if whole == 0 or replica is None:
             return
-        restored = 0
+        done = Restored()
+        failures = self.stats.restore_failures
         try:
             info = await self._target(target)
             if not info.fingerprint:
                 return
-            all_keys = chain_keys(info.fingerprint, tokens[: n * c], c)
-            per_call = self._per_call(info)
-            for i in range(0, n, per_call):
-                values = await self.chunks.get(all_keys[i : i + per_call])
-                found = [target_pb2.KvChunk.FromString(v) for v in _prefix(values)]
-                if not found:
-                    break
-                request = target_pb2.ImportKvRequest(
-                    session_id=s.sid,
-                    tokens=tokens[: (i + len(found)) * c],
-                    start=i * c,
-                    chunks=found,
-                )
-                response = await replica.stub.ImportKv(request, timeout=self.config.timeout_s)
-                restored = response.tokens
-                self.stats.chunks_imported += len(found)
-                if len(found) < len(values):
-                    break  # the chain ends here
+            await restore_chain(
+                self.chunks, replica.stub, s.sid, tokens[:whole], info, self.config.chain, done
+            )
         except grpc.aio.AioRpcError as e:
             self._note_failure(target, e.code())
-            self._fell_back(s, target, restored, f"{e.code().name}: {e.details()}")
+            self._fell_back(s, target, done.tokens, f"{e.code().name}: {e.details()}")
         except (EngineError, DecodeError) as e:
-            self._fell_back(s, target, restored, str(e))
+            self._fell_back(s, target, done.tokens, str(e))
         except Exception as e:  # a bug: say so, but a snapshot never fails a request
             log.exception("restoring session %s on %s failed", s.sid, target)
-            self._fell_back(s, target, restored, repr(e))
-        if restored:
-            s.state.target_start = restored
-            self.stats.restores += 1
-            self.stats.tokens_restored += restored
-            self.stats.tail_tokens += len(tokens) - restored
-            self.stats.restore_ns += time.perf_counter_ns() - t0
-            log.info(
-                "session %s: restored %d of %d committed tokens from KV snapshots on %s "
-                "in %.1f ms; the target prefills the last %d",
-                s.sid,
-                restored,
-                len(tokens),
-                target,
-                (time.perf_counter_ns() - t0) / 1e6,
-                len(tokens) - restored,
-            )
-        else:
-            self.stats.restore_misses += 1
+            self._fell_back(s, target, done.tokens, repr(e))
+        self.stats.chunks_imported += done.chunks
+        if not done.tokens:
+            if self.stats.restore_failures == failures:  # nothing failed: nothing was stored
+                self.stats.restore_misses += 1
+            return
+        s.state.target_start = done.tokens
+        elapsed = time.perf_counter_ns() - t0
+        self.stats.restores += 1
+        self.stats.tokens_restored += done.tokens
+        self.stats.tail_tokens += len(tokens) - done.tokens
+        self.stats.restore_ns += elapsed
+        log.info(
+            "session %s: restored %d of %d committed tokens from KV snapshots on %s in "
+            "%.1f ms (store %.1f ms, ImportKv %.1f ms); the target prefills the last %d",
+            s.sid,
+            done.tokens,
+            len(tokens),
+            target,
+            elapsed / 1e6,
+            done.get_ns / 1e6,
+            done.import_ns / 1e6,
+            len(tokens) - done.tokens,
+        )
 
     def _fell_back(self, s: LiveSession, target: str, restored: int, why: str) -> None:
         self.stats.restore_failures += 1
@@ -282,44 +272,27 @@ class KvSnapshots:
 
     # -- targets -------------------------------------------------------------------------
 
-    async def _target(self, target: str) -> _TargetKv:
+    async def _target(self, target: str) -> TargetKv:
         """The target's fingerprint and K/V size (GetLoad, cached a while)."""
         known = self._targets.get(target)
         if known is not None and not self._stale(known):
             return known
         replica = self.targets.get(target)
         if replica is None:
-            return _TargetKv(b"", 0, time.monotonic())
-        load = await replica.stub.GetLoad(
-            common_pb2.GetLoadRequest(), timeout=self.config.timeout_s
-        )
-        info = _TargetKv(load.kv_fingerprint, load.kv_bytes_per_token, time.monotonic())
+            return TargetKv(b"", 0, time.monotonic())
+        info = await target_kv(replica.stub, self.config.timeout_s)
         self._targets[target] = info
         return info
 
-    def _stale(self, info: _TargetKv) -> bool:
+    def _stale(self, info: TargetKv) -> bool:
         return time.monotonic() - info.asked > TARGET_INFO_TTL_S
 
     def _note_failure(self, target: str, code: grpc.StatusCode) -> None:
         if code in _REFRESH_CODES:
             self._targets.pop(target, None)
 
-    def _per_call(self, info: _TargetKv) -> int:
-        per_chunk = max(1, self.config.chunk_tokens * info.bytes_per_token)
-        return max(1, self.config.max_call_bytes // per_chunk)
-
-    def _spawn(self, coro: object) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
         return task
-
-
-def _prefix(values: list[bytes | None]) -> list[bytes]:
-    """The values up to the first missing one."""
-    out = []
-    for v in values:
-        if v is None:
-            break
-        out.append(v)
-    return out
