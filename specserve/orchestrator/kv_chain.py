@@ -99,6 +99,7 @@ class Restored:
     chunks: int = 0  # imported
     get_ns: int = 0  # reading the store
     import_ns: int = 0  # ImportKv calls
+    target_ns: int = 0  # of which the target's model thread spent (compute_ns)
 
 
 async def restore_chain(
@@ -132,6 +133,7 @@ async def restore_chain(
         )
         response = await stub.ImportKv(request, timeout=params.timeout_s)
         out.import_ns += time.perf_counter_ns() - t1
+        out.target_ns += response.compute_ns
         out.tokens = response.tokens
         out.chunks += len(found)
         if len(found) < len(values):
