@@ -81,6 +81,8 @@ def verify_response(
 
 
 def export_input(request: target_pb2.ExportKvRequest, vocab: int) -> ExportInput:
+    """An ExportKvRequest -> engine input (chunk sizes and ranges are checked on the model
+    thread, where the cache is)."""
     sid = request.session_id
     convert.check_session_ids([sid])
     tokens = convert.check_tokens(request.tokens, vocab, "tokens", sid)
@@ -88,6 +90,8 @@ def export_input(request: target_pb2.ExportKvRequest, vocab: int) -> ExportInput
 
 
 def import_input(request: target_pb2.ImportKvRequest, vocab: int) -> ImportInput:
+    """An ImportKvRequest -> engine input; the chunks' keys, fingerprints and sizes are
+    checked by :meth:`~specserve.engine.kv_transfer.KvTransfer.import_`."""
     sid = request.session_id
     convert.check_session_ids([sid])
     tokens = convert.check_tokens(request.tokens, vocab, "tokens", sid)
@@ -106,6 +110,7 @@ def kv_chunk(pb: target_pb2.KvChunk, sid: str = "", index: int = 0) -> KvChunk:
 
 
 def kv_chunk_pb(chunk: KvChunk) -> target_pb2.KvChunk:
+    """Engine chunk -> KvChunk message (what ExportKv answers and Redis stores)."""
     lay = chunk.layout
     return target_pb2.KvChunk(
         key=chunk.key,

@@ -2,8 +2,8 @@
 
 Prefill and Verify share the coalescing key ``"verify"``: prompts and drafts that
 arrive together run in the same forward. ExportKv and ImportKv run alone on the
-model thread, in order with the other calls about the same session. Validation lives in
-:mod:`specserve.target_service.convert`, the work in
+model thread, in order with the other calls about the same session. Validation
+lives in :mod:`specserve.target_service.convert`, the work in
 :class:`~specserve.target_service.backend.TargetBackend`, and the status codes in
 :class:`~specserve.serving.errors.ErrorInterceptor`.
 """
