@@ -156,7 +156,9 @@ class KvSnapshots:
             chain = self._chains.setdefault(s, _Chain())
             if chain.task is not None and not chain.task.done():
                 continue  # the next commit looks again
-            upto = s.state.target_start // c
+            # Whole chunks of committed tokens the target holds (after a stop cut the
+            # round short, it also holds drafts past the last committed token).
+            upto = min(s.state.target_start, len(s.state.tokens)) // c
             if upto - chain.chunks < self.config.every_chunks:
                 continue
             tokens = s.state.tokens[: upto * c]
