@@ -40,7 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, environment, environment_md, reproduce_command, write_results
+from bench.common import (
+    RESULTS_DIR,
+    environment,
+    environment_md,
+    reproduce_command,
+    write_results,
+)
 from specserve.client import Client
 from specserve.orchestrator.launch import OrchestratorProcess
 from specserve.serving.launch import ServerProcess
@@ -117,7 +123,12 @@ def rpc_split(tree: Tree, phase: ReceivedSpan, method: str, forward: str) -> tup
     compute = server = transport = 0.0
     for client in tree.children(phase, method):
         for srv in tree.children(client, method):
-            fwd = sum(s.duration_s for s in tree.children(srv, forward))
+            # Only the forward time inside the server span: a call past its deadline
+            # (the draft's, typically) ends while its forward still runs.
+            fwd = sum(
+                max(0, min(f.end_ns, srv.end_ns) - max(f.start_ns, srv.start_ns)) / 1e9
+                for f in tree.children(srv, forward)
+            )
             compute += fwd
             server += srv.duration_s - fwd
             transport += client.duration_s - srv.duration_s
@@ -224,6 +235,7 @@ def summary(results: list[RequestResult]) -> dict[str, Any]:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_acceptance_length": 1 + accepted / n_rounds if n_rounds else 0.0,
         "decode_rounds": len(decode),
+        "decode_rounds_without_drafts": sum(r.drafted == 0 for r in decode),
     }
     return out
 
@@ -243,7 +255,9 @@ def markdown(data: dict[str, Any], env: dict[str, Any], args: argparse.Namespace
         "",
         f"- {r['tokens_per_s']:.2f} tokens/s end to end; time to first token "
         f"{r['ttft_ms_median']:.0f} ms (median); acceptance {100 * r['acceptance_rate']:.1f}%; "
-        f"mean acceptance length {r['mean_acceptance_length']:.2f}",
+        f"mean acceptance length {r['mean_acceptance_length']:.2f}; "
+        f"{r['decode_rounds_without_drafts']} of {r['decode_rounds']} decode rounds went on "
+        "without drafts (the draft past its deadline, or none usable)",
         "",
         "| phase | "
         + " | ".join(f"{k} median ms | {k} share" for k in ("prefill", "decode") if k in s)

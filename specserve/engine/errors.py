@@ -17,6 +17,11 @@ class NotFound(EngineError):
     """A session, model or file that the request names does not exist."""
 
 
+class FailedPrecondition(EngineError):
+    """The request is well formed but this replica's state does not allow it (e.g. KV
+    chunks of another model, or a cache shorter than the call assumes)."""
+
+
 class KVBudgetExceeded(EngineError):
     """The KV pool cannot hold the tokens asked for, even after evicting idle sessions."""
 

@@ -11,7 +11,9 @@ Two layers, as in nano-vllm's block manager:
 
 A session's cache is the prefix of its tokens that the model has already seen.
 ``truncate`` rolls it back after a rejection; blocks past the new length return to
-the free list at once.
+the free list at once. ``read`` and ``write`` copy a token range of a session's
+K/V out and in, layer-major (what KV snapshot chunks hold, see
+:mod:`specserve.engine.kv_chunks`).
 """
 
 from __future__ import annotations
@@ -253,6 +255,44 @@ class KVPool:
 
     def advance(self, session_id: str, n: int) -> None:
         self.alloc.advance(session_id, n)
+
+    def read(self, session_id: str, start: int, end: int) -> torch.Tensor:
+        """A copy of positions ``[start, end)``: ``[layers, 2 (K, V), end - start,
+        kv_heads, head_dim]``."""
+        assert 0 <= start <= end <= self.length(session_id), (start, end)
+        slots = self.slots(session_id, start, end)
+        out = torch.empty(
+            (self.num_layers, 2, end - start, *self.k[0].shape[1:]),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            torch.index_select(k, 0, slots, out=out[i, 0])
+            torch.index_select(v, 0, slots, out=out[i, 1])
+        return out
+
+    def write(self, session_id: str, start: int, kv: torch.Tensor) -> None:
+        """Copy ``kv`` (``[layers, 2, n, kv_heads, head_dim]``) into positions ``[start,
+        start + n)``, whose blocks must be reserved (:meth:`reserve`).
+
+        The length does not change: :meth:`set_length` makes the written positions part
+        of the cache once every range is in.
+        """
+        n = kv.shape[2]
+        assert kv.shape == (self.num_layers, 2, n, *self.k[0].shape[1:]), kv.shape
+        slots = self.slots(session_id, start, start + n)
+        kv = kv.to(device=self.device, dtype=self.dtype)
+        for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            k.index_copy_(0, slots, kv[i, 0])
+            v.index_copy_(0, slots, kv[i, 1])
+
+    def set_length(self, session_id: str, length: int) -> None:
+        """Truncate to ``length``, or advance to it over reserved, written positions."""
+        have = self.length(session_id)
+        if length <= have:
+            self.alloc.truncate(session_id, length)
+        else:
+            self.alloc.advance(session_id, length - have)
 
     def truncate(self, session_id: str, length: int) -> None:
         self.alloc.truncate(session_id, length)

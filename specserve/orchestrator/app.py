@@ -16,6 +16,8 @@ import grpc.aio
 
 from specserve.orchestrator.config import OrchestratorConfig
 from specserve.orchestrator.generation import Orchestrator
+from specserve.orchestrator.kv_snapshots import KvSnapshots
+from specserve.orchestrator.kv_store import ChunkStore
 from specserve.orchestrator.metrics import serve_metrics
 from specserve.orchestrator.redis_settings import embedded_client
 from specserve.orchestrator.replicas import ReplicaPool
@@ -69,6 +71,8 @@ class App:
     async def shutdown(self) -> None:
         """End the sessions still decoding and close the pools and the store."""
         await self.runner.close()
+        if self.runner.snapshots is not None:
+            await self.runner.snapshots.close()
         for pool in (self.drafts, self.targets):
             await pool.close()
         await self.store.close()
@@ -99,7 +103,12 @@ async def start(config: OrchestratorConfig) -> App:
     )
     await drafts.start()
     await targets.start()
-    runner = RoundRunner(Scheduler(config.scheduler), drafts, targets, store, config.timeouts)
+    snapshots = None
+    if config.snapshots.enabled:
+        snapshots = KvSnapshots(config.snapshots, _chunk_store(config, store), targets)
+    runner = RoundRunner(
+        Scheduler(config.scheduler), drafts, targets, store, config.timeouts, snapshots
+    )
     holder: list[RunningServer[Tokenization]] = []
     orchestrator = Orchestrator(
         store,
@@ -127,6 +136,15 @@ async def start(config: OrchestratorConfig) -> App:
             runner, orchestrator.stats, config.server.host, config.metrics_port
         )
     return App(config, running, orchestrator, runner, store, drafts, targets, metrics_port)
+
+
+def _chunk_store(config: OrchestratorConfig, store: SessionStore) -> ChunkStore:
+    """Where KV snapshot chunks go: their own Redis if one is given, else the session store's."""
+    ttl = config.snapshots.ttl_s
+    if config.snapshot_redis is None:
+        return ChunkStore(store.redis, ttl, where=store.where)
+    redis = config.snapshot_redis
+    return ChunkStore(redis.client(), ttl, where=redis.display, owned=True)
 
 
 def run(config: OrchestratorConfig) -> int:

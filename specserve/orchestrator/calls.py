@@ -54,6 +54,7 @@ class VerifyOutcome:
     lost: bool = False  # the replica failed: nothing was verified
     why: str = ""  # how it failed, when lost
     batch_sizes: list[int] = field(default_factory=list)  # as the target reported them
+    resent: int = 0  # sessions the target answered NEEDS_HISTORY, resent whole
 
 
 def engine_error(e: grpc.aio.AioRpcError, role: str) -> EngineError:
@@ -158,6 +159,7 @@ async def verify(
         stale = [s for s in sessions if results[s.sid].status == NEEDS_HISTORY]
         if stale:
             again = await replica.stub.Verify(request(stale, True), timeout=timeout_s)
+            out.resent += len(stale)
             out.batch_sizes.append(again.batch_size)
             results.update(zip([s.sid for s in stale], again.results, strict=True))
     except grpc.aio.AioRpcError as e:
@@ -175,6 +177,7 @@ async def verify(
             out.lost |= part.lost
             out.why = out.why or part.why
             out.batch_sizes.extend(part.batch_sizes)
+            out.resent += part.resent
         return out
     pool.mark_ok(endpoint, response.replica_id)
     for s in sessions:

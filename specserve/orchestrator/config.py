@@ -15,10 +15,14 @@ flag                            environment                      default
 ``--tokenizer``                 ``SPECSERVE_TOKENIZER``          none (token ids only)
 ``--host`` / ``--port``         ``SPECSERVE_HOST`` / ``_PORT``   127.0.0.1 / 50051
 ``--served-model-name``         ``SPECSERVE_SERVED_MODEL_NAME``  the tokenizer's model
+``--kv-snapshots``              ``SPECSERVE_KV_SNAPSHOTS``       off
+``--kv-snapshot-redis-url``     ``SPECSERVE_KV_SNAPSHOT_REDIS_URL``  the session store
 ==============================  ===============================  ======================
 
 the scheduling knobs below (``--k-max``, ``--k-full-below``, ``--k-zero-at``,
-``--pipeline-groups``, ``--max-batch``, ``--draft-timeout-s``, ...), and the
+``--pipeline-groups``, ``--max-batch``, ``--draft-timeout-s``, ...), the KV
+snapshot ones (``--kv-snapshot-chunk-tokens``, ``--kv-snapshot-every``,
+``--kv-snapshot-ttl-s``; see :mod:`specserve.orchestrator.kv_snapshots`), and the
 telemetry flags every server takes (:mod:`specserve.telemetry.config`: tracing,
 logs, ``--metrics-port``).
 """
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator import keys
+from specserve.orchestrator.kv_snapshots import SnapshotConfig
 from specserve.orchestrator.redis_settings import RedisSettings
 from specserve.orchestrator.replicas import EndpointSpec
 from specserve.orchestrator.rounds import RoundTimeouts
@@ -57,6 +62,8 @@ class OrchestratorConfig:
     active_stale_s: float = keys.ACTIVE_STALE_S
     dns_refresh_s: float = 10.0
     served_model_name: str | None = None  # gen_ai.request.model; None = the tokenizer's spec
+    snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
+    snapshot_redis: RedisSettings | None = None  # None = the session store's Redis
     server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
 
     def __post_init__(self) -> None:
@@ -156,6 +163,37 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         default=float(str(e("FAILOVER_S", 20.0))),
         help="how long a session waits for a target replica to come back",
     )
+    g = parser.add_argument_group("KV snapshots")
+    g.add_argument(
+        "--kv-snapshots",
+        action="store_true",
+        default=str(e("KV_SNAPSHOTS", "")).lower() in ("1", "true", "yes", "on"),
+        help="save each session's target KV to Redis in chunks and restore it on a target "
+        "failover instead of re-prefilling",
+    )
+    g.add_argument(
+        "--kv-snapshot-chunk-tokens",
+        type=int,
+        default=int(str(e("KV_SNAPSHOT_CHUNK_TOKENS", 64))),
+        help="positions per snapshot chunk (only whole chunks are saved)",
+    )
+    g.add_argument(
+        "--kv-snapshot-every",
+        type=int,
+        default=int(str(e("KV_SNAPSHOT_EVERY", 1))),
+        help="export once a session's target holds this many new whole chunks",
+    )
+    g.add_argument(
+        "--kv-snapshot-ttl-s",
+        type=float,
+        default=float(str(e("KV_SNAPSHOT_TTL_S", keys.KV_TTL_S))),
+        help="a chunk expires this long after it was last written or read",
+    )
+    g.add_argument(
+        "--kv-snapshot-redis-url",
+        default=e("KV_SNAPSHOT_REDIS_URL"),
+        help="a separate Redis for the chunks (they are large); default: the session store",
+    )
     g = parser.add_argument_group("serving")
     g.add_argument("--host", default=e("HOST", "127.0.0.1"))
     g.add_argument("--port", type=int, default=int(str(e("PORT", DEFAULT_PORT))))
@@ -191,6 +229,9 @@ def _from_args(args: argparse.Namespace) -> OrchestratorConfig:
             tls_key_file=args.redis_tls_key,
             tls_check_hostname=False if args.redis_tls_no_verify_hostname else None,
         )
+    snapshot_redis = None
+    if args.kv_snapshot_redis_url:
+        snapshot_redis = RedisSettings.from_url(args.kv_snapshot_redis_url)
     return OrchestratorConfig(
         targets=EndpointSpec.parse(args.target or "", "target"),
         drafts=EndpointSpec.parse(args.draft or "", "draft"),
@@ -205,6 +246,14 @@ def _from_args(args: argparse.Namespace) -> OrchestratorConfig:
         ttls=StoreTtls(session_s=args.session_ttl_s),
         dns_refresh_s=args.dns_refresh_s,
         served_model_name=args.served_model_name or None,
+        snapshots=SnapshotConfig(
+            enabled=args.kv_snapshots,
+            chunk_tokens=args.kv_snapshot_chunk_tokens,
+            every_chunks=args.kv_snapshot_every,
+            ttl_s=args.kv_snapshot_ttl_s,
+            timeout_s=args.target_timeout_s,
+        ),
+        snapshot_redis=snapshot_redis,
         server=ServerOptions(
             host=args.host,
             port=args.port,

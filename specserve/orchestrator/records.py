@@ -64,9 +64,14 @@ def after_round(
     usage: Usage,
     draft: session_pb2.KvOwnership,
     target: session_pb2.KvOwnership,
+    *,
+    kv_snapshot: session_pb2.KvSnapshot | None = None,
 ) -> session_pb2.SessionRecord:
-    """The record once a round is committed: every token, the next round index, KV owners."""
+    """The record once a round is committed: every token, the next round index, KV owners
+    (and how far KV snapshots reach, when they are on)."""
     rec = copy(record)
+    if kv_snapshot is not None:
+        rec.kv_snapshot.CopyFrom(kv_snapshot)
     del rec.tokens[:]
     rec.tokens.extend(state.tokens)
     rec.round_index = state.round_index

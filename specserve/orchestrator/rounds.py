@@ -12,14 +12,17 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
 3. one ``Verify`` on the lane's target. If the target is lost, the sessions'
    committed tokens are re-read from the store and the same round — same drafts,
    same (seed, round index, position) draws — is replayed on another target with
-   the whole history, so the output does not change;
+   the whole history, so the output does not change (with ``--kv-snapshots`` the
+   new target first restores the saved KV chunks and gets only the tail);
 4. ``DecodeState.commit``, one pipelined atomic commit per session to the store,
    then the tokens go to the clients. A session whose record changed under it
    (another replica took it over) stops without writing.
 
 Commits and endings (releasing KV, final records) are the
 :class:`~specserve.orchestrator.ledger.Ledger`'s; the round's spans are
-:class:`~specserve.orchestrator.round_spans.RoundSpans`'.
+:class:`~specserve.orchestrator.round_spans.RoundSpans`'; saving and restoring KV
+snapshots are :class:`~specserve.orchestrator.kv_snapshots.KvSnapshots`'s (after
+each commit, off the round's path; before a replay).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from specserve.engine.errors import EngineError
 from specserve.orchestrator import calls
 from specserve.orchestrator.calls import Plan
 from specserve.orchestrator.errors import VersionConflict
+from specserve.orchestrator.kv_snapshots import KvSnapshots
 from specserve.orchestrator.ledger import Ending, Ledger
 from specserve.orchestrator.replicas import ReplicaPool
 from specserve.orchestrator.round_spans import RoundSpans
@@ -81,6 +85,7 @@ class RunnerStats:
     draft_fallbacks: int = 0  # session rounds that wanted drafts but verified at k = 0
     target_failovers: int = 0  # sessions moved to another target mid-round
     replayed_rounds: int = 0  # Verify batches replayed on another target after a loss
+    target_history_resends: int = 0  # sessions a target asked for the whole history
 
     def note_verdict(self, drafted: int, accepted: int) -> None:
         self.session_rounds += 1
@@ -103,12 +108,14 @@ class RoundRunner:
         targets: ReplicaPool,
         store: SessionStore,
         timeouts: RoundTimeouts | None = None,
+        snapshots: KvSnapshots | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.drafts = drafts
         self.targets = targets
         self.store = store
         self.timeouts = timeouts or RoundTimeouts()
+        self.snapshots = snapshots  # None: --kv-snapshots is off
         self.sessions: dict[str, LiveSession] = {}
         self.stats = RunnerStats()
         self._lanes: dict[LaneKey, asyncio.Task[None]] = {}
@@ -265,6 +272,8 @@ class RoundRunner:
             if cspan.is_recording():
                 cspan.set_attribute(attr.BATCH_SIZE, len(committed))
             ending += await self.ledger.commit(committed)
+        if self.snapshots is not None:  # in the background, from where each session is now
+            self.snapshots.after_commit([(moved.get(s.sid, target), s) for s, _ in committed])
         return ending
 
     def _move(self, old: str, moved: dict[str, str]) -> None:
@@ -338,6 +347,7 @@ class RoundRunner:
             total.batch_sizes.extend(out.batch_sizes)
             for size in out.batch_sizes:
                 self.stats.verify_batch_sizes[size] += 1
+            self.stats.target_history_resends += out.resent
             todo = [
                 (s, p) for s, p in todo if s.sid not in out.verdicts and s.sid not in out.errors
             ]
@@ -362,6 +372,8 @@ class RoundRunner:
                 s.state.target_start = 0  # the new replica rebuilds the KV from the history
                 moved[s.sid] = target
                 self.stats.target_failovers += 1
+            if self.snapshots is not None:  # ... or from saved chunks, up to a short tail
+                await self.snapshots.restore(target, [s for s, _ in todo])
         return total, moved
 
     async def _resume_from_store(

@@ -58,6 +58,8 @@ class LiveSession:
         self.done = False
         self.in_round = False  # a lane is running a round with it now
         self.gone = False  # the record was deleted or taken over: never write it again
+        # How far KV snapshots reach (--kv-snapshots); goes into the next record written.
+        self.kv_snapshot: session_pb2.KvSnapshot | None = None
         self.started_ns = time.perf_counter_ns()
         # The request's tracing context: its round spans are children of the request span.
         self.trace_context = trace_context
@@ -77,7 +79,9 @@ class LiveSession:
     ) -> session_pb2.SessionRecord:
         """The record to commit once this round's tokens are in ``state``."""
         usage = self.base_usage + self.turn_usage()
-        return records.after_round(self.record, self.state, usage, draft, target)
+        return records.after_round(
+            self.record, self.state, usage, draft, target, kv_snapshot=self.kv_snapshot
+        )
 
     def deliver(self, tokens: list[int]) -> None:
         if tokens:

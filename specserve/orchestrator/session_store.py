@@ -19,11 +19,10 @@ Every script is idempotent, so the client may retry a call whose reply was lost:
 a retried create or commit that finds its own bytes already stored succeeds.
 Redis being down raises :class:`~specserve.serving.errors.Unavailable`.
 
-KV snapshots (saving a session's target KV in chunks keyed by a chained hash of
-token-prefix chunks, as LMCache does, so another target replica restores
-instead of re-prefilling) are NOT implemented: they need ExportKv / ImportKv
-RPCs on the target. A replica that lost a session re-prefills from the
-committed tokens held here.
+A replica that lost a session re-prefills from the committed tokens held here,
+or, with ``--kv-snapshots``, first restores the KV chunks saved under
+``specserve:kv:`` (:mod:`specserve.orchestrator.kv_store` reads and writes
+those; the record only notes how far they reach).
 """
 
 from __future__ import annotations

@@ -105,6 +105,8 @@ def load_report(
     kv_bytes_free: int,
     queue_depth: int,
     tp_size: int = 1,
+    kv_fingerprint: bytes = b"",
+    kv_bytes_per_token: int = 0,
 ) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         replica_id=replica_id,
@@ -116,4 +118,6 @@ def load_report(
         queue_depth=queue_depth,
         tp_size=tp_size,
         dtype=dtype,
+        kv_fingerprint=kv_fingerprint,
+        kv_bytes_per_token=kv_bytes_per_token,
     )

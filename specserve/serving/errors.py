@@ -3,16 +3,17 @@
 Servicers never pick a status code themselves: they (or the engine below them)
 raise a typed error and :class:`ErrorInterceptor` answers the call with
 
-====================  =======================  ==============================================
-error                 code                     when
-====================  =======================  ==============================================
-``InvalidArgument``   ``INVALID_ARGUMENT``     the request itself is wrong
-``NotFound``          ``NOT_FOUND``            a strict call names a session not held here
-``KVBudgetExceeded``  ``RESOURCE_EXHAUSTED``   the KV pool cannot hold the tokens
-``StaleCache``        ``FAILED_PRECONDITION``  a strict call finds a cache behind ``start``
-``Unavailable``       ``UNAVAILABLE``          loading, shutting down, or after device failure
-anything else         ``INTERNAL``             a bug or a device failure
-====================  =======================  ==============================================
+========================  =======================  ==============================================
+error                     code                     when
+========================  =======================  ==============================================
+``InvalidArgument``       ``INVALID_ARGUMENT``     the request itself is wrong
+``NotFound``              ``NOT_FOUND``            a strict call names a session not held here
+``KVBudgetExceeded``      ``RESOURCE_EXHAUSTED``   the KV pool cannot hold the tokens
+``StaleCache``            ``FAILED_PRECONDITION``  a strict call finds a cache behind ``start``
+``FailedPrecondition``    ``FAILED_PRECONDITION``  e.g. KV chunks of another model (ImportKv)
+``Unavailable``           ``UNAVAILABLE``          loading, shutting down, or after device failure
+anything else             ``INTERNAL``             a bug or a device failure
+========================  =======================  ==============================================
 
 The message is the error's own sentence, so a caller reads what is wrong. Only
 unary-unary handlers are wrapped: the health ``Watch`` stream and reflection pass
@@ -30,6 +31,7 @@ import grpc.aio
 
 from specserve.engine.errors import (
     EngineError,
+    FailedPrecondition,
     InvalidArgument,
     KVBudgetExceeded,
     ModelLoadError,
@@ -53,6 +55,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (KVBudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StaleCache, grpc.StatusCode.FAILED_PRECONDITION),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (ModelLoadError, grpc.StatusCode.INTERNAL),
 )

@@ -9,6 +9,12 @@ tensor parallelism, rank 0's handle on the rank group (``TPVerifier`` under
 torchrun, ``RayTPVerifier`` with Ray). Each verifier call may be a Ray round trip,
 so the backend never asks about sessions one at a time: membership and release
 are one call per batch.
+
+KV snapshots (``ExportKv`` / ``ImportKv``) go through a
+:class:`~specserve.engine.kv_transfer.KvTransfer` on the verifier's pool. A
+tensor-parallel target has none: each rank caches only its slice of the KV heads,
+and gathering them is not built, so both calls answer FAILED_PRECONDITION there
+and the orchestrator re-prefills instead.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specserve.engine.errors import FailedPrecondition
+from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk, KvTransfer
 from specserve.engine.verifier import VerifyInput, VerifyOutcome
 from specserve.target_service.tp_worker import Verifier
 
@@ -44,12 +52,19 @@ class TargetBackend:
     """A loaded target model behind its verifier (one process, or a TP rank group)."""
 
     def __init__(
-        self, verifier: Verifier, *, model_name: str, dtype: str, tp_size: int = 1
+        self,
+        verifier: Verifier,
+        *,
+        model_name: str,
+        dtype: str,
+        tp_size: int = 1,
+        kv_transfer: KvTransfer | None = None,
     ) -> None:
         self.verifier = verifier
         self.model_name = model_name
         self.dtype = dtype
         self.tp_size = tp_size  # ranks behind this replica, reported by GetLoad
+        self.kv_transfer = kv_transfer  # None: ExportKv / ImportKv are not supported
         self.vocab = verifier.vocab_limit  # token ids a request may name
         self.load = TargetLoad()
         self._snapshot()
@@ -77,6 +92,28 @@ class TargetBackend:
         released = self.verifier.release_sessions([sid for ids in calls for sid in ids])
         self._snapshot()
         return [len(set(ids) & released) for ids in calls]  # coalesced calls never share one
+
+    def export_kv(self, calls: Sequence[ExportInput]) -> list[list[KvChunk]]:
+        """Snapshot chunks of sessions' caches (one call per job: not coalesced)."""
+        kv = self._kv()
+        return [kv.export(c.session_id, c.tokens, c.chunk_tokens, c.first_chunk) for c in calls]
+
+    def import_kv(self, calls: Sequence[ImportInput]) -> list[int]:
+        """Build sessions' caches from chunks; per call, the tokens the cache holds."""
+        kv = self._kv()
+        try:
+            return [kv.import_(c.session_id, c.tokens, c.start, c.chunks) for c in calls]
+        finally:
+            self._snapshot()
+
+    def _kv(self) -> KvTransfer:
+        if self.kv_transfer is None:
+            raise FailedPrecondition(
+                f"this target is tensor-parallel (--tp {self.tp_size}): each rank caches "
+                "only its slice of the KV heads, and KV export/import is not supported "
+                "there; re-prefill from the committed tokens instead"
+            )
+        return self.kv_transfer
 
     def healthy(self) -> bool:
         """False once a rank of the TP group failed (any thread; may be one Ray call)."""

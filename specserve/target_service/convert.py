@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specserve.engine.errors import InvalidArgument
+from specserve.engine.kv_chunks import KvLayout
+from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.verifier import VerifyInput, VerifyOutcome
 from specserve.serving import convert, sparse_q
@@ -76,6 +78,53 @@ def verify_response(
         r.next_token = o.verdict.next_token
         r.logprobs.extend(o.logprobs)
     return response
+
+
+def export_input(request: target_pb2.ExportKvRequest, vocab: int) -> ExportInput:
+    """An ExportKvRequest -> engine input (chunk sizes and ranges are checked on the model
+    thread, where the cache is)."""
+    sid = request.session_id
+    convert.check_session_ids([sid])
+    tokens = convert.check_tokens(request.tokens, vocab, "tokens", sid)
+    return ExportInput(sid, tokens, request.chunk_tokens, request.first_chunk)
+
+
+def import_input(request: target_pb2.ImportKvRequest, vocab: int) -> ImportInput:
+    """An ImportKvRequest -> engine input; the chunks' keys, fingerprints and sizes are
+    checked by :meth:`~specserve.engine.kv_transfer.KvTransfer.import_`."""
+    sid = request.session_id
+    convert.check_session_ids([sid])
+    tokens = convert.check_tokens(request.tokens, vocab, "tokens", sid)
+    chunks = [kv_chunk(c, sid, i) for i, c in enumerate(request.chunks)]
+    return ImportInput(sid, tokens, request.start, chunks)
+
+
+def kv_chunk(pb: target_pb2.KvChunk, sid: str = "", index: int = 0) -> KvChunk:
+    """KvChunk message -> engine chunk; InvalidArgument for an unknown dtype or bad sizes."""
+    lay = pb.layout
+    try:
+        layout = KvLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"session {sid!r}: chunk {index}: {e}") from None
+    return KvChunk(pb.key, pb.fingerprint, layout, pb.start, pb.tokens, pb.data)
+
+
+def kv_chunk_pb(chunk: KvChunk) -> target_pb2.KvChunk:
+    """Engine chunk -> KvChunk message (what ExportKv answers and Redis stores)."""
+    lay = chunk.layout
+    return target_pb2.KvChunk(
+        key=chunk.key,
+        fingerprint=chunk.fingerprint,
+        layout=target_pb2.KvLayout(
+            num_layers=lay.num_layers,
+            num_kv_heads=lay.num_kv_heads,
+            head_dim=lay.head_dim,
+            dtype=lay.dtype,
+        ),
+        start=chunk.start,
+        tokens=chunk.tokens,
+        data=chunk.data,
+    )
 
 
 # -- client side ---------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """``specserve target-server``: the target replica's process.
 
 Binds first (health NOT_SERVING), loads the target model on the model thread,
-then serves Prefill / Verify / Release / GetLoad with health SERVING. With
-``--tp N`` the model is split over N ranks (:mod:`specserve.target_service.
-tp_serving`): this process is rank 0, or, under torchrun, a worker rank that
-serves nothing.
+then serves Prefill / Verify / Release / GetLoad / ExportKv / ImportKv with health
+SERVING. With ``--tp N`` the model is split over N ranks
+(:mod:`specserve.target_service.tp_serving`): this process is rank 0, or, under
+torchrun, a worker rank that serves nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import grpc.aio
 
 from specserve.engine.errors import EngineError
+from specserve.engine.kv_transfer import KvTransfer
 from specserve.engine.verifier import TargetVerifier
 from specserve.serving.metrics import serve_replica_metrics
 from specserve.serving.models import load_model
@@ -35,7 +36,14 @@ def load_backend(config: TargetServerConfig) -> TargetBackend:
     """Load the target model and its KV pool (runs on the model thread)."""
     loaded = load_model(config.model, config.dtype, fail_after=config.fail_after_forwards)
     verifier = TargetVerifier(loaded.model, config.kv_budget_bytes, vocab_limit=loaded.vocab)
-    return TargetBackend(verifier, model_name=config.model, dtype=config.dtype)
+    # An ExportKv answer's chunk data stays a little under the message limit.
+    kv = KvTransfer.for_model(
+        loaded.model,
+        verifier.kv,
+        verifier.vocab_limit,
+        max_export_bytes=config.server.max_message_bytes - (1 << 20),
+    )
+    return TargetBackend(verifier, model_name=config.model, dtype=config.dtype, kv_transfer=kv)
 
 
 async def start(

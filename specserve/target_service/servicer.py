@@ -1,8 +1,9 @@
 """The TargetService servicer: pb -> engine inputs -> model thread -> pb, nothing more.
 
 Prefill and Verify share the coalescing key ``"verify"``: prompts and drafts that
-arrive together run in the same forward. Validation lives in
-:mod:`specserve.target_service.convert`, the work in
+arrive together run in the same forward. ExportKv and ImportKv run alone on the
+model thread, in order with the other calls about the same session. Validation
+lives in :mod:`specserve.target_service.convert`, the work in
 :class:`~specserve.target_service.backend.TargetBackend`, and the status codes in
 :class:`~specserve.serving.errors.ErrorInterceptor`.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import grpc.aio
 from opentelemetry import trace
 
+from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk
 from specserve.engine.verifier import VerifyInput
 from specserve.serving import convert
 from specserve.serving.errors import check_strict
@@ -33,8 +35,17 @@ def _run_release(backend: TargetBackend, calls: list[list[str]]) -> list[int]:
     return backend.release(calls)
 
 
+def _run_export(backend: TargetBackend, calls: list[ExportInput]) -> list[list[KvChunk]]:
+    return backend.export_kv(calls)
+
+
+def _run_import(backend: TargetBackend, calls: list[ImportInput]) -> list[int]:
+    return backend.import_kv(calls)
+
+
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    """Serves Prefill / Verify / Release / GetLoad from a :class:`TargetBackend`."""
+    """Serves Prefill / Verify / Release / GetLoad / ExportKv / ImportKv from a
+    :class:`TargetBackend`."""
 
     def __init__(self, running: RunningServer[TargetBackend]) -> None:
         self.running = running
@@ -96,11 +107,34 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         done = await self.executor.submit(_run_release, ids, sessions=ids)
         return common_pb2.ReleaseResponse(released=done.value)
 
+    async def ExportKv(
+        self, request: target_pb2.ExportKvRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.ExportKvResponse:
+        call = wire.export_input(request, self.executor.backend.vocab)
+        done = await self.executor.submit(_run_export, call, sessions=[call.session_id])
+        return target_pb2.ExportKvResponse(
+            chunks=[wire.kv_chunk_pb(c) for c in done.value],
+            compute_ns=done.compute_ns,
+            replica_id=self.running.replica_id,
+        )
+
+    async def ImportKv(
+        self, request: target_pb2.ImportKvRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.ImportKvResponse:
+        call = wire.import_input(request, self.executor.backend.vocab)
+        done = await self.executor.submit(_run_import, call, sessions=[call.session_id])
+        return target_pb2.ImportKvResponse(
+            tokens=done.value,
+            compute_ns=done.compute_ns,
+            replica_id=self.running.replica_id,
+        )
+
     async def GetLoad(
         self, request: common_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.LoadReport:
         backend = self.executor.backend
         load = backend.load
+        kv = backend.kv_transfer
         return convert.load_report(
             replica_id=self.running.replica_id,
             role="target",
@@ -111,4 +145,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             kv_bytes_free=load.kv_bytes_free,
             queue_depth=self.executor.queue_depth(),
             tp_size=backend.tp_size,
+            kv_fingerprint=kv.fingerprint if kv is not None else b"",
+            kv_bytes_per_token=kv.bytes_per_token if kv is not None else 0,
         )

@@ -66,7 +66,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("replica_id", "role", "model", "sessions", "kv_bytes_used", "kv_bytes_free", "queue_depth", "tp_size", "dtype")
+    __slots__ = ("replica_id", "role", "model", "sessions", "kv_bytes_used", "kv_bytes_free", "queue_depth", "tp_size", "dtype", "kv_fingerprint", "kv_bytes_per_token")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,8 @@ class LoadReport(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     role: str
     model: str
@@ -85,4 +87,6 @@ class LoadReport(_message.Message):
     queue_depth: int
     tp_size: int
     dtype: str
-    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    kv_fingerprint: bytes
+    kv_bytes_per_token: int
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_fingerprint: _Optional[bytes] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...

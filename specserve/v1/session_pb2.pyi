@@ -18,8 +18,20 @@ class KvOwnership(_message.Message):
     tokens: int
     def __init__(self, replica_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
+class KvSnapshot(_message.Message):
+    __slots__ = ("fingerprint", "chunk_tokens", "chunks", "head")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: bytes
+    chunk_tokens: int
+    chunks: int
+    head: bytes
+    def __init__(self, fingerprint: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., head: _Optional[bytes] = ...) -> None: ...
+
 class SessionRecord(_message.Message):
-    __slots__ = ("schema_version", "session_id", "version", "state", "tokens", "turn_starts", "completion_start", "sampling", "max_new_tokens", "stop", "drafter", "k", "round_index", "draft", "target", "usage", "created_unix_ms", "updated_unix_ms", "keep")
+    __slots__ = ("schema_version", "session_id", "version", "state", "tokens", "turn_starts", "completion_start", "sampling", "max_new_tokens", "stop", "drafter", "k", "round_index", "draft", "target", "usage", "created_unix_ms", "updated_unix_ms", "keep", "kv_snapshot")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +51,7 @@ class SessionRecord(_message.Message):
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
+    KV_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     session_id: str
     version: int
@@ -58,4 +71,5 @@ class SessionRecord(_message.Message):
     created_unix_ms: int
     updated_unix_ms: int
     keep: bool
-    def __init__(self, schema_version: _Optional[int] = ..., session_id: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_generate_pb2.SessionState, str]] = ..., tokens: _Optional[_Iterable[int]] = ..., turn_starts: _Optional[_Iterable[int]] = ..., completion_start: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., drafter: _Optional[_Union[_common_pb2.Drafter, str]] = ..., k: _Optional[int] = ..., round_index: _Optional[int] = ..., draft: _Optional[_Union[KvOwnership, _Mapping]] = ..., target: _Optional[_Union[KvOwnership, _Mapping]] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., keep: _Optional[bool] = ...) -> None: ...
+    kv_snapshot: KvSnapshot
+    def __init__(self, schema_version: _Optional[int] = ..., session_id: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_generate_pb2.SessionState, str]] = ..., tokens: _Optional[_Iterable[int]] = ..., turn_starts: _Optional[_Iterable[int]] = ..., completion_start: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., drafter: _Optional[_Union[_common_pb2.Drafter, str]] = ..., k: _Optional[int] = ..., round_index: _Optional[int] = ..., draft: _Optional[_Union[KvOwnership, _Mapping]] = ..., target: _Optional[_Union[KvOwnership, _Mapping]] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., keep: _Optional[bool] = ..., kv_snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ...) -> None: ...

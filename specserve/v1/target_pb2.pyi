@@ -80,3 +80,75 @@ class VerifyResponse(_message.Message):
     batch_size: int
     replica_id: str
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class KvLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("key", "fingerprint", "layout", "start", "tokens", "data")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    fingerprint: bytes
+    layout: KvLayout
+    start: int
+    tokens: int
+    data: bytes
+    def __init__(self, key: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., start: _Optional[int] = ..., tokens: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ExportKvRequest(_message.Message):
+    __slots__ = ("session_id", "chunk_tokens", "tokens", "first_chunk")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    chunk_tokens: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    first_chunk: int
+    def __init__(self, session_id: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., first_chunk: _Optional[int] = ...) -> None: ...
+
+class ExportKvResponse(_message.Message):
+    __slots__ = ("chunks", "compute_ns", "replica_id")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[KvChunk]
+    compute_ns: int
+    replica_id: str
+    def __init__(self, chunks: _Optional[_Iterable[_Union[KvChunk, _Mapping]]] = ..., compute_ns: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class ImportKvRequest(_message.Message):
+    __slots__ = ("session_id", "tokens", "start", "chunks")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    start: int
+    chunks: _containers.RepeatedCompositeFieldContainer[KvChunk]
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[KvChunk, _Mapping]]] = ...) -> None: ...
+
+class ImportKvResponse(_message.Message):
+    __slots__ = ("tokens", "compute_ns", "replica_id")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    compute_ns: int
+    replica_id: str
+    def __init__(self, tokens: _Optional[int] = ..., compute_ns: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,16 @@ class TargetServiceStub:
                 request_serializer=specserve_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_common__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.ExportKv = channel.unary_unary(
+                '/specserve.v1.TargetService/ExportKv',
+                request_serializer=specserve_dot_v1_dot_target__pb2.ExportKvRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_target__pb2.ExportKvResponse.FromString,
+                _registered_method=True)
+        self.ImportKv = channel.unary_unary(
+                '/specserve.v1.TargetService/ImportKv',
+                request_serializer=specserve_dot_v1_dot_target__pb2.ImportKvRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_target__pb2.ImportKvResponse.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -89,6 +99,28 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportKv(self, request, context):
+        """Copy whole chunks of a session's cached K/V out (KV snapshots), each named by
+        a chained hash of the token prefix it ends. NOT_FOUND when the session has no
+        cache here; FAILED_PRECONDITION when the cache holds fewer tokens than asked
+        for, or on a tensor-parallel target (not supported there).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportKv(self, request, context):
+        """Build (or extend) a session's cache from exported chunks instead of running a
+        prefill. INVALID_ARGUMENT for a malformed request or a chunk whose key does not
+        match the tokens; FAILED_PRECONDITION for chunks of another model, dtype or
+        layout (or a tensor-parallel target); RESOURCE_EXHAUSTED when the KV budget
+        cannot hold them. A failed call leaves the session's cache as it was, except
+        that a cache it was replacing (start = 0) is dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +143,16 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=specserve_dot_v1_dot_common__pb2.GetLoadRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_common__pb2.LoadReport.SerializeToString,
+            ),
+            'ExportKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportKv,
+                    request_deserializer=specserve_dot_v1_dot_target__pb2.ExportKvRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_target__pb2.ExportKvResponse.SerializeToString,
+            ),
+            'ImportKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportKv,
+                    request_deserializer=specserve_dot_v1_dot_target__pb2.ImportKvRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_target__pb2.ImportKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +263,60 @@ class TargetService:
             '/specserve.v1.TargetService/GetLoad',
             specserve_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
             specserve_dot_v1_dot_common__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.TargetService/ExportKv',
+            specserve_dot_v1_dot_target__pb2.ExportKvRequest.SerializeToString,
+            specserve_dot_v1_dot_target__pb2.ExportKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.TargetService/ImportKv',
+            specserve_dot_v1_dot_target__pb2.ImportKvRequest.SerializeToString,
+            specserve_dot_v1_dot_target__pb2.ImportKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -84,3 +84,21 @@ def test_config_from_flags_and_environment() -> None:
     with pytest.raises(SystemExit):  # no target anywhere
         config.add_arguments(bare := argparse.ArgumentParser(), {})
         bare.parse_args([])
+
+
+def test_kv_snapshot_flags() -> None:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, {"SPECSERVE_TARGET_ENDPOINTS": "t:1"})
+    off = config.from_args(parser.parse_args([]))
+    assert not off.snapshots.enabled and off.snapshot_redis is None
+    args = ["--kv-snapshots", "--kv-snapshot-chunk-tokens", "32", "--kv-snapshot-every", "2"]
+    args += ["--kv-snapshot-ttl-s", "120", "--kv-snapshot-redis-url", "redis://kv:6390/2"]
+    on = config.from_args(parser.parse_args(args))
+    assert on.snapshots.enabled and on.snapshots.chunk_tokens == 32
+    assert (on.snapshots.every_chunks, on.snapshots.ttl_s) == (2, 120.0)
+    assert on.snapshot_redis is not None and on.snapshot_redis.port == 6390
+    env = {"SPECSERVE_TARGET_ENDPOINTS": "t:1", "SPECSERVE_KV_SNAPSHOTS": "true"}
+    config.add_arguments(from_env := argparse.ArgumentParser(), env)
+    assert config.from_args(from_env.parse_args([])).snapshots.enabled
+    with pytest.raises(InvalidArgument, match=r"chunk_tokens must be in 1\.\.4096"):
+        config.from_args(parser.parse_args(["--kv-snapshot-chunk-tokens", "0"]))

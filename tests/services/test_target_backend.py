@@ -9,7 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
+from specserve.engine.errors import FailedPrecondition
 from specserve.engine.kv_cache import KVStats
+from specserve.engine.kv_transfer import ExportInput, ImportInput
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.verifier import VerifyInput, VerifyOutcome
@@ -87,3 +91,14 @@ def test_release_is_one_call_for_every_coalesced_call() -> None:
     assert backend.load.sessions == 1
     backend.close()
     assert verifier.calls[-1] == "close"
+
+
+def test_a_tensor_parallel_backend_refuses_kv_export_and_import() -> None:
+    backend = TargetBackend(
+        CountingVerifier(held={"a"}), model_name="m", dtype="float32", tp_size=2
+    )
+    call = ExportInput("a", [1] * 16, 16, 0)
+    with pytest.raises(FailedPrecondition, match=r"tensor-parallel \(--tp 2\)"):
+        backend.export_kv([call])
+    with pytest.raises(FailedPrecondition, match="re-prefill"):
+        backend.import_kv([ImportInput("a", [1] * 16, 0, [])])

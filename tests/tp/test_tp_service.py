@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from specserve.serving.launch import ServerProcess
-from specserve.v1 import target_pb2, target_pb2_grpc
+from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tests.tp.isolation import netns_prefix
 from tests.tp.ranks import LOOPBACK, free_port, torchrun_env
 from tests.tp.service_program import COMMON, GLOO_ENV, decode, specs, start_all
@@ -137,6 +137,13 @@ def test_killed_worker_rank_ends_rank0_within_the_timeout(tmp_path: Path) -> Non
             session = target_pb2.PrefillSession(session_id="a", tokens=[5, 6, 7])
             stub = target_pb2_grpc.TargetServiceStub(channel)
             stub.Prefill(target_pb2.PrefillRequest(sessions=[session]), timeout=30)
+            # KV snapshots are refused on a TP target, and GetLoad says so up front.
+            assert stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10).kv_fingerprint == b""
+            export = target_pb2.ExportKvRequest(session_id="a", chunk_tokens=1, tokens=[5])
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ExportKv(export, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "tensor-parallel" in (refused.value.details() or "")
         worker.send_signal(signal.SIGKILL)
         started = time.monotonic()
         assert rank0.proc is not None
