@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from specserve.orchestrator.draft_ahead import Outcome
 from specserve.orchestrator.rounds import RoundRunner
 
 
@@ -48,6 +49,25 @@ class RunnerCollector(Collector):
             "Sessions whose round was replayed on another target replica",
             stats.target_failovers,
         )
+        yield CounterMetricFamily(
+            "specserve_orchestrator_draft_ahead_bets",
+            "Sessions whose next round was drafted while this one was verified",
+            stats.draft_ahead_bets,
+        )
+        yield CounterMetricFamily(
+            "specserve_orchestrator_draft_ahead_hits",
+            "Draft-ahead bets that came true and stood in for the next round's Propose",
+            stats.draft_ahead[Outcome.HIT],
+        )
+        misses = CounterMetricFamily(
+            "specserve_orchestrator_draft_ahead_misses",
+            "Draft-ahead bets discarded: drafts rejected, a wrong guess of the bonus token, "
+            "or no usable answer (lost)",
+            labels=["reason"],
+        )
+        for outcome in (Outcome.REJECTED, Outcome.GUESS, Outcome.LOST):
+            misses.add_metric([outcome.value], stats.draft_ahead[outcome])
+        yield misses
         for role, pool in (("draft", self.runner.drafts), ("target", self.runner.targets)):
             yield GaugeMetricFamily(
                 f"specserve_orchestrator_{role}_replicas_up",

@@ -17,6 +17,10 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    then the tokens go to the clients. A session whose record changed under it
    (another replica took it over) stops without writing.
 
+With draft-ahead on, step 3 also sends each eligible session's bet on round
+r + 1 to its draft replica, and step 2 of round r + 1 uses a bet that came true
+instead of proposing (:mod:`specserve.orchestrator.draft_ahead`).
+
 Commits and endings (releasing KV, final records) are the
 :class:`~specserve.orchestrator.ledger.Ledger`'s.
 """
@@ -33,8 +37,10 @@ from opentelemetry import trace
 
 from specserve.engine.decode_state import FinishReason
 from specserve.engine.errors import EngineError
-from specserve.orchestrator import calls
+from specserve.orchestrator import calls, draft_ahead
+from specserve.orchestrator.bets import BetBook
 from specserve.orchestrator.calls import Plan
+from specserve.orchestrator.draft_ahead import Outcome
 from specserve.orchestrator.errors import VersionConflict
 from specserve.orchestrator.ledger import Ending, Ledger
 from specserve.orchestrator.replicas import ReplicaPool
@@ -63,6 +69,8 @@ class RunnerStats:
     verify_batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
     draft_fallbacks: int = 0  # sessions verified at k = 0 because their draft replica failed
     target_failovers: int = 0  # sessions moved to another target mid-round
+    draft_ahead_bets: int = 0  # draft-ahead calls' sessions
+    draft_ahead: collections.Counter[Outcome] = field(default_factory=collections.Counter)
 
 
 class RoundRunner:
@@ -85,6 +93,7 @@ class RoundRunner:
         self.stats = RunnerStats()
         self._lanes: dict[LaneKey, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self.bets = BetBook(drafts, self.timeouts.draft_s)
         self.ledger = Ledger(
             scheduler, drafts, targets, store, self.sessions, self.timeouts.release_s
         )
@@ -135,6 +144,7 @@ class RoundRunner:
         for task in list(self._lanes.values()):
             task.cancel()
         await asyncio.gather(*self._lanes.values(), return_exceptions=True)
+        self.bets.close()
         down = Unavailable("the orchestrator is shutting down; retry on another replica")
         await self.ledger.finish([(s, None, down) for s in list(self.sessions.values())])
 
@@ -166,6 +176,8 @@ class RoundRunner:
             finally:
                 for s in batch:
                     s.in_round = False
+                    if s.done:
+                        self.bets.drop(s.sid)
 
     # -- one round -----------------------------------------------------------------------
 
@@ -185,6 +197,8 @@ class RoundRunner:
                 span.set_attribute("specserve.batch_size", len(live))
             with tracer.start_as_current_span("specserve.propose"):
                 plans = await self._propose(target, live)
+            if self.scheduler.config.draft_ahead:
+                self._bet(target, live, plans)
             with tracer.start_as_current_span("specserve.verify") as vspan:
                 outcome, moved = await self._verify(target, [(s, plans[s.sid]) for s in live])
                 if vspan.is_recording():
@@ -218,7 +232,9 @@ class RoundRunner:
 
     async def _propose(self, target: str, live: list[LiveSession]) -> dict[str, Plan]:
         cap = self.scheduler.k_cap(target)
+        bets = await self.bets.collect(s.sid for s in live)
         by_draft: dict[str, list[tuple[LiveSession, int]]] = collections.defaultdict(list)
+        plans: dict[str, Plan] = collections.defaultdict(Plan)
         for s in live:
             placement = self.scheduler.placement(s.sid)
             assert placement is not None
@@ -228,13 +244,20 @@ class RoundRunner:
                 placement.draft = self.scheduler.pick_draft()
                 s.state.draft_start = 0
             k = s.state.next_k(cap)
+            if s.sid in bets:
+                bet, answer = bets[s.sid]
+                settled = draft_ahead.settle(bet, s.state, answer, placement.draft, k)
+                self.stats.draft_ahead[settled.outcome] += 1
+                if settled.proposal is not None:  # a hit: no Propose this round
+                    plans[s.sid] = Plan(settled.proposal)
+                    s.state.draft_start = bet.draft_start
+                    continue
             if placement.draft is not None and k > 0:
                 by_draft[placement.draft].append((s, k))
         timeout = self._timeout(self.timeouts.draft_s, live)
         found = await asyncio.gather(
             *(calls.propose(self.drafts, ep, items, timeout) for ep, items in by_draft.items())
         )
-        plans: dict[str, Plan] = collections.defaultdict(Plan)
         for (ep, items), got in zip(by_draft.items(), found, strict=True):
             plans.update(got)
             if ep not in self.drafts.usable():  # the replica failed: move its sessions
@@ -244,6 +267,21 @@ class RoundRunner:
                     s.state.draft_start = 0
                 self._release_later(self.drafts, ep, [s.sid for s, _ in items])
         return plans
+
+    def _bet(self, target: str, live: list[LiveSession], plans: dict[str, Plan]) -> None:
+        """Draft round r + 1 while round r is verified (see :mod:`.draft_ahead`)."""
+        cap = self.scheduler.k_cap(target)
+        bets = []
+        for s in live:
+            placement = self.scheduler.placement(s.sid)
+            plan = plans.get(s.sid)
+            if placement is None or plan is None:
+                continue
+            bet = draft_ahead.place(s.state, plan.proposal, placement.draft, cap)
+            if bet is not None:
+                bets.append(bet)
+        self.stats.draft_ahead_bets += len(bets)
+        self.bets.place(bets)
 
     def _release_later(self, pool: ReplicaPool, endpoint: str, ids: list[str]) -> None:
         """Best effort, off the round's path: drop caches on a replica sessions left."""
