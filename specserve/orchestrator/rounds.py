@@ -197,8 +197,7 @@ class RoundRunner:
                 span.set_attribute("specserve.batch_size", len(live))
             with tracer.start_as_current_span("specserve.propose"):
                 plans = await self._propose(target, live)
-            if self.scheduler.config.draft_ahead:
-                self._bet(target, live, plans)
+            self._bet(target, live, plans)
             with tracer.start_as_current_span("specserve.verify") as vspan:
                 outcome, moved = await self._verify(target, [(s, plans[s.sid]) for s in live])
                 if vspan.is_recording():
@@ -269,13 +268,21 @@ class RoundRunner:
         return plans
 
     def _bet(self, target: str, live: list[LiveSession], plans: dict[str, Plan]) -> None:
-        """Draft round r + 1 while round r is verified (see :mod:`.draft_ahead`)."""
+        """Draft round r + 1 while round r is verified, where the draft would idle meanwhile."""
         cap = self.scheduler.k_cap(target)
         bets = []
+        idle: dict[tuple[str, LaneKey], bool] = {}
         for s in live:
             placement = self.scheduler.placement(s.sid)
             plan = plans.get(s.sid)
-            if placement is None or plan is None:
+            if placement is None or plan is None or placement.draft is None:
+                continue
+            key = (placement.draft, placement.lane)
+            if key not in idle:
+                idle[key] = self.scheduler.draft_idle_while_verifying(
+                    placement.lane, placement.draft
+                )
+            if not idle[key]:
                 continue
             bet = draft_ahead.place(s.state, plan.proposal, placement.draft, cap)
             if bet is not None:

@@ -24,8 +24,12 @@ target's batch is already large, so the cap falls to 0 there.
 
 **Draft-ahead** (``draft_ahead``): while round r of a session is verified, its
 draft replica drafts round r + 1 on the bet that all k drafts are accepted and
-the bonus token is the draft's own guess; a hit skips round r + 1's Propose. The
-decisions are in :mod:`specserve.orchestrator.draft_ahead`.
+the bonus token is the draft's own guess; a hit skips round r + 1's Propose (the
+bet itself is :mod:`specserve.orchestrator.draft_ahead`). It uses draft time
+that would otherwise idle, so a lane bets only while its draft replica serves no
+other lane (:meth:`Scheduler.draft_idle_while_verifying`): once two lanes share
+a draft replica, pipelining already keeps it busy during verification, and bets
+would only queue in front of the other lane's Propose.
 """
 
 from __future__ import annotations
@@ -136,6 +140,13 @@ class Scheduler:
 
     def k_cap(self, target: str) -> int:
         return self.config.k_curve.cap(self.target_load(target))
+
+    def draft_idle_while_verifying(self, lane: LaneKey, draft: str) -> bool:
+        """Whether draft-ahead may use ``draft`` for ``lane``: it serves no other lane's
+        sessions, so nothing else would keep it busy while the lane's target verifies."""
+        return self.config.draft_ahead and all(
+            p.lane == lane for p in self._placement.values() if p.draft == draft
+        )
 
     # -- placement ---------------------------------------------------------------------
 

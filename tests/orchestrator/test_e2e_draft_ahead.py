@@ -2,8 +2,9 @@
 
 The draft is a low-noise copy of the target (it agrees on most tokens), so whole
 rounds are often accepted and the draft's guess of the bonus token is often
-right. A second orchestrator with ``--draft-ahead off`` on the same replicas
-gives the same tokens without a single bet; sampled sessions never bet.
+right. More orchestrators on the same replicas: with one lane per target every
+session bets; with ``--draft-ahead off`` none does; the tokens are the same.
+Sampled sessions never bet.
 """
 
 from __future__ import annotations
@@ -70,23 +71,26 @@ def test_greedy_output_unchanged_with_hits(ahead_stack: Stack, reference: Refere
     assert ahead_stack.draft is not None
     draft = ahead_stack.draft.address
     base_draft = kv_used(draft, "draft")
-    before = counts(ahead_stack.metrics_port)
+    port = ahead_stack.metrics_port
+    before = counts(port)
+    with Client(ahead_stack.address, timeout_s=60) as c:  # one session: its lane alone
+        one = c.generate(prompt(9), max_new_tokens=NEW_TOKENS, k=4)
+    assert one.token_ids == reference.decode(prompt(9), NEW_TOKENS)
+    assert one.usage.drafted_tokens > 0 and one.usage.accepted_tokens > 0
+    alone = counts(port)
+    delta = {name: alone[name] - before[name] for name in alone}
+    assert delta["hits"] > 0
+    # Every bet settles (a hit or a miss) at its session's next round, or is dropped when
+    # the session ends; every hit saved a Propose, so rounds outnumber them.
+    assert delta["hits"] + delta["misses"] <= delta["bets"] < delta["rounds"] + 1
+    # Concurrent sessions in two lanes (pipeline groups) share the draft replica: the
+    # lanes keep it busy, so they bet only once a lane is left alone; tokens stay exact.
     cases: list[tuple[list[int], dict[str, object]]] = [
         (prompt(i), {"k": 4} if i % 2 else {}) for i in range(4)
     ]
     got = stream_all(ahead_stack.address, cases)
     for (p, _), tokens in zip(cases, got, strict=True):
         assert tokens == reference.decode(p, NEW_TOKENS)
-    with Client(ahead_stack.address, timeout_s=60) as c:  # and one alone, unary
-        one = c.generate(prompt(9), max_new_tokens=NEW_TOKENS, k=4)
-    assert one.token_ids == reference.decode(prompt(9), NEW_TOKENS)
-    assert one.usage.drafted_tokens > 0 and one.usage.accepted_tokens > 0
-    after = counts(ahead_stack.metrics_port)
-    delta = {name: after[name] - before[name] for name in after}
-    assert delta["hits"] > 0 and delta["bets"] > 0
-    # Every bet settles (a hit or a miss) at its session's next round, or is dropped
-    # when the session ends; a hit saves that round's Propose.
-    assert delta["hits"] + delta["misses"] <= delta["bets"]
     wait_until(lambda: kv_used(draft, "draft") == base_draft)
 
 
@@ -99,18 +103,28 @@ def test_sampled_sessions_do_not_bet(ahead_stack: Stack) -> None:
     assert after["rounds"] > before["rounds"] and after["bets"] == before["bets"]
 
 
-def test_switched_off_same_tokens_no_bets(ahead_stack: Stack) -> None:
+def test_one_lane_bets_for_all_its_sessions_and_off_never_bets(ahead_stack: Stack) -> None:
+    """Two more orchestrators on the same replicas: one lane per target (every session
+    bets, several per draft call), and draft-ahead off; same tokens, no bet when off."""
     assert ahead_stack.draft is not None
-    port = free_port()
     targets = ",".join(t.address for t in ahead_stack.target_procs)
-    args = ["--target", targets, "--draft", ahead_stack.draft.address]
-    args += ["--redis-url", ahead_stack.redis_url, "--metrics-port", str(port)]
-    with OrchestratorProcess([*args, "--draft-ahead", "off"], env=ENV) as off:
-        off.wait_serving()
-        cases: list[tuple[list[int], dict[str, object]]] = [(prompt(20 + i), {}) for i in range(2)]
-        assert stream_all(off.address, cases) == stream_all(ahead_stack.address, cases)
-        got = counts(port)
-        assert got["rounds"] > 0 and got["bets"] == got["hits"] == got["misses"] == 0
+    common = ["--target", targets, "--draft", ahead_stack.draft.address]
+    common += ["--redis-url", ahead_stack.redis_url]
+    ports = {"one-lane": free_port(), "off": free_port()}
+    flags = {"one-lane": ["--pipeline-groups", "1"], "off": ["--draft-ahead", "off"]}
+    cases: list[tuple[list[int], dict[str, object]]] = [(prompt(20 + i), {}) for i in range(3)]
+    tokens = {}
+    for name, port in ports.items():
+        args = [*common, *flags[name], "--metrics-port", str(port)]
+        with OrchestratorProcess(args, env=ENV) as orchestrator:
+            orchestrator.wait_serving()
+            tokens[name] = stream_all(orchestrator.address, cases)
+            got = counts(port)
+        if name == "off":
+            assert got["rounds"] > 0 and got["bets"] == got["hits"] == got["misses"] == 0
+        else:
+            assert got["bets"] > got["rounds"] and got["hits"] > 0  # sessions bet together
+    assert tokens["one-lane"] == tokens["off"] == stream_all(ahead_stack.address, cases)
 
 
 def wait_until(check, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
