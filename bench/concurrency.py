@@ -40,8 +40,10 @@ import argparse
 import asyncio
 import concurrent.futures
 import multiprocessing
+import re
 import socket
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -256,9 +258,6 @@ def stack(args: argparse.Namespace) -> Iterator[StackUnderTest]:
 
 def draft_ahead_counts(port: int) -> dict[str, float]:
     """Bets, hits and misses an orchestrator reports on its metrics port."""
-    import re
-    import urllib.request
-
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         body = r.read().decode()
     out = {"bets": 0.0, "hits": 0.0, "misses": 0.0}
