@@ -89,21 +89,27 @@ class LoadProbe:
 
     Load averages count the benchmark's own threads; this does not: the busy time of
     all CPUs (``/proc/stat``, steal included) minus this process's CPU time, over the
-    wall time of all CPUs, between construction and :meth:`others_share`.
+    wall time of all CPUs, between construction and :meth:`others_share`. With
+    ``children``, the CPU time of child processes that have exited and been waited
+    for (servers the benchmark started and stopped) counts as its own too.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, children: bool = False) -> None:
+        self.children = children
         self._start = self._snapshot()
 
-    @staticmethod
-    def _snapshot() -> tuple[float, float, float] | None:
+    def _snapshot(self) -> tuple[float, float, float] | None:
         try:
             fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
         except (OSError, ValueError):
             return None
         idle = fields[3] + fields[4]  # idle + iowait
         busy = (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
-        return busy, time.process_time(), time.monotonic()
+        own = time.process_time()
+        if self.children:
+            t = os.times()
+            own += t.children_user + t.children_system
+        return busy, own, time.monotonic()
 
     def others_share(self) -> float | None:
         """Fraction of all CPUs' time other processes used since construction."""

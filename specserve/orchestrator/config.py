@@ -20,7 +20,7 @@ flag                            environment                      default
 ==============================  ===============================  ======================
 
 the scheduling knobs below (``--k-max``, ``--k-full-below``, ``--k-zero-at``,
-``--pipeline-groups``, ``--max-batch``, ``--draft-timeout-s``, ...), the KV
+``--pipeline-groups``, ``--max-batch``, ``--draft-ahead``, ``--draft-timeout-s``, ...), the KV
 snapshot ones (``--kv-snapshot-chunk-tokens``, ``--kv-snapshot-every``,
 ``--kv-snapshot-ttl-s``; see :mod:`specserve.orchestrator.kv_snapshots`), and the
 telemetry flags every server takes (:mod:`specserve.telemetry.config`: tracing,
@@ -153,6 +153,12 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         default=int(str(e("MAX_BATCH", 64))),
         help="sessions per Verify call",
     )
+    g.add_argument(
+        "--draft-ahead",
+        choices=["on", "off"],
+        default=str(e("DRAFT_AHEAD", "on")),
+        help="greedy sessions draft the next round while this one is verified",
+    )
     g.add_argument("--draft-timeout-s", type=float, default=float(str(e("DRAFT_TIMEOUT_S", 2.0))))
     g.add_argument(
         "--target-timeout-s", type=float, default=float(str(e("TARGET_TIMEOUT_S", 60.0)))
@@ -219,6 +225,8 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
 
 
 def _from_args(args: argparse.Namespace) -> OrchestratorConfig:
+    if args.draft_ahead not in ("on", "off"):  # argparse does not check an env default
+        raise ValueError(f"--draft-ahead must be on or off, got {args.draft_ahead!r}")
     redis = None
     if args.redis_url:
         redis = RedisSettings.from_url(
@@ -241,6 +249,7 @@ def _from_args(args: argparse.Namespace) -> OrchestratorConfig:
             pipeline_groups=args.pipeline_groups,
             max_batch=args.max_batch,
             k_curve=KCapCurve(args.k_max, args.k_full_below, args.k_zero_at),
+            draft_ahead=args.draft_ahead == "on",
         ),
         timeouts=RoundTimeouts(args.draft_timeout_s, args.target_timeout_s, args.failover_s),
         ttls=StoreTtls(session_s=args.session_ttl_s),

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from specserve.orchestrator.draft_ahead import Outcome
 from specserve.orchestrator.kv_snapshots import SnapshotStats
 from specserve.orchestrator.request_stats import RequestStats
 from specserve.orchestrator.rounds import RoundRunner
@@ -116,6 +117,25 @@ class RunnerCollector(Collector):
         )
         if self.runner.snapshots is not None:
             yield from snapshot_metrics(self.runner.snapshots.stats)
+        yield CounterMetricFamily(
+            f"{P}_draft_ahead_bets",
+            "Sessions whose next round was drafted while this one was verified",
+            stats.draft_ahead_bets,
+        )
+        yield CounterMetricFamily(
+            f"{P}_draft_ahead_hits",
+            "Draft-ahead bets that came true and stood in for the next round's Propose",
+            stats.draft_ahead[Outcome.HIT],
+        )
+        misses = CounterMetricFamily(
+            f"{P}_draft_ahead_misses",
+            "Draft-ahead bets discarded: drafts rejected, a wrong guess of the bonus token, "
+            "or no usable answer (lost)",
+            labels=["reason"],
+        )
+        for outcome in (Outcome.REJECTED, Outcome.GUESS, Outcome.LOST):
+            misses.add_metric([outcome.value], stats.draft_ahead[outcome])
+        yield misses
         for role, pool in (("draft", self.runner.drafts), ("target", self.runner.targets)):
             yield GaugeMetricFamily(
                 f"{P}_{role}_replicas_up",

@@ -18,6 +18,10 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    then the tokens go to the clients. A session whose record changed under it
    (another replica took it over) stops without writing.
 
+With draft-ahead on, step 3 also sends each eligible session's bet on round
+r + 1 to its draft replica, and step 2 of round r + 1 uses a bet that came true
+instead of proposing (:mod:`specserve.orchestrator.draft_ahead`).
+
 Commits and endings (releasing KV, final records) are the
 :class:`~specserve.orchestrator.ledger.Ledger`'s; the round's spans are
 :class:`~specserve.orchestrator.round_spans.RoundSpans`'; saving and restoring KV
@@ -38,8 +42,10 @@ from opentelemetry import trace
 
 from specserve.engine.decode_state import FinishReason
 from specserve.engine.errors import EngineError
-from specserve.orchestrator import calls
+from specserve.orchestrator import calls, draft_ahead
+from specserve.orchestrator.bets import BetBook
 from specserve.orchestrator.calls import Plan
+from specserve.orchestrator.draft_ahead import Outcome
 from specserve.orchestrator.errors import VersionConflict
 from specserve.orchestrator.kv_snapshots import KvSnapshots
 from specserve.orchestrator.ledger import Ending, Ledger
@@ -86,6 +92,8 @@ class RunnerStats:
     target_failovers: int = 0  # sessions moved to another target mid-round
     replayed_rounds: int = 0  # Verify batches replayed on another target after a loss
     target_history_resends: int = 0  # sessions a target asked for the whole history
+    draft_ahead_bets: int = 0  # draft-ahead calls' sessions
+    draft_ahead: collections.Counter[Outcome] = field(default_factory=collections.Counter)
 
     def note_verdict(self, drafted: int, accepted: int) -> None:
         self.session_rounds += 1
@@ -120,6 +128,7 @@ class RoundRunner:
         self.stats = RunnerStats()
         self._lanes: dict[LaneKey, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self.bets = BetBook(drafts, self.timeouts.draft_s)
         self.ledger = Ledger(
             scheduler, drafts, targets, store, self.sessions, self.timeouts.release_s
         )
@@ -170,6 +179,7 @@ class RoundRunner:
         for task in list(self._lanes.values()):
             task.cancel()
         await asyncio.gather(*self._lanes.values(), return_exceptions=True)
+        self.bets.close()
         down = Unavailable("the orchestrator is shutting down; retry on another replica")
         await self.ledger.finish([(s, None, down) for s in list(self.sessions.values())])
 
@@ -205,6 +215,8 @@ class RoundRunner:
                 otel_context.detach(token)
                 for s in batch:
                     s.in_round = False
+                    if s.done:
+                        self.bets.drop(s.sid)
 
     # -- one round -----------------------------------------------------------------------
 
@@ -242,6 +254,7 @@ class RoundRunner:
                         attr.SPEC_DRAFTED: sum(len(p.proposal.tokens) for p in plans.values()),
                     }
                 )
+        self._bet(target, live, plans)
         with spans.phase(attr.SPAN_VERIFY) as vspan:
             outcome, moved = await self._verify(target, [(s, plans[s.sid]) for s in live])
             if vspan.is_recording():
@@ -289,8 +302,10 @@ class RoundRunner:
         self, target: str, live: list[LiveSession], spans: RoundSpans
     ) -> dict[str, Plan]:
         cap = self.scheduler.k_cap(target)
+        bets = await self.bets.collect(s.sid for s in live)
         by_draft: dict[str, list[tuple[LiveSession, int]]] = collections.defaultdict(list)
         wanted: list[str] = []  # sessions that want drafts this round
+        plans: dict[str, Plan] = collections.defaultdict(Plan)
         for s in live:
             placement = self.scheduler.placement(s.sid)
             assert placement is not None
@@ -303,13 +318,20 @@ class RoundRunner:
             spans.asked(s, k)
             if k > 0:
                 wanted.append(s.sid)
+            if s.sid in bets:
+                bet, answer = bets[s.sid]
+                settled = draft_ahead.settle(bet, s.state, answer, placement.draft, k)
+                self.stats.draft_ahead[settled.outcome] += 1
+                if settled.proposal is not None:  # a hit: no Propose this round
+                    plans[s.sid] = Plan(settled.proposal)
+                    s.state.draft_start = bet.draft_start
+                    continue
             if placement.draft is not None and k > 0:
                 by_draft[placement.draft].append((s, k))
         timeout = self._timeout(self.timeouts.draft_s, live)
         found = await asyncio.gather(
             *(calls.propose(self.drafts, ep, items, timeout) for ep, items in by_draft.items())
         )
-        plans: dict[str, Plan] = collections.defaultdict(Plan)
         for (ep, items), got in zip(by_draft.items(), found, strict=True):
             plans.update(got)
             if ep not in self.drafts.usable():  # the replica failed: move its sessions
@@ -320,6 +342,29 @@ class RoundRunner:
         # No draft replica, a failed or slow one, or a refusal: these verify at k = 0.
         self.stats.draft_fallbacks += sum(1 for sid in wanted if sid not in plans)
         return plans
+
+    def _bet(self, target: str, live: list[LiveSession], plans: dict[str, Plan]) -> None:
+        """Draft round r + 1 while round r is verified, where the draft would idle meanwhile."""
+        cap = self.scheduler.k_cap(target)
+        bets = []
+        idle: dict[tuple[str, LaneKey], bool] = {}
+        for s in live:
+            placement = self.scheduler.placement(s.sid)
+            plan = plans.get(s.sid)
+            if placement is None or plan is None or placement.draft is None:
+                continue
+            key = (placement.draft, placement.lane)
+            if key not in idle:
+                idle[key] = self.scheduler.draft_idle_while_verifying(
+                    placement.lane, placement.draft
+                )
+            if not idle[key]:
+                continue
+            bet = draft_ahead.place(s.state, plan.proposal, placement.draft, cap)
+            if bet is not None:
+                bets.append(bet)
+        self.stats.draft_ahead_bets += len(bets)
+        self.bets.place(bets)
 
     def _release_later(self, pool: ReplicaPool, endpoint: str, ids: list[str]) -> None:
         """Best effort, off the round's path: drop caches on a replica sessions left."""

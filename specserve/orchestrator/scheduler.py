@@ -22,12 +22,14 @@ the least-loaded usable replica.
 by the load on its target (:class:`KCapCurve`): speculation pays least when the
 target's batch is already large, so the cap falls to 0 there.
 
-**Not done: draft-ahead** (the draft keeps drafting round r + 1 while round r is
-verified, betting that all k are accepted). With two pipeline groups the draft
-pool is already busy during verification, and a draft-ahead hit would have to
-draw round r + 1's tokens before round r's bonus token is known, so a replayed
-round could differ from the original in sampled mode. It is left out until a
-benchmark on separate draft and target devices shows it pays.
+**Draft-ahead** (``draft_ahead``): while round r of a session is verified, its
+draft replica drafts round r + 1 on the bet that all k drafts are accepted and
+the bonus token is the draft's own guess; a hit skips round r + 1's Propose (the
+bet itself is :mod:`specserve.orchestrator.draft_ahead`). It uses draft time
+that would otherwise idle, so a lane bets only while its draft replica serves no
+other lane (:meth:`Scheduler.draft_idle_while_verifying`): once two lanes share
+a draft replica, pipelining already keeps it busy during verification, and bets
+would only queue in front of the other lane's Propose.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class SchedulerConfig:
     pipeline_groups: int = 2  # lanes per target; 1 = no draft/verify pipelining
     max_batch: int = 64  # sessions per Verify call
     k_curve: KCapCurve = field(default_factory=KCapCurve)
+    draft_ahead: bool = True  # greedy sessions draft round r + 1 while round r verifies
 
     def __post_init__(self) -> None:
         if not 1 <= self.pipeline_groups <= 8:
@@ -137,6 +140,13 @@ class Scheduler:
 
     def k_cap(self, target: str) -> int:
         return self.config.k_curve.cap(self.target_load(target))
+
+    def draft_idle_while_verifying(self, lane: LaneKey, draft: str) -> bool:
+        """Whether draft-ahead may use ``draft`` for ``lane``: it serves no other lane's
+        sessions, so nothing else would keep it busy while the lane's target verifies."""
+        return self.config.draft_ahead and all(
+            p.lane == lane for p in self._placement.values() if p.draft == draft
+        )
 
     # -- placement ---------------------------------------------------------------------
 

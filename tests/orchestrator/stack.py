@@ -44,6 +44,7 @@ class Stack:
     targets: int = 1
     orchestrator_args: Sequence[str] = ()
     target_args: Sequence[Sequence[str]] = ()  # extra flags of target i
+    draft_model: str = DRAFT
     target_procs: list[ServerProcess] = field(default_factory=list)
     draft: ServerProcess | None = None
     orchestrator: OrchestratorProcess | None = None
@@ -55,7 +56,7 @@ class Stack:
             ServerProcess("target", ["--model", TARGET, *SERVER_ARGS, *more], env=ENV)
             for more in extra
         ]
-        self.draft = ServerProcess("draft", ["--model", DRAFT, *SERVER_ARGS], env=ENV)
+        self.draft = ServerProcess("draft", ["--model", self.draft_model, *SERVER_ARGS], env=ENV)
         for s in [*self.target_procs, self.draft]:
             s.start()
         self.metrics_port = free_port()
@@ -90,13 +91,18 @@ class Stack:
 
     def metric(self, name: str) -> dict[str, float]:
         """Samples of one orchestrator metric, keyed by their label text."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as r:
-            body = r.read().decode()
-        out = {}
-        for m in re.finditer(rf"^{name}(?:_total)?(\{{[^}}]*\}})? (\S+)$", body, re.M):
-            out[m.group(1) or ""] = float(m.group(2))
-        return out
+        return scrape(self.metrics_port, name)
+
+
+def scrape(port: int, name: str) -> dict[str, float]:
+    """Samples of one Prometheus metric served on ``port``, keyed by their label text."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        body = r.read().decode()
+    out = {}
+    for m in re.finditer(rf"^{name}(?:_total)?(\{{[^}}]*\}})? (\S+)$", body, re.M):
+        out[m.group(1) or ""] = float(m.group(2))
+    return out
 
 
 def kv_used(address: str, role: str) -> tuple[int, int]:

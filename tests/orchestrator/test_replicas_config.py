@@ -10,6 +10,7 @@ import pytest
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator import config
 from specserve.orchestrator.replicas import EndpointSpec, ReplicaPool
+from specserve.orchestrator.scheduler import SchedulerConfig
 
 
 def test_endpoint_lists() -> None:
@@ -102,3 +103,16 @@ def test_kv_snapshot_flags() -> None:
     assert config.from_args(from_env.parse_args([])).snapshots.enabled
     with pytest.raises(InvalidArgument, match=r"chunk_tokens must be in 1\.\.4096"):
         config.from_args(parser.parse_args(["--kv-snapshot-chunk-tokens", "0"]))
+
+
+def test_draft_ahead_flag() -> None:
+    def parse(env: dict[str, str], argv: list[str]) -> bool:
+        parser = argparse.ArgumentParser()
+        config.add_arguments(parser, {"SPECSERVE_TARGET_ENDPOINTS": "t:1", **env})
+        return config.from_args(parser.parse_args(argv)).scheduler.draft_ahead
+
+    assert parse({}, []) is SchedulerConfig().draft_ahead
+    assert parse({"SPECSERVE_DRAFT_AHEAD": "off"}, []) is False
+    assert parse({"SPECSERVE_DRAFT_AHEAD": "off"}, ["--draft-ahead", "on"]) is True
+    with pytest.raises(InvalidArgument, match="--draft-ahead"):
+        parse({"SPECSERVE_DRAFT_AHEAD": "yes"}, [])

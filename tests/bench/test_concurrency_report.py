@@ -1,0 +1,88 @@
+"""The concurrency benchmark's arithmetic on made-up runs: latencies, ratios, targets."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from bench.concurrency import LocalRun, Run, Stream
+from bench.concurrency_report import AHEAD, NO_AHEAD, PLAIN, markdown, summarize
+
+
+def stream(tokens: list[int], sent: float, arrivals: list[tuple[float, int]]) -> Stream:
+    return Stream(sent, arrivals, tokens, "length", drafted=4, accepted=3, rounds=2)
+
+
+def test_inter_token_latency_spreads_a_message_over_its_tokens() -> None:
+    s = stream([1, 2, 3, 4], 0.0, [(0.5, 1), (0.6, 2), (0.9, 1)])
+    assert s.ttft_s == 0.5
+    per_token, gaps = s.latencies()
+    assert per_token == pytest.approx([0.05, 0.05, 0.3])
+    assert gaps == pytest.approx([0.1, 0.3])
+
+
+def run(variant: str, c: int, rep: int, wall: float, tokens: list[int]) -> Run:
+    return Run(
+        variant, c, rep, wall, [stream(tokens, 0.0, [(0.1, 1), (wall, len(tokens) - 1)])] * c
+    )
+
+
+def test_ratios_wrong_streams_and_targets() -> None:
+    same, other = [1, 2, 3, 4], [1, 2, 9, 4]
+    runs = []
+    for rep in range(3):
+        runs += [
+            run(PLAIN, 1, rep, 2.0, same),
+            run(AHEAD, 1, rep, 1.0, same),  # twice plain's tokens/s
+            run(NO_AHEAD, 1, rep, 4.0, other if rep == 0 else same),  # half, one stream wrong
+            run(PLAIN, 2, rep, 2.0, same),
+            run(AHEAD, 2, rep, 2.5, same),  # 0.8x plain
+            run(NO_AHEAD, 2, rep, 2.0, same),
+        ]
+    local = [LocalRun("adaptive k", rep, same, 0.8, 4, 3, 2) for rep in range(3)]
+    local += [LocalRun(PLAIN, rep, same, 1.0, 0, 0, 4) for rep in range(3)]
+    summary = summarize(runs, local, [PLAIN, AHEAD, NO_AHEAD])
+    rows = {(r["variant"], r["concurrency"]): r for r in summary["stack"]}
+    assert rows[(AHEAD, 1)]["ratio_vs_plain"] == pytest.approx(2.0)
+    assert rows[(NO_AHEAD, 1)]["ratio_vs_plain"] == pytest.approx(0.5)
+    assert rows[(NO_AHEAD, 1)]["wrong_streams"] == 1 and rows[(AHEAD, 1)]["wrong_streams"] == 0
+    assert rows[(AHEAD, 2)]["tokens_per_s"] == pytest.approx(8 / 2.5)
+    assert rows[(AHEAD, 1)]["acceptance_rate"] == pytest.approx(0.75)
+    t = summary["targets"]
+    assert t["adaptive_variant"] == AHEAD  # the orchestrator's default
+    assert t["adaptive_vs_plain"] == pytest.approx({1: 2.0, 2: 0.8})
+    assert not t["never_worse_than_plain"]
+    assert t["other_variants_vs_plain"][NO_AHEAD] == pytest.approx({1: 0.5, 2: 1.0})
+    # Stack single session: 4 tokens in 1 s; local: 4 tokens in 0.8 s.
+    assert t["single_session_stack_over_local"] == pytest.approx(0.8)
+    assert not t["single_session_met"]
+    plain_local = next(r for r in summary["local"] if r["variant"] == PLAIN)
+    assert plain_local["stack_over_local"] == pytest.approx(0.5)
+    assert plain_local["same_tokens_as_stack"] == 3
+    args = argparse.Namespace(
+        target="tiny:3",
+        draft="tiny:3:noise=0.05",
+        target_dtype="float32",
+        draft_dtype="float32",
+        threads=1,
+        new_tokens=4,
+        reps=3,
+        concurrency=[1, 2],
+        emulate_devices=None,
+    )
+    env = {
+        "date_utc": "-",
+        "cpu": "-",
+        "cpu_flags": {},
+        "logical_cpus": 2,
+        "torch": "-",
+        "torch_cpu_capability": "-",
+        "torch_threads": 1,
+        "transformers": None,
+        "python": "-",
+    }
+    text = markdown(summary, args, env)
+    assert "**not met** (1: 2.00x, 2: 0.80x)" in text and "(0.80x)" in text
+    assert not math.isnan(rows[(PLAIN, 2)]["itl_p50_ms"])
