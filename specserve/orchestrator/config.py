@@ -156,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     g.add_argument(
         "--draft-ahead",
         choices=["on", "off"],
-        default=str(e("DRAFT_AHEAD", "on")),
+        default=str(e("DRAFT_AHEAD", "off")),
         help="greedy sessions draft the next round while this one is verified",
     )
     g.add_argument("--draft-timeout-s", type=float, default=float(str(e("DRAFT_TIMEOUT_S", 2.0))))

@@ -83,7 +83,7 @@ class SchedulerConfig:
     pipeline_groups: int = 2  # lanes per target; 1 = no draft/verify pipelining
     max_batch: int = 64  # sessions per Verify call
     k_curve: KCapCurve = field(default_factory=KCapCurve)
-    draft_ahead: bool = True  # greedy sessions draft round r + 1 while round r verifies
+    draft_ahead: bool = False  # greedy sessions draft round r + 1 while round r verifies
 
     def __post_init__(self) -> None:
         if not 1 <= self.pipeline_groups <= 8:

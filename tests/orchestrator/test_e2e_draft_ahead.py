@@ -111,7 +111,10 @@ def test_one_lane_bets_for_all_its_sessions_and_off_never_bets(ahead_stack: Stac
     common = ["--target", targets, "--draft", ahead_stack.draft.address]
     common += ["--redis-url", ahead_stack.redis_url]
     ports = {"one-lane": free_port(), "off": free_port()}
-    flags = {"one-lane": ["--pipeline-groups", "1"], "off": ["--draft-ahead", "off"]}
+    flags = {
+        "one-lane": ["--pipeline-groups", "1", "--draft-ahead", "on"],
+        "off": ["--draft-ahead", "off"],
+    }
     cases: list[tuple[list[int], dict[str, object]]] = [(prompt(20 + i), {}) for i in range(3)]
     tokens = {}
     for name, port in ports.items():

@@ -108,7 +108,7 @@ def test_move_and_set_draft() -> None:
 
 
 def test_draft_ahead_only_where_the_draft_would_idle() -> None:
-    s = Scheduler(SchedulerConfig(pipeline_groups=2))
+    s = Scheduler(SchedulerConfig(pipeline_groups=2, draft_ahead=True))
     s.set_usable(["t1", "t2"], ["d1", "d2"])
     s.join("a", Placement("t1", 0, "d1"))
     assert s.draft_idle_while_verifying(("t1", 0), "d1")
