@@ -51,12 +51,12 @@ def test_ratios_wrong_streams_and_targets() -> None:
     assert rows[(AHEAD, 2)]["tokens_per_s"] == pytest.approx(8 / 2.5)
     assert rows[(AHEAD, 1)]["acceptance_rate"] == pytest.approx(0.75)
     t = summary["targets"]
-    assert t["adaptive_variant"] == AHEAD  # the orchestrator's default
-    assert t["adaptive_vs_plain"] == pytest.approx({1: 2.0, 2: 0.8})
+    assert t["adaptive_variant"] == NO_AHEAD  # the orchestrator's default (draft-ahead off)
+    assert t["adaptive_vs_plain"] == pytest.approx({1: 0.5, 2: 1.0})
     assert not t["never_worse_than_plain"]
-    assert t["other_variants_vs_plain"][NO_AHEAD] == pytest.approx({1: 0.5, 2: 1.0})
-    # Stack single session: 4 tokens in 1 s; local: 4 tokens in 0.8 s.
-    assert t["single_session_stack_over_local"] == pytest.approx(0.8)
+    assert t["other_variants_vs_plain"][AHEAD] == pytest.approx({1: 2.0, 2: 0.8})
+    # Stack single session: 4 tokens in 4 s; local: 4 tokens in 0.8 s.
+    assert t["single_session_stack_over_local"] == pytest.approx(0.2)
     assert not t["single_session_met"]
     plain_local = next(r for r in summary["local"] if r["variant"] == PLAIN)
     assert plain_local["stack_over_local"] == pytest.approx(0.5)
@@ -84,5 +84,5 @@ def test_ratios_wrong_streams_and_targets() -> None:
         "python": "-",
     }
     text = markdown(summary, args, env)
-    assert "**not met** (1: 2.00x, 2: 0.80x)" in text and "(0.80x)" in text
+    assert "**not met** (1: 0.50x, 2: 1.00x)" in text and "(0.20x)" in text
     assert not math.isnan(rows[(PLAIN, 2)]["itl_p50_ms"])
