@@ -1,14 +1,18 @@
 """Concurrent sessions through the whole stack: plain batched decoding vs adaptive speculation.
 
-A target server, a draft server and two orchestrators (draft-ahead on and off,
-embedded session stores) run as separate processes on loopback, started the way
-``specserve up`` starts them. For 1, 2, 4 and 8 concurrent streaming
-``GenerateStream`` requests (HumanEval prompts, greedy, ``--new-tokens`` each)
-three variants run, interleaved at every concurrency (A B C, A B C, ...):
+A target server, a draft server and one orchestrator per setting the variants
+need (draft-ahead on, off, a curve-only k cap; embedded session stores) run as
+separate processes on loopback, started the way ``specserve up`` starts them.
+For 1, 2, 4 and 8 concurrent streaming ``GenerateStream`` requests (HumanEval
+prompts, greedy, ``--new-tokens`` each) the variants run, interleaved at every
+concurrency (A B C, A B C, ...):
 
 * ``plain``: drafter none, k = 0 — plain batched decoding through the same path;
 * ``adaptive``: the draft model with adaptive k, draft-ahead on;
-* ``adaptive, no draft-ahead``: the same with ``--draft-ahead off``.
+* ``adaptive, no draft-ahead``: the same with ``--draft-ahead off`` (the
+  orchestrator's defaults);
+* ``curve`` (on request): the defaults with ``--k-cap curve``, the k cap from the
+  load curve alone instead of measured goodput.
 
 Each repetition uses its own prompts, the same for every variant, so greedy
 tokens must agree across variants (a stream that differs from ``plain`` is
@@ -63,14 +67,21 @@ MAX_TINY_PROMPT = 256  # tiny models: the prompt's UTF-8 bytes are its token ids
 @dataclass(frozen=True)
 class Variant:
     name: str
-    orchestrator: str  # which orchestrator serves it: draft-ahead "on" or "off"
+    orchestrator: str  # which orchestrator serves it (a key of ORCHESTRATORS)
     drafter: str  # "none" = plain decoding
 
 
+# One orchestrator process per setting; "off" is the orchestrator's defaults.
+ORCHESTRATORS = {
+    "on": ["--draft-ahead", "on"],
+    "off": ["--draft-ahead", "off"],
+    "curve": ["--draft-ahead", "off", "--k-cap", "curve"],
+}
 VARIANTS = {
-    "plain": Variant("plain (k = 0)", "on", "none"),
+    "plain": Variant("plain (k = 0)", "off", "none"),
     "adaptive": Variant("adaptive k, draft-ahead", "on", "model"),
     "no-ahead": Variant("adaptive k, no draft-ahead", "off", "model"),
+    "curve": Variant("adaptive k, no draft-ahead, curve-only k cap", "curve", "model"),
 }
 LOCAL_VARIANTS = {"plain (k = 0)": ("none", 0), "adaptive k": ("model", None)}
 
@@ -110,6 +121,7 @@ class Run:
     wall_s: float
     streams: list[Stream]
     draft_ahead: dict[str, float] = field(default_factory=dict)  # bets, hits, misses
+    k_caps: dict[int, float] = field(default_factory=dict)  # batch rounds by k cap
 
     @property
     def tokens(self) -> int:
@@ -222,8 +234,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def stack(args: argparse.Namespace) -> Iterator[StackUnderTest]:
-    """Target and draft servers and one orchestrator per draft-ahead setting."""
+def stack(args: argparse.Namespace, settings: Sequence[str]) -> Iterator[StackUnderTest]:
+    """Target and draft servers and one orchestrator per setting the variants use."""
     threads = ["--threads", str(args.threads)]
     flags = {
         "target": ["--model", args.target, "--dtype", args.target_dtype, *threads],
@@ -237,7 +249,7 @@ def stack(args: argparse.Namespace) -> Iterator[StackUnderTest]:
         flags["draft"] = ["draft", "--forward-ms", str(draft_ms), *flags["draft"]]
     servers = [ServerProcess(role, flags[role], module=module) for role in ("target", "draft")]
     orchestrators: dict[str, OrchestratorProcess] = {}
-    ports = {setting: free_port() for setting in ("on", "off")}
+    ports = {setting: free_port() for setting in settings}
     try:
         for s in servers:
             s.start()
@@ -246,7 +258,7 @@ def stack(args: argparse.Namespace) -> Iterator[StackUnderTest]:
             common += ["--tokenizer", args.target]
         for setting, port in ports.items():
             orchestrators[setting] = OrchestratorProcess(
-                [*common, "--draft-ahead", setting, "--metrics-port", str(port)]
+                [*common, *ORCHESTRATORS[setting], "--metrics-port", str(port)]
             ).start()
         for p in (*servers, *orchestrators.values()):
             p.wait_serving(timeout_s=900)
@@ -256,8 +268,9 @@ def stack(args: argparse.Namespace) -> Iterator[StackUnderTest]:
             p.stop()
 
 
-def draft_ahead_counts(port: int) -> dict[str, float]:
-    """Bets, hits and misses an orchestrator reports on its metrics port."""
+def orchestrator_counts(port: int) -> tuple[dict[str, float], dict[int, float]]:
+    """Draft-ahead bets, hits and misses, and batch rounds by k cap, from an orchestrator's
+    metrics port."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         body = r.read().decode()
     out = {"bets": 0.0, "hits": 0.0, "misses": 0.0}
@@ -266,7 +279,13 @@ def draft_ahead_counts(port: int) -> dict[str, float]:
             rf"^specserve_orchestrator_draft_ahead_{name}_total\S* (\S+)$", body, re.M
         ):
             out[name] += float(m.group(1))
-    return out
+    caps = {
+        int(m.group(1)): float(m.group(2))
+        for m in re.finditer(
+            r'^specserve_orchestrator_k_cap_rounds_total\{cap="(\d+)"\} (\S+)$', body, re.M
+        )
+    }
+    return out, caps
 
 
 async def run_streams(
@@ -298,7 +317,7 @@ def run_stack(
 ) -> list[Run]:
     runs = []
     widest = max(args.concurrency)
-    with stack(args) as st:
+    with stack(args, sorted({v.orchestrator for v in variants})) as st:
         for v in variants:  # untimed warm-up at the widest batch
             addr = st.orchestrators[v.orchestrator].address
             asyncio.run(run_streams(addr, prompt_list[:widest], 8, v.drafter))
@@ -307,14 +326,24 @@ def run_stack(
                 batch = [prompt_list[i] for i in prompt_ids(rep, c, widest)]
                 for v in variants:
                     port = st.metrics_ports[v.orchestrator]
-                    before = draft_ahead_counts(port)
+                    before, caps_before = orchestrator_counts(port)
                     address = st.orchestrators[v.orchestrator].address
                     wall, streams = asyncio.run(
                         run_streams(address, batch, args.new_tokens, v.drafter)
                     )
-                    after = draft_ahead_counts(port)
+                    after, caps_after = orchestrator_counts(port)
                     run = Run(
-                        v.name, c, rep, wall, streams, {k: after[k] - before[k] for k in after}
+                        v.name,
+                        c,
+                        rep,
+                        wall,
+                        streams,
+                        {k: after[k] - before[k] for k in after},
+                        {
+                            cap: n - caps_before.get(cap, 0.0)
+                            for cap, n in caps_after.items()
+                            if n > caps_before.get(cap, 0.0)
+                        },
                     )
                     runs.append(run)
                     print(
@@ -348,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=3, help="repetitions (each with its own prompts)")
     p.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
+        default="plain,adaptive,no-ahead",
         help=f"comma list of {', '.join(VARIANTS)} (plain is always run: the baseline)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads per server and local")

@@ -76,6 +76,10 @@ def _row(runs: list[Run], plain: dict[tuple[int, int], Run]) -> dict[str, Any]:
         "mean_acceptance_length": 1 + accepted / rounds if rounds and drafted else None,
         "draft_ahead_bets": sum(r.draft_ahead.get("bets", 0) for r in runs),
         "draft_ahead_hits": sum(r.draft_ahead.get("hits", 0) for r in runs),
+        "k_cap_rounds": {
+            cap: sum(r.k_caps.get(cap, 0.0) for r in runs)
+            for cap in sorted({cap for r in runs for cap in r.k_caps})
+        },
         "wrong_streams": wrong,
         "eos_streams": eos,
         "streams": len(streams),
@@ -150,6 +154,12 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
+def _caps(row: dict[str, Any]) -> str:
+    """Batch rounds by the k cap they ran under, e.g. ``0: 12, 4: 30``."""
+    caps = row.get("k_cap_rounds") or {}
+    return ", ".join(f"{cap}: {n:.0f}" for cap, n in caps.items()) or "–"
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f}%"
 
@@ -182,12 +192,15 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, A
         "",
         "tok/s: every stream's tokens over the wall time from the first request to the last "
         "token. ITL: a message with n tokens arriving g after the previous one counts n "
-        "latencies of g/n; stall: g itself. `wrong`: streams whose tokens differ from plain "
-        "decoding's.",
+        "latencies of g/n; stall: g itself. Rounds by k cap: the orchestrator's batch rounds "
+        "by the k cap they ran under (the load curve's bound, or under it the cap with the "
+        "best measured goodput; 0 = no drafts). `wrong`: streams whose tokens differ from "
+        "plain decoding's.",
         "",
         "| sessions | variant | tok/s | vs plain | ITL p50 ms | ITL p99 ms | stall p99 ms "
-        "| TTFT p50 s | acceptance | mean acc. length | draft-ahead hits / bets | wrong |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TTFT p50 s | acceptance | mean acc. length | draft-ahead hits / bets "
+        "| rounds by k cap | wrong |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in summary["stack"]:
         ahead = (
@@ -200,7 +213,8 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, A
             f"{r['ratio_vs_plain']:.2f}x | {_num(r['itl_p50_ms'], '.0f')} | "
             f"{_num(r['itl_p99_ms'], '.0f')} | {_num(r['stall_p99_ms'], '.0f')} | "
             f"{_num(r['ttft_p50_s'])} | {_pct(r['acceptance_rate'])} | "
-            f"{_num(r['mean_acceptance_length'])} | {ahead} | {r['wrong_streams']} |"
+            f"{_num(r['mean_acceptance_length'])} | {ahead} | {_caps(r)} | "
+            f"{r['wrong_streams']} |"
         )
     if summary["local"]:
         lines += [

@@ -6,6 +6,13 @@
   replica out of its pool for a backoff and is reported as ``lost``: drafts then
   fall back to k = 0, verification fails over to another target. INTERNAL from a
   replica still SERVING is a bug this request triggers, not a lost replica.
+* A Verify past its clients' deadline (the batch's timeout is cut to the latest
+  one) on a target that still answers SERVING has *expired*: those sessions end
+  as at a round boundary past their deadline, and the target stays in the pool.
+* A draft replica past the round's deadline whose health still answers SERVING is
+  *slow*, not lost: the round verifies without its drafts and it stays in the pool
+  (taking a busy draft pool out would move every session to k = 0 and make the
+  next replica rebuild their caches, the slowest thing it could do).
 * Any other error of a batched call is not every session's fault: the batch is
   split and each session retried alone, so only the session that caused it gets
   the error (for Propose: no drafts this round). Re-running is safe: every call
@@ -28,7 +35,12 @@ import grpc.aio
 from specserve.draft_service import convert as draft_wire
 from specserve.engine.errors import EngineError, InvalidArgument, KVBudgetExceeded, NotFound
 from specserve.engine.rejection import Proposal, Verdict
-from specserve.orchestrator.replicas import TRANSPORT_CODES, ReplicaPool, replica_lost
+from specserve.orchestrator.replicas import (
+    TRANSPORT_CODES,
+    ReplicaPool,
+    is_serving,
+    replica_lost,
+)
 from specserve.orchestrator.session import LiveSession
 from specserve.serving.errors import Unavailable
 from specserve.target_service import convert as target_wire
@@ -37,6 +49,10 @@ from specserve.v1 import common_pb2, draft_pb2, target_pb2
 log = logging.getLogger(__name__)
 
 NEEDS_HISTORY = common_pb2.SESSION_STATUS_NEEDS_HISTORY
+# A session whose draft replica lacks more committed tokens than this (a new prompt,
+# a new replica after a failover, an evicted cache) is brought up to date beside the
+# rounds (:func:`warm`), not inside one.
+WARM_ABOVE_TOKENS = 32
 
 
 @dataclass
@@ -55,6 +71,7 @@ class VerifyOutcome:
     why: str = ""  # how it failed, when lost
     batch_sizes: list[int] = field(default_factory=list)  # as the target reported them
     resent: int = 0  # sessions the target answered NEEDS_HISTORY, resent whole
+    expired: bool = False  # the clients' deadlines passed first: nothing was verified
 
 
 def engine_error(e: grpc.aio.AioRpcError, role: str) -> EngineError:
@@ -73,15 +90,28 @@ def engine_error(e: grpc.aio.AioRpcError, role: str) -> EngineError:
 
 
 async def propose(
-    pool: ReplicaPool, endpoint: str, items: list[tuple[LiveSession, int]], timeout_s: float
+    pool: ReplicaPool,
+    endpoint: str,
+    items: list[tuple[LiveSession, int]],
+    timeout_s: float,
+    *,
+    resend_up_to: int | None = WARM_ABOVE_TOKENS,
 ) -> dict[str, Plan]:
-    """Drafts for ``(session, k)`` pairs from one draft replica; failures give no plan (k 0)."""
+    """Drafts for ``(session, k)`` pairs from one draft replica; failures give no plan (k 0).
+
+    A session the replica answers ``NEEDS_HISTORY`` for is resent whole at once if its
+    history has at most ``resend_up_to`` tokens (None: any); a longer one gets no
+    drafts and ``draft_start = 0``, so the round runner rebuilds it beside the rounds
+    (:func:`warm`) instead of making this round wait for the prefill.
+    """
     replica = pool.get(endpoint)
     if replica is None:
         return {}
     k_of = {s.sid: k for s, k in items}
+    held: dict[str, int] = {}  # committed tokens each request hands the replica
 
     def request(which: list[LiveSession], full: bool) -> draft_pb2.ProposeRequest:
+        held.update((s.sid, len(s.state.tokens)) for s in which)
         return draft_pb2.ProposeRequest(
             sessions=[
                 draft_wire.draft_session(
@@ -96,10 +126,19 @@ async def propose(
         response = await replica.stub.Propose(request(sessions, False), timeout=timeout_s)
         results = dict(zip([s.sid for s in sessions], response.results, strict=True))
         stale = [s for s in sessions if results[s.sid].status == NEEDS_HISTORY]
+        if resend_up_to is not None:
+            for s in [s for s in stale if len(s.state.tokens) > resend_up_to]:
+                stale.remove(s)
+                s.state.draft_start = 0  # cold: warmed beside the rounds
         if stale:
             again = await replica.stub.Propose(request(stale, True), timeout=timeout_s)
             results.update(zip([s.sid for s in stale], again.results, strict=True))
     except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and await is_serving(replica):
+            # Slow, not lost (busy with other sessions' drafts or a prefill): this
+            # round verifies without drafts, the sessions keep their warm caches here.
+            log.info("draft replica %s missed the round's deadline of %.2f s", endpoint, timeout_s)
+            return {}
         if await replica_lost(replica, e.code()):
             pool.mark_failed(endpoint, f"Propose: {e.code().name}: {e.details()}")
             return {}
@@ -123,8 +162,24 @@ async def propose(
         if proposal is None:
             continue
         plans[s.sid] = Plan(proposal, results[s.sid])
-        s.state.note_draft_synced()
+        s.state.draft_start = held[s.sid]
     return plans
+
+
+async def warm(
+    pool: ReplicaPool, endpoint: str, sessions: list[LiveSession], timeout_s: float
+) -> list[LiveSession]:
+    """Have a draft replica take sessions' committed history into its KV cache now.
+
+    A one-token ``Propose`` whose draft is dropped: the replica prefills what it
+    lacks of each history (a whole prompt, for a new session). Runs beside the
+    rounds, which keep verifying these sessions at k = 0 meanwhile, so a prefill
+    on the draft never holds up a round (:class:`~specserve.orchestrator.rounds.RoundRunner`).
+    Each session's ``draft_start`` becomes the length this call sent; returns the
+    sessions that are warm now (failures leave the others cold, to try again).
+    """
+    plans = await propose(pool, endpoint, [(s, 1) for s in sessions], timeout_s, resend_up_to=None)
+    return [s for s in sessions if s.sid in plans]
 
 
 async def verify(
@@ -132,8 +187,15 @@ async def verify(
     endpoint: str,
     items: list[tuple[LiveSession, Plan]],
     timeout_s: float,
+    *,
+    deadline_cut: bool = False,
 ) -> VerifyOutcome:
-    """Verify one batch on one target replica (see the module docstring for failures)."""
+    """Verify one batch on one target replica (see the module docstring for failures).
+
+    ``deadline_cut``: ``timeout_s`` is the batch's client deadline, shorter than the
+    target timeout; if it passes while the replica still answers SERVING, the batch
+    ``expired`` and the replica stays in the pool.
+    """
     out = VerifyOutcome()
     replica = pool.get(endpoint)
     if replica is None:
@@ -163,6 +225,13 @@ async def verify(
             out.batch_sizes.append(again.batch_size)
             results.update(zip([s.sid for s in stale], again.results, strict=True))
     except grpc.aio.AioRpcError as e:
+        if (
+            e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            and deadline_cut
+            and await is_serving(replica)
+        ):
+            out.expired = True
+            return out
         if await replica_lost(replica, e.code()):
             out.lost, out.why = True, f"Verify on {endpoint}: {e.code().name}: {e.details()}"
             pool.mark_failed(endpoint, out.why)

@@ -144,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     g.add_argument(
         "--pipeline-groups",
         type=int,
-        default=int(str(e("PIPELINE_GROUPS", 2))),
+        default=int(str(e("PIPELINE_GROUPS", 1))),
         help="session groups per target whose draft and verify overlap",
     )
     g.add_argument(
@@ -158,6 +158,13 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         choices=["on", "off"],
         default=str(e("DRAFT_AHEAD", "off")),
         help="greedy sessions draft the next round while this one is verified",
+    )
+    g.add_argument(
+        "--k-cap",
+        choices=["measured", "curve"],
+        default=str(e("K_CAP", "measured")),
+        help="under the load curve, run the cap with the best measured goodput (measured), "
+        "or the curve's bound itself (curve)",
     )
     g.add_argument("--draft-timeout-s", type=float, default=float(str(e("DRAFT_TIMEOUT_S", 2.0))))
     g.add_argument(
@@ -250,6 +257,7 @@ def _from_args(args: argparse.Namespace) -> OrchestratorConfig:
             max_batch=args.max_batch,
             k_curve=KCapCurve(args.k_max, args.k_full_below, args.k_zero_at),
             draft_ahead=args.draft_ahead == "on",
+            measured_k_cap=args.k_cap == "measured",
         ),
         timeouts=RoundTimeouts(args.draft_timeout_s, args.target_timeout_s, args.failover_s),
         ttls=StoreTtls(session_s=args.session_ttl_s),

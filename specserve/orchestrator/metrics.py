@@ -101,6 +101,21 @@ class RunnerCollector(Collector):
             stats.draft_fallbacks,
         )
         yield CounterMetricFamily(
+            f"{P}_draft_warmups",
+            "Sessions whose draft cache was rebuilt beside the rounds (a new prompt, "
+            "a new draft replica); they verify at k = 0 meanwhile",
+            stats.draft_warmups,
+        )
+        caps = CounterMetricFamily(
+            f"{P}_k_cap_rounds",
+            "Batch rounds by the k cap they ran under (the load curve's bound, or below "
+            "it the cap with the best measured goodput; 0 = no speculation)",
+            labels=["cap"],
+        )
+        for cap, count in sorted(stats.k_caps.items()):
+            caps.add_metric([str(cap)], count)
+        yield caps
+        yield CounterMetricFamily(
             f"{P}_target_failovers",
             "Sessions whose round was replayed on another target replica",
             stats.target_failovers,

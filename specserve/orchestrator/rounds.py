@@ -8,7 +8,11 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
 2. ``Propose`` on each draft replica the batch uses, in parallel (k from each
    session's policy under the target's load cap); a draft replica that fails or
    misses its deadline costs only speculation: its sessions verify with k = 0
-   this round and move to another draft replica (or stay at k = 0);
+   this round and move to another draft replica (or stay at k = 0) if it is
+   lost, or stay if it is only slow. A session its draft replica lacks a long
+   history of is prefilled there beside the rounds (:func:`calls.warm`) and
+   verifies at k = 0 until then. The round's k cap is the load curve's bound, or
+   under it the cap measured best (:mod:`specserve.orchestrator.goodput`);
 3. one ``Verify`` on the lane's target. If the target is lost, the sessions'
    committed tokens are re-read from the store and the same round — same drafts,
    same (seed, round index, position) draws — is replayed on another target with
@@ -44,9 +48,10 @@ from specserve.engine.decode_state import FinishReason
 from specserve.engine.errors import EngineError
 from specserve.orchestrator import calls, draft_ahead
 from specserve.orchestrator.bets import BetBook
-from specserve.orchestrator.calls import Plan
+from specserve.orchestrator.calls import WARM_ABOVE_TOKENS, Plan
 from specserve.orchestrator.draft_ahead import Outcome
 from specserve.orchestrator.errors import VersionConflict
+from specserve.orchestrator.goodput import GoodputCaps
 from specserve.orchestrator.kv_snapshots import KvSnapshots
 from specserve.orchestrator.ledger import Ending, Ledger
 from specserve.orchestrator.replicas import ReplicaPool
@@ -64,6 +69,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RoundTimeouts:
     draft_s: float = 2.0  # a Propose slower than this costs the round its drafts
+    draft_warm_s: float = 120.0  # a draft replica's prefill of a session's history
     target_s: float = 60.0  # a Verify slower than this counts as a lost target
     failover_s: float = 20.0  # how long a session waits for some target to come back
     release_s: float = 2.0
@@ -89,6 +95,8 @@ class RunnerStats:
     # Sessions per target forward, as the target reported them (its calls coalesce).
     verify_batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
     draft_fallbacks: int = 0  # session rounds that wanted drafts but verified at k = 0
+    draft_warmups: int = 0  # sessions whose draft cache was rebuilt beside the rounds
+    k_caps: collections.Counter[int] = field(default_factory=collections.Counter)  # by cap
     target_failovers: int = 0  # sessions moved to another target mid-round
     replayed_rounds: int = 0  # Verify batches replayed on another target after a loss
     target_history_resends: int = 0  # sessions a target asked for the whole history
@@ -124,6 +132,8 @@ class RoundRunner:
         self.store = store
         self.timeouts = timeouts or RoundTimeouts()
         self.snapshots = snapshots  # None: --kv-snapshots is off
+        # The k cap under the load curve, from measured goodput (None: the curve alone).
+        self.caps = GoodputCaps() if scheduler.config.measured_k_cap else None
         self.sessions: dict[str, LiveSession] = {}
         self.stats = RunnerStats()
         self._lanes: dict[LaneKey, asyncio.Task[None]] = {}
@@ -245,18 +255,30 @@ class RoundRunner:
         self, target: str, live: list[LiveSession], spans: RoundSpans
     ) -> list[Ending]:
         """Propose, verify, commit; returns the sessions that end with this round."""
+        started = time.perf_counter()
+        cap = self.scheduler.k_cap(target)
+        # Measured caps only for rounds where some session may draft (not plain decoding).
+        drafting = any(s.state.drafter != "none" for s in live)
+        caps = self.caps if drafting else None
+        measurable = caps is not None and not any(self._catching_up(s) for s in live)
+        if caps is not None:
+            cap = caps.choose(target, len(live), cap)
+        if drafting:
+            self.stats.k_caps[cap] += 1
         with spans.phase(attr.SPAN_PROPOSE) as pspan:
-            plans = await self._propose(target, live, spans)
+            plans = await self._propose(target, live, spans, cap)
             if pspan.is_recording():
                 pspan.set_attributes(
                     {
                         attr.BATCH_SIZE: sum(1 for p in plans.values() if p.draft is not None),
                         attr.SPEC_DRAFTED: sum(len(p.proposal.tokens) for p in plans.values()),
+                        attr.SPEC_K_CAP: cap,
                     }
                 )
-        self._bet(target, live, plans)
+        self._bet(target, live, plans, cap)
         with spans.phase(attr.SPAN_VERIFY) as vspan:
             outcome, moved = await self._verify(target, [(s, plans[s.sid]) for s in live])
+            seconds = time.perf_counter() - started
             if vspan.is_recording():
                 vspan.set_attributes(
                     {
@@ -271,6 +293,9 @@ class RoundRunner:
         ending: list[Ending] = []
         committed = []
         for s in live:
+            if outcome.expired and s.sid not in outcome.verdicts:
+                ending.append((s, FinishReason.CANCELLED, None))  # as past a deadline
+                continue
             if s.sid in outcome.errors:
                 spans.fail(s, outcome.errors[s.sid])
                 ending.append((s, None, outcome.errors[s.sid]))
@@ -281,6 +306,9 @@ class RoundRunner:
             spans.verdict(s, drafted, verdict.accepted)
             committed.append((s, s.state.commit(plan.proposal, verdict)))
         self._move(target, moved)
+        if caps is not None and measurable and not (moved or outcome.errors or outcome.expired):
+            tokens = sum(len(kept) for _, kept in committed)
+            caps.observe(target, len(live), cap, tokens, seconds)
         with spans.phase(attr.SPAN_COMMIT) as cspan:
             if cspan.is_recording():
                 cspan.set_attribute(attr.BATCH_SIZE, len(committed))
@@ -299,11 +327,11 @@ class RoundRunner:
         self._release_later(self.targets, old, list(moved))  # in case it was only slow
 
     async def _propose(
-        self, target: str, live: list[LiveSession], spans: RoundSpans
+        self, target: str, live: list[LiveSession], spans: RoundSpans, cap: int
     ) -> dict[str, Plan]:
-        cap = self.scheduler.k_cap(target)
         bets = await self.bets.collect(s.sid for s in live)
         by_draft: dict[str, list[tuple[LiveSession, int]]] = collections.defaultdict(list)
+        cold: dict[str, list[LiveSession]] = collections.defaultdict(list)
         wanted: list[str] = []  # sessions that want drafts this round
         plans: dict[str, Plan] = collections.defaultdict(Plan)
         for s in live:
@@ -316,6 +344,10 @@ class RoundRunner:
                 s.state.draft_start = 0
             k = s.state.next_k(cap)
             spans.asked(s, k)
+            if k > 0 and placement.draft is not None and (s.draft_warming or self._cold(s)):
+                if not s.draft_warming:
+                    cold[placement.draft].append(s)
+                continue  # verifies at k = 0 until its draft cache is warm
             if k > 0:
                 wanted.append(s.sid)
             if s.sid in bets:
@@ -341,11 +373,53 @@ class RoundRunner:
                 self._release_later(self.drafts, ep, [s.sid for s, _ in items])
         # No draft replica, a failed or slow one, or a refusal: these verify at k = 0.
         self.stats.draft_fallbacks += sum(1 for sid in wanted if sid not in plans)
+        for ep, sessions in cold.items():  # after this round's Propose: never in its way
+            self._warm_later(ep, sessions)
         return plans
 
-    def _bet(self, target: str, live: list[LiveSession], plans: dict[str, Plan]) -> None:
+    @classmethod
+    def _catching_up(cls, s: LiveSession) -> bool:
+        """Whether a round with this session says little about its k cap: it prefills on
+        the target, or its draft cache is cold or being rebuilt."""
+        behind = len(s.state.tokens) - s.state.target_start
+        return behind > WARM_ABOVE_TOKENS or s.draft_warming or cls._cold(s)
+
+    @staticmethod
+    def _cold(s: LiveSession) -> bool:
+        """Whether drafting now would make the draft replica prefill a long history first
+        (n-gram drafters index any history cheaply)."""
+        behind = len(s.state.tokens) - s.state.draft_start
+        return s.state.drafter == "model" and behind > WARM_ABOVE_TOKENS
+
+    def _warm_later(self, endpoint: str, sessions: list[LiveSession]) -> None:
+        """Prefill sessions on their draft replica beside the rounds (:func:`calls.warm`)."""
+        for s in sessions:
+            s.draft_warming = True
+        self.stats.draft_warmups += len(sessions)
+
+        async def run() -> None:
+            try:
+                await calls.warm(self.drafts, endpoint, sessions, self.timeouts.draft_warm_s)
+            finally:
+                lost = endpoint not in self.drafts.usable()
+                for s in sessions:
+                    s.draft_warming = False
+                    placement = self.scheduler.placement(s.sid)
+                    if placement is None:  # ended meanwhile: do not leave its cache there
+                        self._release_later(self.drafts, endpoint, [s.sid])
+                        continue
+                    if placement.draft != endpoint:  # moved meanwhile: that replica is cold
+                        s.state.draft_start = 0
+                    elif lost:
+                        self.scheduler.set_draft(s.sid, self.scheduler.pick_draft(avoid=[endpoint]))
+                        s.state.draft_start = 0
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _bet(self, target: str, live: list[LiveSession], plans: dict[str, Plan], cap: int) -> None:
         """Draft round r + 1 while round r is verified, where the draft would idle meanwhile."""
-        cap = self.scheduler.k_cap(target)
         bets = []
         idle: dict[tuple[str, LaneKey], bool] = {}
         for s in live:
@@ -386,7 +460,11 @@ class RoundRunner:
         todo = items
         while todo:
             timeout = self._timeout(self.timeouts.target_s, [s for s, _ in todo])
-            out = await calls.verify(self.targets, target, todo, timeout)
+            cut = timeout < self.timeouts.target_s
+            out = await calls.verify(self.targets, target, todo, timeout, deadline_cut=cut)
+            if out.expired:  # the clients left, not the target: no failover
+                total.expired = True
+                break
             total.verdicts.update(out.verdicts)
             total.errors.update(out.errors)
             total.batch_sizes.extend(out.batch_sizes)
@@ -398,6 +476,8 @@ class RoundRunner:
             ]
             if not todo:
                 break
+            if out.lost and self.caps is not None:
+                self.caps.forget(target)  # a replacement may be another machine
             todo = await self._resume_from_store(todo, total)
             next_target = await self._another_target(give_up)
             if next_target is None:

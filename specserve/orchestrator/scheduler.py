@@ -5,9 +5,14 @@ No grpc, no redis, no asyncio: the round runner asks, the scheduler answers.
 **Lanes.** A lane is ``(target endpoint, group)``. Every session lives in one lane;
 one round of a lane is one batched ``Verify`` on its target (and one ``Propose``
 per draft replica its sessions use). Each target has ``pipeline_groups`` lanes
-(2 by default) and a runner drives each lane in its own loop, so while the
-target verifies group A the draft replicas propose for group B: neither pool
-waits for the other. A new session joins its target's smallest group.
+and a runner drives each lane in its own loop, so while the target verifies
+group A the draft replicas propose for group B: neither pool waits for the
+other. A new session joins its target's smallest group. The default is one lane:
+pipelining pays only where draft and target run on their own devices, and it
+costs batching (two lanes verify half the sessions each, one after the other;
+plain decoding of 4 and 8 sessions on one shared CPU ran 1.45x faster with one
+lane, ``bench/results/concurrency_one_lane.md``). The gpu deployment overlay
+sets two.
 
 **Continuous batching.** Sessions join and leave at round boundaries:
 :meth:`Scheduler.join` parks a session as pending, :meth:`Scheduler.begin_round`
@@ -20,7 +25,9 @@ the least-loaded usable replica.
 
 **k.** Per session from its :class:`~specserve.engine.k_policy.KPolicy`, capped
 by the load on its target (:class:`KCapCurve`): speculation pays least when the
-target's batch is already large, so the cap falls to 0 there.
+target's batch is already large, so the cap falls to 0 there. Under that bound the
+round runner picks the cap that measured best on this target at this batch size
+(:mod:`specserve.orchestrator.goodput`, ``measured_k_cap``).
 
 **Draft-ahead** (``draft_ahead``): while round r of a session is verified, its
 draft replica drafts round r + 1 on the bet that all k drafts are accepted and
@@ -80,10 +87,11 @@ class KCapCurve:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    pipeline_groups: int = 2  # lanes per target; 1 = no draft/verify pipelining
+    pipeline_groups: int = 1  # lanes per target; 1 = no draft/verify pipelining
     max_batch: int = 64  # sessions per Verify call
     k_curve: KCapCurve = field(default_factory=KCapCurve)
     draft_ahead: bool = False  # greedy sessions draft round r + 1 while round r verifies
+    measured_k_cap: bool = True  # under the curve, the cap with the best measured goodput
 
     def __post_init__(self) -> None:
         if not 1 <= self.pipeline_groups <= 8:

@@ -57,6 +57,7 @@ class LiveSession:
         self.rounds_committed = 0  # rounds of this turn now in the store
         self.done = False
         self.in_round = False  # a lane is running a round with it now
+        self.draft_warming = False  # its draft replica is prefilling it beside the rounds
         self.gone = False  # the record was deleted or taken over: never write it again
         # How far KV snapshots reach (--kv-snapshots); goes into the next record written.
         self.kv_snapshot: session_pb2.KvSnapshot | None = None

@@ -29,6 +29,7 @@ PROVIDER = "specserve"
 # -- speculation -------------------------------------------------------------------
 SPEC_K = "spec.k"  # draft tokens asked for (a batch span: summed over its sessions)
 SPEC_DRAFTED = "spec.drafted"  # draft tokens proposed
+SPEC_K_CAP = "spec.k_cap"  # the round's k cap (load bound, or the measured best under it)
 SPEC_ACCEPTED = "spec.accepted"  # draft tokens kept
 SPEC_ROUND_INDEX = "spec.round_index"
 SPEC_ROUNDS = "spec.rounds"

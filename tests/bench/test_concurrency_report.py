@@ -86,3 +86,13 @@ def test_ratios_wrong_streams_and_targets() -> None:
     text = markdown(summary, args, env)
     assert "**not met** (1: 0.50x, 2: 1.00x)" in text and "(0.20x)" in text
     assert not math.isnan(rows[(PLAIN, 2)]["itl_p50_ms"])
+
+
+def test_rounds_by_k_cap_add_up_over_repetitions() -> None:
+    runs = []
+    for rep, caps in enumerate([{0: 3.0, 4: 10.0}, {4: 12.0, 8: 1.0}]):
+        runs += [run(PLAIN, 4, rep, 2.0, [1, 2]), run(NO_AHEAD, 4, rep, 1.0, [1, 2])]
+        runs[-1].k_caps = caps
+    rows = {r["variant"]: r for r in summarize(runs, [], [PLAIN, NO_AHEAD])["stack"]}
+    assert rows[NO_AHEAD]["k_cap_rounds"] == {0: 3.0, 4: 22.0, 8: 1.0}
+    assert rows[PLAIN]["k_cap_rounds"] == {}

@@ -29,7 +29,11 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def ahead_stack(redis_url: str) -> Iterator[Stack]:
-    s = Stack(redis_url, draft_model=CLOSE_DRAFT, orchestrator_args=["--draft-ahead", "on"])
+    s = Stack(
+        redis_url,
+        draft_model=CLOSE_DRAFT,
+        orchestrator_args=["--draft-ahead", "on", "--pipeline-groups", "2"],
+    )
     try:
         yield s.start()
     finally:

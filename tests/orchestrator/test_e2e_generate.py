@@ -49,6 +49,20 @@ def test_unary_greedy_equals_target_only(
     assert got.text == "".join(f" {t}" for t in expected)  # no tokenizer: ids as text
 
 
+def test_a_long_prompt_warms_the_draft_beside_the_rounds(
+    stack: Stack, reference: Reference
+) -> None:
+    p = prompt(9, n=14)  # 42 tokens: more than a round's Propose may make the draft prefill
+    expected = reference.decode(p, 40)
+    with Client(stack.address, timeout_s=60) as c:
+        got = c.generate(p, max_new_tokens=40, k=4)
+    assert got.token_ids == expected
+    assert got.usage.drafted_tokens > 0 and got.usage.accepted_tokens > 0
+    assert sum(stack.metric("specserve_orchestrator_draft_warmups").values()) >= 1
+    caps = stack.metric("specserve_orchestrator_k_cap_rounds")  # the measured cap at work
+    assert sum(caps.values()) > 0 and any(v > 0 for k, v in caps.items() if 'cap="0"' not in k)
+
+
 def test_stream_equals_unary_and_text_adds_up(stack: Stack, reference: Reference) -> None:
     p = prompt(2)
     expected = reference.decode(p, 30)

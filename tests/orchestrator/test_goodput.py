@@ -1,0 +1,87 @@
+"""The measured k cap: it tries each cap, runs the best, re-measures, and turns speculation
+off where it loses (pure: the test plays the clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.orchestrator.goodput import GoodputCaps, bucket_of
+
+T = "t:1"
+
+
+def run(caps: GoodputCaps, rate_of: dict[int, float], rounds: int, batch: int = 8) -> list[int]:
+    """Play ``rounds`` rounds where a round at cap c commits ``rate_of[c]`` tokens/s/session."""
+    chosen = []
+    for _ in range(rounds):
+        cap = caps.choose(T, batch, limit=8)
+        chosen.append(cap)
+        caps.observe(T, batch, cap, tokens=round(rate_of[cap] * batch * 10), seconds=10.0)
+    return chosen
+
+
+def test_batch_sizes_fall_in_power_of_two_buckets() -> None:
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 3, 3, 4, 4, 5, 5, 6]
+
+
+def test_arms_are_0_2_4_and_the_bound() -> None:
+    assert GoodputCaps.arms(8) == [0, 2, 4, 8]
+    assert GoodputCaps.arms(3) == [0, 2, 3]
+    assert GoodputCaps.arms(1) == [0, 1]
+
+
+def test_every_cap_is_tried_once_from_the_bound_down_then_the_best_runs() -> None:
+    caps = GoodputCaps(explore_every=8)
+    chosen = run(caps, {0: 1.0, 2: 2.0, 4: 3.0, 8: 2.5}, rounds=14)
+    assert chosen[:4] == [8, 4, 2, 0]
+    exploit = [c for i, c in enumerate(chosen[4:], start=5) if i % 8]
+    assert set(exploit) == {4}
+    assert caps.rates(T, 8) == pytest.approx({0: 1.0, 2: 2.0, 4: 3.0, 8: 2.5})
+
+
+def test_a_measured_loss_turns_speculation_off_and_exploration_keeps_checking() -> None:
+    caps = GoodputCaps(explore_every=4)
+    chosen = run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=40)
+    later = chosen[4:]
+    assert later.count(0) >= 0.7 * len(later)  # plain decoding won: it runs
+    assert {2, 4, 8} <= set(later)  # the others are re-measured now and then
+
+
+def test_a_change_in_the_text_moves_the_choice() -> None:
+    caps = GoodputCaps(explore_every=4)
+    run(caps, {0: 1.0, 2: 2.0, 4: 3.0, 8: 2.0}, rounds=20)  # code: drafts pay
+    chosen = run(caps, {0: 1.0, 2: 0.5, 4: 0.4, 8: 0.3}, rounds=40)  # prose: they stop
+    assert chosen[-8:].count(0) >= 6
+
+
+def test_a_new_batch_size_starts_from_the_nearest_measured_one() -> None:
+    caps = GoodputCaps(explore_every=100)
+    run(caps, {0: 1.0, 2: 2.0, 4: 3.0, 8: 2.5}, rounds=6, batch=8)
+    assert caps.choose(T, 6, limit=8) == 4  # same bucket
+    assert caps.choose(T, 16, limit=8) == 4  # new bucket: no exploring from scratch
+    assert caps.rates(T, 16) == pytest.approx(caps.rates(T, 8))
+    assert caps.choose("other:1", 8, limit=8) == 8  # another target knows nothing yet
+
+
+def test_the_curves_bound_is_respected() -> None:
+    caps = GoodputCaps()
+    assert caps.choose(T, 40, limit=0) == 0
+    assert all(c <= 3 for c in run_limited(caps, limit=3, rounds=12))
+    caps.forget(T)
+    assert caps.rates(T, 8) == {}
+
+
+def run_limited(caps: GoodputCaps, limit: int, rounds: int) -> list[int]:
+    chosen = []
+    for _ in range(rounds):
+        cap = caps.choose(T, 8, limit)
+        chosen.append(cap)
+        caps.observe(T, 8, cap, tokens=8 * (cap + 1), seconds=1.0)
+    return chosen
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="explore_every"):
+        GoodputCaps(explore_every=1)
+    with pytest.raises(ValueError, match="smoothing"):
+        GoodputCaps(smoothing=0)
