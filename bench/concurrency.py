@@ -45,7 +45,6 @@ import asyncio
 import concurrent.futures
 import multiprocessing
 import re
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -56,6 +55,7 @@ from typing import Any
 from bench import concurrency_report as report
 from bench.common import LoadProbe, environment, write_results
 from specserve.client import AsyncClient
+from specserve.devtools.ports import free_port
 from specserve.orchestrator.launch import OrchestratorProcess
 from specserve.serving.launch import ServerProcess
 
@@ -225,12 +225,6 @@ def run_local_in_child(args: argparse.Namespace, prompt_list: list[list[int]]) -
 class StackUnderTest:
     orchestrators: dict[str, OrchestratorProcess]  # "on" / "off" -> process
     metrics_ports: dict[str, int]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

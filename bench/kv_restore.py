@@ -38,11 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Iterator, Sequence
@@ -61,6 +57,7 @@ from bench.common import (
     reproduce_command,
     write_results,
 )
+from specserve.devtools.redis_server import RedisNotInstalled, throwaway_redis
 from specserve.engine.kv_chunks import chain_keys
 from specserve.orchestrator import keys
 from specserve.orchestrator.kv_chain import (
@@ -101,31 +98,11 @@ class Length:
 @contextlib.contextmanager
 def local_redis() -> Iterator[str]:
     """A throwaway redis-server on a free loopback port (no persistence)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed; pass --redis-url")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="specserve-bench-redis-")
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    args += ["--appendonly", "no", "--dir", workdir, "--protected-mode", "no"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("redis-server did not start") from None
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        shutil.rmtree(workdir, ignore_errors=True)
+        with throwaway_redis() as url:
+            yield url
+    except RedisNotInstalled:
+        raise SystemExit("redis-server is not installed; pass --redis-url") from None
 
 
 def context_tokens(n: int) -> list[int]:

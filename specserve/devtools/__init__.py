@@ -1,0 +1,1 @@
+"""Helpers the tests and benchmarks share: free loopback ports, a throwaway redis-server."""
