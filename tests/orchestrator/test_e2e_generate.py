@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -49,11 +50,22 @@ def test_unary_greedy_equals_target_only(
     assert got.text == "".join(f" {t}" for t in expected)  # no tokenizer: ids as text
 
 
+@pytest.fixture(scope="module")
+def measured(redis_url: str) -> Iterator[Stack]:
+    """A stack on the default k cap: measured goodput (the shared one pins the curve)."""
+    s = Stack(redis_url, orchestrator_args=["--k-cap", "measured"])
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
 def test_a_long_prompt_warms_the_draft_beside_the_rounds(
-    stack: Stack, reference: Reference
+    measured: Stack, reference: Reference
 ) -> None:
     p = prompt(9, n=14)  # 42 tokens: more than a round's Propose may make the draft prefill
     expected = reference.decode(p, 40)
+    stack = measured
     with Client(stack.address, timeout_s=60) as c:
         got = c.generate(p, max_new_tokens=40, k=4)
     assert got.token_ids == expected

@@ -15,6 +15,7 @@ from specserve.orchestrator.launch import OrchestratorProcess
 from specserve.serving.launch import ServerProcess
 from specserve.telemetry.receiver import ReceivedSpan, TraceReceiver
 from tests.orchestrator.redis_server import free_port
+from tests.orchestrator.stack import ENV
 
 TARGET = "tiny:3"
 DRAFT = "tiny:3:noise=0.3"
@@ -30,7 +31,7 @@ class TracedStack:
 
     def start(self) -> TracedStack:
         self.receiver.start()
-        env = {"OMP_NUM_THREADS": "1", **self.receiver.env()}
+        env = {**ENV, **self.receiver.env()}
         self.metrics_ports = {role: free_port() for role in ("target", "draft", "orchestrator")}
         for role, model in (("target", TARGET), ("draft", DRAFT)):
             port = str(self.metrics_ports[role])

@@ -19,6 +19,7 @@ import pytest
 from specserve.client import Client
 from specserve.orchestrator.launch import OrchestratorProcess
 from specserve.telemetry.receiver import ReceivedSpan
+from tests.orchestrator.stack import ENV
 from tests.telemetry.stack import DRAFT, MODEL_NAME, TARGET, TracedStack
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
@@ -189,7 +190,7 @@ def test_metrics_move_with_the_request_usage(traced: TracedStack) -> None:
 
 def test_spans_still_queued_are_exported_at_sigterm(traced: TracedStack) -> None:
     """An orchestrator whose exporter would wait a minute flushes its spans when stopped."""
-    env = {"OMP_NUM_THREADS": "1", **traced.receiver.env(), "OTEL_BSP_SCHEDULE_DELAY": "60000"}
+    env = {**ENV, **traced.receiver.env(), "OTEL_BSP_SCHEDULE_DELAY": "60000"}
     args = ["--target", traced.procs["target"].address, "--draft", traced.procs["draft"].address]
     orchestrator = OrchestratorProcess([*args, "--log-format", "json"], env=env).start()
     try:
