@@ -20,7 +20,8 @@ flag                            environment                      default
 ==============================  ===============================  ======================
 
 the scheduling knobs below (``--k-max``, ``--k-full-below``, ``--k-zero-at``,
-``--pipeline-groups``, ``--max-batch``, ``--draft-ahead``, ``--draft-timeout-s``, ...), the KV
+``--pipeline-groups``, ``--max-batch``, ``--max-prefill-tokens``, ``--draft-ahead``,
+``--draft-timeout-s``, ...), the KV
 snapshot ones (``--kv-snapshot-chunk-tokens``, ``--kv-snapshot-every``,
 ``--kv-snapshot-ttl-s``; see :mod:`specserve.orchestrator.kv_snapshots`), and the
 telemetry flags every server takes (:mod:`specserve.telemetry.config`: tracing,
@@ -154,6 +155,13 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         help="sessions per Verify call",
     )
     g.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=int(str(e("MAX_PREFILL_TOKENS", 512))),
+        help="new history a round prefills on its target (at least one session's); "
+        "sessions whose prompt does not fit wait for the next round",
+    )
+    g.add_argument(
         "--draft-ahead",
         choices=["on", "off"],
         default=str(e("DRAFT_AHEAD", "off")),
@@ -255,6 +263,7 @@ def _from_args(args: argparse.Namespace) -> OrchestratorConfig:
         scheduler=SchedulerConfig(
             pipeline_groups=args.pipeline_groups,
             max_batch=args.max_batch,
+            max_prefill_tokens=args.max_prefill_tokens,
             k_curve=KCapCurve(args.k_max, args.k_full_below, args.k_zero_at),
             draft_ahead=args.draft_ahead == "on",
             measured_k_cap=args.k_cap == "measured",

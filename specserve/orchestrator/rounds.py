@@ -200,7 +200,7 @@ class RoundRunner:
 
     async def _lane(self, lane: LaneKey) -> None:
         while True:
-            ids = self.scheduler.begin_round(lane)
+            ids = self.scheduler.begin_round(lane, self._target_backlog)
             if not ids:
                 self._lanes.pop(lane, None)
                 return
@@ -376,6 +376,11 @@ class RoundRunner:
         for ep, sessions in cold.items():  # after this round's Propose: never in its way
             self._warm_later(ep, sessions)
         return plans
+
+    def _target_backlog(self, sid: str) -> int:
+        """Tokens of a session's history its target has not seen (its prefill)."""
+        s = self.sessions[sid]
+        return len(s.state.tokens) - s.state.target_start
 
     @classmethod
     def _catching_up(cls, s: LiveSession) -> bool:

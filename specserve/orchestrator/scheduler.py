@@ -18,6 +18,11 @@ sets two.
 :meth:`Scheduler.join` parks a session as pending, :meth:`Scheduler.begin_round`
 admits the pending ones and returns the batch (at most ``max_batch``, rotating
 so every session gets its turn), :meth:`Scheduler.end_round` drops the finished.
+A round prefills at most ``max_prefill_tokens`` of new history on its target
+(at least one session's, however long): a session whose prompt does not fit
+waits at the head of the lane for the next round, so eight long prompts
+arriving together are prefilled over a few rounds, decoding sessions keep their
+rounds in between, and no single ``Verify`` grows past the target's deadline.
 
 **Affinity.** A session prefers the target and draft replicas named in its
 record (they hold a warm KV cache up to some position); otherwise it goes to
@@ -42,10 +47,14 @@ would only queue in front of the other lane's Propose.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from specserve.engine.errors import EngineError
+
+# A session this many tokens (or fewer) behind its target is decoding, not prefilling:
+# a round commits at most k + 1 tokens, and k stays well under this.
+DECODING_TOKENS = 32
 
 LaneKey = tuple[str, int]  # (target endpoint, pipeline group)
 
@@ -92,12 +101,15 @@ class SchedulerConfig:
     k_curve: KCapCurve = field(default_factory=KCapCurve)
     draft_ahead: bool = False  # greedy sessions draft round r + 1 while round r verifies
     measured_k_cap: bool = True  # under the curve, the cap with the best measured goodput
+    max_prefill_tokens: int = 512  # new history a round prefills on its target (>= one session)
 
     def __post_init__(self) -> None:
         if not 1 <= self.pipeline_groups <= 8:
             raise ValueError(f"pipeline_groups must be in 1..8, got {self.pipeline_groups}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
 
 
 @dataclass
@@ -224,16 +236,32 @@ class Scheduler:
 
     # -- rounds ------------------------------------------------------------------------
 
-    def begin_round(self, lane: LaneKey) -> list[str]:
-        """Admit the lane's pending sessions and return this round's batch (may be empty)."""
+    def begin_round(self, lane: LaneKey, prefill: Callable[[str], int] | None = None) -> list[str]:
+        """Admit the lane's pending sessions and return this round's batch (may be empty).
+
+        ``prefill(sid)`` is how many tokens of the session's history its target has
+        not seen; sessions past ``max_prefill_tokens`` of them (after the first) wait.
+        Decoding sessions (a round's worth behind, :data:`DECODING_TOKENS`) never do.
+        """
         state = self._lanes.get(lane)
         if state is None:
             return []
         state.running.extend(state.pending)
         state.pending.clear()
         n = min(len(state.running), self.config.max_batch)
-        batch = [state.running[i] for i in range(n)]
-        state.running.rotate(-n)  # the next round starts with whoever waited
+        head = [state.running.popleft() for _ in range(n)]
+        batch, waiting, spent = [], [], 0
+        for sid in head:
+            cost = prefill(sid) if prefill is not None else 0
+            if cost <= DECODING_TOKENS:
+                batch.append(sid)
+            elif spent == 0 or spent + cost <= self.config.max_prefill_tokens:
+                batch.append(sid)
+                spent += cost
+            else:
+                waiting.append(sid)
+        state.running.extendleft(reversed(waiting))  # first in line next round
+        state.running.extend(batch)  # the next round starts with whoever waited
         return batch
 
     def end_round(self, finished: Iterable[str]) -> None:

@@ -75,6 +75,27 @@ def test_a_long_prompt_warms_the_draft_beside_the_rounds(
     assert sum(caps.values()) > 0 and any(v > 0 for k, v in caps.items() if 'cap="0"' not in k)
 
 
+def test_prompts_past_the_prefill_budget_wait_their_turn(
+    redis_url: str, reference: Reference
+) -> None:
+    """Four 42-token prompts at once on a 40-token budget: one prefill per round, all exact."""
+    prompts = [prompt(30 + i, n=14) for i in range(4)]
+    want = [reference.decode(p, 12) for p in prompts]
+    stack = Stack(redis_url, orchestrator_args=["--max-prefill-tokens", "40"]).start()
+    try:
+
+        async def run_all() -> list[list[int]]:
+            async with AsyncClient(stack.address, timeout_s=120) as c:
+                outs = await asyncio.gather(
+                    *(c.generate(p, max_new_tokens=12, k=3) for p in prompts)
+                )
+            return [o.token_ids for o in outs]
+
+        assert asyncio.run(run_all()) == want
+    finally:
+        stack.stop()
+
+
 def test_stream_equals_unary_and_text_adds_up(stack: Stack, reference: Reference) -> None:
     p = prompt(2)
     expected = reference.decode(p, 30)

@@ -116,3 +116,16 @@ def test_draft_ahead_flag() -> None:
     assert parse({"SPECSERVE_DRAFT_AHEAD": "off"}, ["--draft-ahead", "on"]) is True
     with pytest.raises(InvalidArgument, match="--draft-ahead"):
         parse({"SPECSERVE_DRAFT_AHEAD": "yes"}, [])
+
+
+def test_max_prefill_tokens_flag() -> None:
+    def parse(env: dict[str, str], argv: list[str]) -> int:
+        parser = argparse.ArgumentParser()
+        config.add_arguments(parser, {"SPECSERVE_TARGET_ENDPOINTS": "t:1", **env})
+        return config.from_args(parser.parse_args(argv)).scheduler.max_prefill_tokens
+
+    assert parse({}, []) == SchedulerConfig().max_prefill_tokens == 512
+    assert parse({"SPECSERVE_MAX_PREFILL_TOKENS": "2048"}, []) == 2048
+    assert parse({"SPECSERVE_MAX_PREFILL_TOKENS": "2048"}, ["--max-prefill-tokens", "64"]) == 64
+    with pytest.raises(InvalidArgument, match="max_prefill_tokens must be >= 1"):
+        parse({}, ["--max-prefill-tokens", "0"])

@@ -124,3 +124,29 @@ def test_draft_ahead_only_where_the_draft_would_idle() -> None:
     off = Scheduler(SchedulerConfig(draft_ahead=False))
     off.join("a", Placement("t1", 0, "d1"))
     assert not off.draft_idle_while_verifying(("t1", 0), "d1")
+
+
+def test_long_prompts_are_prefilled_over_several_rounds() -> None:
+    s = Scheduler(SchedulerConfig(max_prefill_tokens=300))
+    lane = ("t1", 0)
+    behind = {"d1": 1, "p1": 200, "p2": 200, "d2": 5, "p3": 90, "huge": 5000}
+    for sid in behind:
+        s.join(sid, Placement("t1", 0, "d1"))
+
+    def prefill(sid: str) -> int:
+        return behind[sid]
+
+    # Decoding sessions always go; prompts fill the budget in line order, p2 waits.
+    assert s.begin_round(lane, prefill) == ["d1", "p1", "d2", "p3"]
+    for sid in ("d1", "p1", "d2", "p3"):
+        behind[sid] = 1  # prefilled / decoded: a round's worth behind now
+    # Whoever waited is first in line, and one session always goes, however long.
+    assert s.begin_round(lane, prefill) == ["p2", "d1", "p1", "d2", "p3"]
+    behind["p2"] = 1
+    assert s.begin_round(lane, prefill)[0] == "huge"
+    assert len(s.begin_round(lane)) == len(behind)  # without costs, no budget applies
+
+
+def test_max_prefill_tokens_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        SchedulerConfig(max_prefill_tokens=0)
