@@ -248,6 +248,7 @@ def stack(args: argparse.Namespace, settings: Sequence[str]) -> Iterator[StackUn
         for s in servers:
             s.start()
         common = ["--target", servers[0].address, "--draft", servers[1].address]
+        common += ["--target-timeout-s", str(args.target_timeout_s)]
         if not args.target.startswith("tiny:"):
             common += ["--tokenizer", args.target]
         for setting, port in ports.items():
@@ -381,6 +382,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         metavar="DRAFT_MS,TARGET_MS",
         help="every forward takes this device time, CPU idle (bench.emulated_device)",
+    )
+    p.add_argument(
+        "--target-timeout-s",
+        type=float,
+        default=600.0,
+        help="the orchestrators' Verify deadline: a CPU without AVX-512 prefills ~20 tokens/s, "
+        "so a round with new prompts can pass the default 60 s and be taken for a lost target",
     )
     p.add_argument("--no-local", action="store_true", help="skip the local single-session loop")
     p.add_argument("--name", default="concurrency", help="results file stem")
