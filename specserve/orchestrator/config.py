@@ -268,7 +268,11 @@ def _from_args(args: argparse.Namespace) -> OrchestratorConfig:
             draft_ahead=args.draft_ahead == "on",
             measured_k_cap=args.k_cap == "measured",
         ),
-        timeouts=RoundTimeouts(args.draft_timeout_s, args.target_timeout_s, args.failover_s),
+        timeouts=RoundTimeouts(
+            draft_s=args.draft_timeout_s,
+            target_s=args.target_timeout_s,
+            failover_s=args.failover_s,
+        ),
         ttls=StoreTtls(session_s=args.session_ttl_s),
         dns_refresh_s=args.dns_refresh_s,
         served_model_name=args.served_model_name or None,

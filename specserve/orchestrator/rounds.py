@@ -66,7 +66,7 @@ from specserve.v1 import session_pb2
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # five floats: never positional
 class RoundTimeouts:
     draft_s: float = 2.0  # a Propose slower than this costs the round its drafts
     draft_warm_s: float = 120.0  # a draft replica's prefill of a session's history

@@ -10,6 +10,7 @@ import pytest
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator import config
 from specserve.orchestrator.replicas import EndpointSpec, ReplicaPool
+from specserve.orchestrator.rounds import RoundTimeouts
 from specserve.orchestrator.scheduler import SchedulerConfig
 
 
@@ -129,3 +130,12 @@ def test_max_prefill_tokens_flag() -> None:
     assert parse({"SPECSERVE_MAX_PREFILL_TOKENS": "2048"}, ["--max-prefill-tokens", "64"]) == 64
     with pytest.raises(InvalidArgument, match="max_prefill_tokens must be >= 1"):
         parse({}, ["--max-prefill-tokens", "0"])
+
+
+def test_round_timeouts_come_from_their_own_flags() -> None:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, {"SPECSERVE_TARGET_ENDPOINTS": "t:1"})
+    argv = ["--draft-timeout-s", "1.5", "--target-timeout-s", "600", "--failover-s", "7"]
+    t = config.from_args(parser.parse_args(argv)).timeouts
+    assert (t.draft_s, t.target_s, t.failover_s) == (1.5, 600.0, 7.0)
+    assert t.draft_warm_s == RoundTimeouts().draft_warm_s  # no flag: the default
