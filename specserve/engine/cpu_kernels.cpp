@@ -1,6 +1,7 @@
-// CPU kernels of the specserve engine: float32, AVX-512, torch's intra-op threads.
-// Compiled on first use by specserve/engine/cpu_kernels.py (which documents them);
-// LIBNAME (the op namespace) comes from its compiler flags.
+// CPU kernels of the specserve engine: float32, AVX-512 or AVX2 + FMA, torch's intra-op
+// threads. Compiled on first use by specserve/engine/cpu_kernels.py (which documents them)
+// with -DSPECSERVE_AVX512 or -DSPECSERVE_AVX2; LIBNAME (the op namespace) comes from its
+// compiler flags too.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -13,68 +14,149 @@
 
 namespace {
 
-// Blocking of the products (measured on the 1.5B's projections, 2 threads, see ops.py):
-// up to SMALL_ROWS rows of x, blocks of 8 weight rows (3 x 8 = 24 accumulators): more
-// concurrent weight streams, ~3% faster than 4 at 1-2 rows; more rows, blocks of 4 weight
-// rows and register tiles of 6 rows of x (6 x 4 = 24 accumulators + 4 weights + 1 x).
-constexpr int SMALL_ROWS = 3;
+// Every dot product is accumulated in LANES = 16 fixed lanes (lane l sees the products
+// at k = l mod 16, in order) and the lanes are summed in one fixed order (reduce16). On
+// AVX-512 a lane set is one zmm, on AVX2 two ymm (lanes 0-7 and 8-15); the FMAs and the
+// sum are the same operations on the same values, so both give the same bits.
+constexpr int LANES = 16;
+
+#if defined(SPECSERVE_AVX512)
+using Vec = __m512;  // one hardware vector
+constexpr int W = 16;  // floats per Vec
+
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float a) { return _mm512_set1_ps(a); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+// The first n floats at p (0 <= n <= W; none read past them), zeros in the other lanes.
+inline Vec vload_first(const float* p, int64_t n) {
+  return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
+}
+// lanes 0-7 + lanes 8-15
+inline __m256 fold256(const Vec* v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v[0]),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[0]), 1)));
+}
+#elif defined(SPECSERVE_AVX2)
+using Vec = __m256;
+constexpr int W = 8;
+
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float a) { return _mm256_set1_ps(a); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vload_first(const float* p, int64_t n) {
+  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n),
+                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_maskload_ps(p, m);
+}
+inline __m256 fold256(const Vec* v) { return _mm256_add_ps(v[0], v[1]); }
+#else
+#error "build with -DSPECSERVE_AVX512 (and -mavx512f -mfma) or -DSPECSERVE_AVX2 (-mavx2 -mfma)"
+#endif
+
+constexpr int P = LANES / W;  // Vecs per lane set
+
+// The sum of the 16 lanes held in v[0 .. P): pairwise, lane l + lane l + 8, then + 4,
+// + 2, + 1 (the order of GCC's _mm512_reduce_add_ps, written out so that it is fixed).
+inline float reduce16(const Vec* v) {
+  const __m256 t8 = fold256(v);
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(t2) + _mm_cvtss_f32(_mm_shuffle_ps(t2, t2, 1));
+}
+
+// Blocking of the products. A block of NB weight rows is the unit of the thread split;
+// its rows meet register tiles of up to RG rows of x (RG x NB lane sets of accumulators).
+// Up to SMALL_ROWS rows of x, more weight streams at once; more rows, more rows of x per
+// weight load.
+//   AVX-512 (32 zmm; measured on the 1.5B's projections, 2 threads, see ops.py): blocks
+//   of 8 weight rows, tiles of 3 x 8 = 24 accumulators (~3% faster than 4 at 1-2 rows);
+//   more rows, blocks of 4 and tiles of 6 rows of x (6 x 4 = 24 accumulators + 4 weights
+//   + 1 x).
+//   AVX2 (16 ymm, a lane set takes two; measured with 8960 x 1536 and 1536 x 8960
+//   weights, 2 threads): blocks of 4 weight rows, tiles of 1 x 4 (8 ymm accumulators),
+//   10-25% faster than one weight row at a time at 1 row; more rows, blocks of one weight
+//   row and tiles of 6 rows of x (12 ymm accumulators + 1 weight; the FMAs read x from
+//   L1), 20-40% faster at 5 rows than 3 x 2 tiles (which split K there) and as fast or
+//   faster at 9-16 rows; blocks of 2-8 weight rows with 6 x 1 tiles were no faster.
+#if defined(SPECSERVE_AVX512)
+constexpr int SMALL_ROWS = 3, SMALL_NB = 8, SMALL_RG = 3;
+constexpr int LARGE_NB = 4, LARGE_RG = 6;
+#else
+constexpr int SMALL_ROWS = 3, SMALL_NB = 4, SMALL_RG = 1;
+constexpr int LARGE_NB = 1, LARGE_RG = 6;
+#endif
+constexpr int TAIL_RG = 6;  // tiles for the last < NB weight rows (one at a time)
 constexpr int MAX_ROWS = 32;   // rows of x one pass over a block takes (ops.py sends <= 32)
 constexpr int K_CHUNK = 256;   // floats of each weight row per pass for > 1 tile of rows
 constexpr int PREFETCH = 512;  // floats ahead in a weight row (256-512 were best)
 
-// acc[r * NO + o] += x[r, k0:k1] . w[o, k0:k1] lane-wise, for R rows of x and NO weight
-// rows; k0 is a multiple of 16, and a tail past the last multiple of 16 of K is read
-// with masked loads. Each (r, o) has one zmm accumulator whose 16 lanes see the products
+// acc[(r * NO + o) * P + p] += x[r, k0:k1] . w[o, k0:k1] lane-wise, for R rows of x and
+// NO weight rows; k0 is a multiple of 16, and a tail past the last multiple of 16 of K is
+// read with masked loads. Each (r, o) has one lane set whose 16 lanes see the products
 // in the same order however the caller splits [0, K) or groups the rows, so results do
 // not depend on R, NO or the blocking.
 template <int R, int NO>
 __attribute__((always_inline)) inline void tile_acc(const float* x, int64_t ldx, const float* w,
                                                     int64_t ldw, int64_t k0, int64_t k1,
-                                                    __m512* acc) {
-  __m512 a[R][NO];
+                                                    Vec* acc) {
+  Vec a[R][NO][P];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int o = 0; o < NO; ++o) a[r][o] = acc[r * NO + o];
+    for (int o = 0; o < NO; ++o)
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) a[r][o][p] = acc[(r * NO + o) * P + p];
   int64_t k = k0;
-  for (; k + 16 <= k1; k += 16) {
-    __m512 wv[NO];
+  for (; k + LANES <= k1; k += LANES) {
     // Software prefetch 2 KiB ahead in every weight row: the hardware streamers restart
     // at each 4 KiB page; measured 3% (1 row) to 9% (5 rows) faster than without.
 #pragma GCC unroll 8
     for (int o = 0; o < NO; ++o)
       _mm_prefetch((const char*)(w + o * ldw + k + PREFETCH), _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {  // one Vec of the lane sets at a time: fewer registers
+      Vec wv[NO];
 #pragma GCC unroll 8
-    for (int o = 0; o < NO; ++o) wv[o] = _mm512_loadu_ps(w + o * ldw + k);
+      for (int o = 0; o < NO; ++o) wv[o] = vload(w + o * ldw + k + p * W);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);
+      for (int r = 0; r < R; ++r) {
+        const Vec xv = vload(x + r * ldx + k + p * W);
 #pragma GCC unroll 8
-      for (int o = 0; o < NO; ++o) a[r][o] = _mm512_fmadd_ps(xv, wv[o], a[r][o]);
+        for (int o = 0; o < NO; ++o) a[r][o][p] = vfma(xv, wv[o], a[r][o][p]);
+      }
     }
   }
-  if (k < k1) {  // the tail of K: masked loads read zeros past it
-    const __mmask16 m = (__mmask16)((1u << (k1 - k)) - 1u);
-    __m512 wv[NO];
+  if (k < k1) {  // the tail of K: masked loads read zeros past it (every lane gets its FMA)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      const int64_t n = std::min<int64_t>(std::max<int64_t>(k1 - k - p * W, 0), W);
+      Vec wv[NO];
 #pragma GCC unroll 8
-    for (int o = 0; o < NO; ++o) wv[o] = _mm512_maskz_loadu_ps(m, w + o * ldw + k);
+      for (int o = 0; o < NO; ++o) wv[o] = vload_first(w + o * ldw + k + p * W, n);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * ldx + k);
+      for (int r = 0; r < R; ++r) {
+        const Vec xv = vload_first(x + r * ldx + k + p * W, n);
 #pragma GCC unroll 8
-      for (int o = 0; o < NO; ++o) a[r][o] = _mm512_fmadd_ps(xv, wv[o], a[r][o]);
+        for (int o = 0; o < NO; ++o) a[r][o][p] = vfma(xv, wv[o], a[r][o][p]);
+      }
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int o = 0; o < NO; ++o) acc[r * NO + o] = a[r][o];
+    for (int o = 0; o < NO; ++o)
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) acc[(r * NO + o) * P + p] = a[r][o][p];
 }
 
 // tile_acc<g, NO> for a run-time g in [1, G].
 template <int G, int NO>
 inline void tile_acc_n(int64_t g, const float* x, int64_t ldx, const float* w, int64_t ldw,
-                       int64_t k0, int64_t k1, __m512* acc) {
+                       int64_t k0, int64_t k1, Vec* acc) {
   if (g == G) {
     tile_acc<G, NO>(x, ldx, w, ldw, k0, k1, acc);
   } else if constexpr (G > 1) {
@@ -82,12 +164,12 @@ inline void tile_acc_n(int64_t g, const float* x, int64_t ldx, const float* w, i
   }
 }
 
-// y[r, o] = sum of the lanes of acc[r * NO + o] (+ bias[o]), summed in a fixed order.
-inline void store(int64_t R, int64_t NO, const __m512* acc, float* y, int64_t ldy,
+// y[r, o] = sum of the lanes of lane set r * NO + o of acc (+ bias[o]).
+inline void store(int64_t R, int64_t NO, const Vec* acc, float* y, int64_t ldy,
                   const float* bias) {
   for (int64_t r = 0; r < R; ++r)
     for (int64_t o = 0; o < NO; ++o) {
-      const float s = _mm512_reduce_add_ps(acc[r * NO + o]);
+      const float s = reduce16(acc + (r * NO + o) * P);
       y[r * ldy + o] = bias ? s + bias[o] : s;
     }
 }
@@ -100,11 +182,11 @@ inline void store(int64_t R, int64_t NO, const __m512* acc, float* y, int64_t ld
 template <int NO, int RG>
 void block(int64_t R, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
            float* y, int64_t ldy, const float* bias) {
-  alignas(64) __m512 acc[MAX_ROWS * NO];
+  alignas(64) Vec acc[MAX_ROWS * NO * P];
   for (int64_t s0 = 0; s0 < R; s0 += MAX_ROWS) {
     const int64_t rows = R - s0 < MAX_ROWS ? R - s0 : MAX_ROWS;
     const float* xs = x + s0 * ldx;
-    for (int64_t i = 0; i < rows * NO; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows * NO * P; ++i) acc[i] = vzero();
     if (rows <= RG) {
       tile_acc_n<RG, NO>(rows, xs, ldx, w, ldw, 0, K, acc);
     } else {
@@ -112,7 +194,7 @@ void block(int64_t R, const float* x, int64_t ldx, const float* w, int64_t ldw, 
         const int64_t k1 = K - k0 < K_CHUNK ? K : k0 + K_CHUNK;
         for (int64_t r0 = 0; r0 < rows; r0 += RG) {
           const int64_t g = rows - r0 < RG ? rows - r0 : RG;
-          tile_acc_n<RG, NO>(g, xs + r0 * ldx, ldx, w, ldw, k0, k1, acc + r0 * NO);
+          tile_acc_n<RG, NO>(g, xs + r0 * ldx, ldx, w, ldw, k0, k1, acc + r0 * NO * P);
         }
       }
     }
@@ -131,7 +213,7 @@ inline void rows_block(int64_t R, const float* x, int64_t ldx, const float* w, i
     block<NB, RG>(R, x, ldx, wo, ldw, K, yo, ldy, bo);
   } else {
     for (int64_t j = 0; j < out - o; ++j)
-      block<1, 6>(R, x, ldx, wo + j * ldw, ldw, K, yo + j, ldy, bo ? bo + j : nullptr);
+      block<1, TAIL_RG>(R, x, ldx, wo + j * ldw, ldw, K, yo + j, ldy, bo ? bo + j : nullptr);
   }
 }
 
@@ -174,7 +256,8 @@ std::vector<at::Tensor> linears(const at::Tensor& x_in, at::TensorList ws_in,
   float* yp = y.mutable_data_ptr<float>();
   const float* xp = x.const_data_ptr<float>();
   const int64_t ldy = col[n];
-  const int64_t nb = R <= SMALL_ROWS ? 8 : 4;  // weight rows per block
+  const bool small = R <= SMALL_ROWS;
+  const int64_t nb = small ? SMALL_NB : LARGE_NB;  // weight rows per block
   for (size_t i = 0; i < n; ++i) first[i + 1] = first[i] + (outs[i] + nb - 1) / nb;
   // Threads only when each gets at least ~64 KiB of weight: a tiny product is not worth
   // waking the other threads (on a busy machine that can cost a scheduler slice).
@@ -185,10 +268,10 @@ std::vector<at::Tensor> linears(const at::Tensor& x_in, at::TensorList ws_in,
       while (blk >= first[i + 1]) ++i;
       const int64_t o = (blk - first[i]) * nb;
       float* yo = yp + col[i] + o;
-      if (nb == 8) {
-        rows_block<8, 3>(R, xp, ldx, wp[i], ldw[i], K, o, outs[i], yo, ldy, bp[i]);
+      if (small) {
+        rows_block<SMALL_NB, SMALL_RG>(R, xp, ldx, wp[i], ldw[i], K, o, outs[i], yo, ldy, bp[i]);
       } else {
-        rows_block<4, 6>(R, xp, ldx, wp[i], ldw[i], K, o, outs[i], yo, ldy, bp[i]);
+        rows_block<LARGE_NB, LARGE_RG>(R, xp, ldx, wp[i], ldw[i], K, o, outs[i], yo, ldy, bp[i]);
       }
     }
   });
@@ -216,18 +299,19 @@ at::Tensor gate_up_silu(const at::Tensor& x_in, const at::Tensor& wg_in, const a
   const float* xp = x.const_data_ptr<float>();
   const float* gp = wg.const_data_ptr<float>();
   const float* up = wu.const_data_ptr<float>();
-  const int64_t nb = R <= SMALL_ROWS ? 8 : 4;  // weight rows per block, as in linears
+  const bool small = R <= SMALL_ROWS;
+  const int64_t nb = small ? SMALL_NB : LARGE_NB;  // weight rows per block, as in linears
   const int64_t grain = (16384 + 2 * nb * K - 1) / (2 * nb * K);
   at::parallel_for(0, (I + nb - 1) / nb, grain, [&](int64_t b0, int64_t b1) {
     std::vector<float> g(R * nb), u(R * nb);  // [R, nb] gate and up products of a block
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t o = blk * nb, no = I - o < nb ? I - o : nb;
-      if (nb == 8) {
-        rows_block<8, 3>(R, xp, ldx, gp, K, K, o, I, g.data(), nb, nullptr);
-        rows_block<8, 3>(R, xp, ldx, up, K, K, o, I, u.data(), nb, nullptr);
+      if (small) {
+        rows_block<SMALL_NB, SMALL_RG>(R, xp, ldx, gp, K, K, o, I, g.data(), nb, nullptr);
+        rows_block<SMALL_NB, SMALL_RG>(R, xp, ldx, up, K, K, o, I, u.data(), nb, nullptr);
       } else {
-        rows_block<4, 6>(R, xp, ldx, gp, K, K, o, I, g.data(), nb, nullptr);
-        rows_block<4, 6>(R, xp, ldx, up, K, K, o, I, u.data(), nb, nullptr);
+        rows_block<LARGE_NB, LARGE_RG>(R, xp, ldx, gp, K, K, o, I, g.data(), nb, nullptr);
+        rows_block<LARGE_NB, LARGE_RG>(R, xp, ldx, up, K, K, o, I, u.data(), nb, nullptr);
       }
       for (int64_t r = 0; r < R; ++r)
         for (int64_t j = 0; j < no; ++j) {
@@ -237,6 +321,24 @@ at::Tensor gate_up_silu(const at::Tensor& x_in, const at::Tensor& wg_in, const a
     }
   });
   return y;
+}
+
+// a[0:n] . b[0:n] in one lane set, as tile_acc with one row and one weight row.
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc[P];
+#pragma GCC unroll 2
+  for (int p = 0; p < P; ++p) acc[p] = vzero();
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) acc[p] = vfma(vload(a + i + p * W), vload(b + i + p * W), acc[p]);
+  if (i < n)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      const int64_t m = std::min<int64_t>(std::max<int64_t>(n - i - p * W, 0), W);
+      acc[p] = vfma(vload_first(a + i + p * W, m), vload_first(b + i + p * W, m), acc[p]);
+    }
+  return reduce16(acc);
 }
 
 // weight * (x * rsqrt(mean(x^2) + eps)) per row, as the decoder's RMSNorm in float32.
@@ -254,41 +356,21 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = xp + r * K;
       float* yr = yp + r * K;
-      __m512 acc = _mm512_setzero_ps();
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16) {
-        const __m512 v = _mm512_loadu_ps(xr + k);
-        acc = _mm512_fmadd_ps(v, v, acc);
-      }
-      if (k < K) {
-        const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (K - k)) - 1u), xr + k);
-        acc = _mm512_fmadd_ps(v, v, acc);
-      }
-      const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)K + (float)eps);
-      for (k = 0; k < K; ++k) yr[k] = wp[k] * (xr[k] * scale);
+      const float scale = 1.0f / std::sqrt(dot(xr, xr, K) / (float)K + (float)eps);
+      for (int64_t k = 0; k < K; ++k) yr[k] = wp[k] * (xr[k] * scale);
     }
   });
   return y;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
 // y += w * x over n floats
 inline void axpy(float w, const float* x, float* y, int64_t n) {
-  const __m512 wv = _mm512_set1_ps(w);
+  const Vec wv = vset1(w);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i + LANES <= n; i += LANES)  // the same elements in vectors on either ISA
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p)
+      vstore(y + i + p * W, vfma(wv, vload(x + i + p * W), vload(y + i + p * W)));
   for (; i < n; ++i) y[i] += w * x[i];
 }
 

@@ -1,4 +1,4 @@
-"""AVX-512 kernels for the few-token float32 steps of decoding (``cpu_kernels.cpp``).
+"""AVX-512 / AVX2 kernels for the few-token float32 steps of decoding (``cpu_kernels.cpp``).
 
 A decode or verify step multiplies 1 to k + 1 rows by every weight of the model, so
 it is bound by streaming the weights from memory. MKL's ``sgemm`` re-reads a weight
@@ -8,17 +8,17 @@ cache misses instead of ~10 us. The kernels here answer both:
 
 ``linears(x, ws, bs)``
     ``[x @ w.T + b for w, b]`` reading each weight row once for all rows of ``x``.
-    Output rows are cut into blocks of 8 (up to 3 rows of ``x``) or 4 weight rows;
-    ``at::parallel_for`` (torch's own intra-op threads) gives each thread a
-    contiguous run of blocks; register tiles of 3 x 8 or 6 x 4 accumulators, and past
-    6 rows the weights go in chunks of 256 floats that every tile of rows meets while
-    they sit in L1. Each output is one dot product accumulated in 16 fixed lanes over
-    the input and summed in a fixed order, so a row's result does not depend on how
-    many rows came with it, on the thread count or on the blocking: verify-step
-    products are bit-identical to one-token ones. Weights that share the input
-    (q/k/v) are one range for the threads and land side by side in one
-    ``[rows, sum(out)]`` buffer, like a fused weight without copying one; the results
-    are column views.
+    Output rows are cut into blocks of 8 (up to 3 rows of ``x``) or 4 weight rows
+    (AVX2: 4 or 1); ``at::parallel_for`` (torch's own intra-op threads) gives each
+    thread a contiguous run of blocks; register tiles of 3 x 8 or 6 x 4 accumulators
+    (AVX2: 1 x 4 or 6 x 1), and past one tile of rows the weights go in chunks of 256
+    floats that every tile of rows meets while they sit in L1. Each output is one dot
+    product accumulated in 16 fixed lanes over the input and summed in a fixed order,
+    so a row's result does not depend on how many rows came with it, on the thread
+    count or on the blocking: verify-step products are bit-identical to one-token
+    ones. Weights that share the input (q/k/v) are one range for the threads and land
+    side by side in one ``[rows, sum(out)]`` buffer, like a fused weight without
+    copying one; the results are column views.
 ``gate_up_silu(x, wg, wu)``
     ``silu(x @ wg.T) * (x @ wu.T)`` with the same tiles (same bits for both
     products), the activation applied per block: no gate/up tensors, no extra ops.
@@ -28,9 +28,17 @@ cache misses instead of ~10 us. The kernels here answer both:
     RoPE, the paged KV-cache write and causal GQA attention (optional sliding
     window) for a few packed new tokens of a ragged batch: one op instead of ~35.
 
+One source serves two instruction sets, picked by torch's CPU capability: AVX-512
+(``-mavx512f -mfma``) or AVX2 + FMA (``-mavx2 -mfma``), each build in its own cache
+directory. The 16 lanes of a dot product are one zmm register or two ymm ones, with
+smaller register tiles on AVX2 (16 ymm registers, not 32 zmm); the FMAs per lane and
+the fixed-order sum of the lanes are the same operations either way, so the two builds
+should give the same bits as well (by construction; not compared on one machine).
+
 The source is compiled on first use with ``torch.utils.cpp_extension`` (~10 s, then
 cached on disk by torch). :func:`kernels` returns ``None`` where that is impossible
-(no AVX-512, no compiler, a build error); :mod:`specserve.engine.ops` then uses torch.
+(neither AVX-512 nor AVX2, no compiler, a build error); :mod:`specserve.engine.ops` then
+uses torch.
 """
 
 from __future__ import annotations
@@ -47,6 +55,12 @@ import torch
 log = logging.getLogger(__name__)
 
 _LIB = "specserve_cpu"
+
+# Compiler flags per torch CPU capability; the define picks the vector code in the source.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mfma", "-DSPECSERVE_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-DSPECSERVE_AVX2"],
+}
 
 LinearsFn = Callable[
     [torch.Tensor, Sequence[torch.Tensor], Sequence[torch.Tensor | None]], list[torch.Tensor]
@@ -68,8 +82,12 @@ _state: dict[str, Kernels | None] = {}
 
 
 def _build() -> Kernels | None:
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        log.info("the CPU lacks AVX-512: the engine uses torch ops only")
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa_flags = _ISA_FLAGS.get(capability)
+    if isa_flags is None:
+        log.info(
+            "the CPU has neither AVX-512 nor AVX2 (%s): the engine uses torch ops only", capability
+        )
         return None
     try:
         from torch.utils.cpp_extension import load_inline
@@ -77,13 +95,12 @@ def _build() -> Kernels | None:
         source = resources.files(__package__).joinpath("cpu_kernels.cpp").read_text()
         flags = [
             "-O3",
-            "-mavx512f",
-            "-mfma",
+            *isa_flags,
             "-fopenmp",  # at::parallel_for is inline OpenMP; torch's libgomp is reused
         ]
-        # One build directory (and op namespace) per source version: torch's JIT cache
-        # is keyed by name, and a process that waits on another's build of an older
-        # source would otherwise load that one.
+        # One build directory (and op namespace) per source version and instruction set:
+        # torch's JIT cache is keyed by name, and a process that waits on another's build
+        # of an older source (or for another CPU) would otherwise load that one.
         digest = hashlib.sha256("\n".join([source, *flags]).encode()).hexdigest()[:12]
         name = f"{_LIB}_{digest}"
         load_inline(
@@ -97,6 +114,7 @@ def _build() -> Kernels | None:
     except Exception as exc:  # no source, compiler or headers, a failed build: fall back
         log.warning("CPU kernels unavailable (%s); the engine uses torch ops only", exc)
         return None
+    log.info("CPU kernels built for %s", capability)
     lib = getattr(torch.ops, name)
     return Kernels(
         lib.linears.default,

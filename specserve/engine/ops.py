@@ -5,10 +5,10 @@ Every projection of the decoder goes through :func:`linear`, :func:`linears` or
 decode or verify step can take :func:`rope_cache_attention`, so a faster kernel is
 one change here.
 
-On a CPU with AVX-512, float32 products of at most :data:`MAX_KERNEL_ROWS` rows go
-to :mod:`specserve.engine.cpu_kernels`, which reads each weight once for all rows
-(MKL re-reads it every ~3 rows) and gives every row the same bits whatever the row
-count. Larger products (prefill), other dtypes and devices, and anything that needs
+On a CPU with AVX-512 or AVX2, float32 products of at most :data:`MAX_KERNEL_ROWS`
+rows go to :mod:`specserve.engine.cpu_kernels`, which reads each weight once for all
+rows (MKL re-reads it every ~3 rows) and gives every row the same bits whatever the
+row count. Larger products (prefill), other dtypes and devices, and anything that needs
 autograd use torch. The choice depends only on shapes, dtypes and devices, so it is
 deterministic per row count.
 

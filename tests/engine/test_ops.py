@@ -16,11 +16,13 @@ from tests.support.hf_tiny import tiny_random_model
 # Where the kernels can be built they must be: a failed build would otherwise only show
 # up as a silent fall back to torch (test_kernels_build).
 CAN_BUILD = (
-    torch.backends.cpu.get_cpu_capability() == "AVX512"
+    torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2")
     and shutil.which("c++") is not None
     and shutil.which("ninja") is not None
 )
-needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no AVX-512 CPU, C++ compiler or ninja")
+needs_kernel = pytest.mark.skipif(
+    not CAN_BUILD, reason="no AVX-512 or AVX2 CPU, C++ compiler or ninja"
+)
 
 
 @needs_kernel
