@@ -9,6 +9,9 @@
 * A Verify past its clients' deadline (the batch's timeout is cut to the latest
   one) on a target that still answers SERVING has *expired*: those sessions end
   as at a round boundary past their deadline, and the target stays in the pool.
+  Past the target timeout instead, on a target still SERVING, it is *slow*: the
+  caller replays it on the same replica (whose KV is warm; it rolls back to the
+  request's start) before it calls the replica lost.
 * A draft replica past the round's deadline whose health still answers SERVING is
   *slow*, not lost: the round verifies without its drafts and it stays in the pool
   (taking a busy draft pool out would move every session to k = 0 and make the
@@ -68,7 +71,8 @@ class VerifyOutcome:
     verdicts: dict[str, Verdict] = field(default_factory=dict)
     errors: dict[str, EngineError] = field(default_factory=dict)
     lost: bool = False  # the replica failed: nothing was verified
-    why: str = ""  # how it failed, when lost
+    slow: bool = False  # past the target timeout, the replica still SERVING: nothing verified
+    why: str = ""  # how it failed, when lost or slow
     batch_sizes: list[int] = field(default_factory=list)  # as the target reported them
     resent: int = 0  # sessions the target answered NEEDS_HISTORY, resent whole
     expired: bool = False  # the clients' deadlines passed first: nothing was verified
@@ -194,7 +198,7 @@ async def verify(
 
     ``deadline_cut``: ``timeout_s`` is the batch's client deadline, shorter than the
     target timeout; if it passes while the replica still answers SERVING, the batch
-    ``expired`` and the replica stays in the pool.
+    ``expired`` and the replica stays in the pool. Without the cut, the same is ``slow``.
     """
     out = VerifyOutcome()
     replica = pool.get(endpoint)
@@ -225,12 +229,15 @@ async def verify(
             out.batch_sizes.append(again.batch_size)
             results.update(zip([s.sid for s in stale], again.results, strict=True))
     except grpc.aio.AioRpcError as e:
-        if (
-            e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            and deadline_cut
-            and await is_serving(replica)
-        ):
-            out.expired = True
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and await is_serving(replica):
+            if deadline_cut:
+                out.expired = True
+            else:
+                out.slow = True
+                out.why = (
+                    f"Verify on {endpoint} ran past {timeout_s:g} s while the replica "
+                    "answered SERVING"
+                )
             return out
         if await replica_lost(replica, e.code()):
             out.lost, out.why = True, f"Verify on {endpoint}: {e.code().name}: {e.details()}"

@@ -126,6 +126,11 @@ class RunnerCollector(Collector):
             stats.replayed_rounds,
         )
         yield CounterMetricFamily(
+            f"{P}_slow_verifies",
+            "Verify batches past the target timeout on a target that answered SERVING",
+            stats.slow_verifies,
+        )
+        yield CounterMetricFamily(
             f"{P}_target_history_resends",
             "Sessions a target answered NEEDS_HISTORY and got the whole history",
             stats.target_history_resends,

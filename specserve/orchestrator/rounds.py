@@ -17,7 +17,10 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    committed tokens are re-read from the store and the same round — same drafts,
    same (seed, round index, position) draws — is replayed on another target with
    the whole history, so the output does not change (with ``--kv-snapshots`` the
-   new target first restores the saved KV chunks and gets only the tail);
+   new target first restores the saved KV chunks and gets only the tail). A
+   target past the target timeout that still answers SERVING is slow, not lost:
+   the round is replayed on it once more (its KV is warm there; another replica
+   would have to prefill every session) and only a second miss fails it over;
 4. ``DecodeState.commit``, one pipelined atomic commit per session to the store,
    then the tokens go to the clients. A session whose record changed under it
    (another replica took it over) stops without writing.
@@ -70,7 +73,7 @@ log = logging.getLogger(__name__)
 class RoundTimeouts:
     draft_s: float = 2.0  # a Propose slower than this costs the round its drafts
     draft_warm_s: float = 120.0  # a draft replica's prefill of a session's history
-    target_s: float = 60.0  # a Verify slower than this counts as a lost target
+    target_s: float = 60.0  # a Verify slower than this is replayed, twice: a lost target
     failover_s: float = 20.0  # how long a session waits for some target to come back
     release_s: float = 2.0
 
@@ -99,6 +102,7 @@ class RunnerStats:
     k_caps: collections.Counter[int] = field(default_factory=collections.Counter)  # by cap
     target_failovers: int = 0  # sessions moved to another target mid-round
     replayed_rounds: int = 0  # Verify batches replayed on another target after a loss
+    slow_verifies: int = 0  # Verify batches past the target timeout on a SERVING target
     target_history_resends: int = 0  # sessions a target asked for the whole history
     draft_ahead_bets: int = 0  # draft-ahead calls' sessions
     draft_ahead: collections.Counter[Outcome] = field(default_factory=collections.Counter)
@@ -463,6 +467,7 @@ class RoundRunner:
         moved: dict[str, str] = {}
         give_up = time.monotonic() + self.timeouts.failover_s
         todo = items
+        slow_before = False  # this replica already missed the target timeout once
         while todo:
             timeout = self._timeout(self.timeouts.target_s, [s for s, _ in todo])
             cut = timeout < self.timeouts.target_s
@@ -470,6 +475,17 @@ class RoundRunner:
             if out.expired:  # the clients left, not the target: no failover
                 total.expired = True
                 break
+            if out.slow:
+                self.stats.slow_verifies += 1
+                if not slow_before:  # busy, not broken: same replica, same round
+                    slow_before = True
+                    log.warning("%s; replaying the round there once", out.why)
+                    trace.get_current_span().add_event(
+                        "slow target", {attr.TARGET: target, attr.BATCH_SIZE: len(todo)}
+                    )
+                    continue
+                out.lost = True  # twice: as good as lost for these sessions
+                self.targets.mark_failed(target, out.why)
             total.verdicts.update(out.verdicts)
             total.errors.update(out.errors)
             total.batch_sizes.extend(out.batch_sizes)

@@ -6,7 +6,8 @@ replica costs the round its drafts but stays in the pool (taking it out would
 move every session to k = 0 and make another replica rebuild their caches); one
 whose health no longer says SERVING is lost and leaves the pool for a backoff.
 A Verify cut short by its clients' deadline on a SERVING target has expired: the
-target stays in the pool (without the cut it is lost and the batch fails over).
+target stays in the pool. Without the cut it is slow: the round replays on the same
+target once, and a second miss fails the batch over to another target.
 A warm-up records the length it sent, whatever the session committed while it ran.
 """
 
@@ -27,17 +28,42 @@ from specserve.engine.k_policy import KPolicy
 from specserve.engine.sampling import SamplingParams
 from specserve.orchestrator import calls
 from specserve.orchestrator.calls import Plan
+from specserve.orchestrator.redis_settings import embedded_client
 from specserve.orchestrator.replicas import EndpointSpec, ReplicaPool
+from specserve.orchestrator.rounds import RoundRunner, RoundTimeouts
+from specserve.orchestrator.scheduler import Scheduler
 from specserve.orchestrator.session import LiveSession
-from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specserve.orchestrator.session_store import SessionStore
+from specserve.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    session_pb2,
+    target_pb2,
+    target_pb2_grpc,
+)
 
 
 class SlowTarget(target_pb2_grpc.TargetServiceServicer):
-    """Never answers Verify within the tests' deadlines."""
+    """Answers Verify after 2 s (past the tests' deadlines) ``slow_calls`` times, then at
+    once: every session's drafts rejected and token 5 next."""
+
+    def __init__(self, slow_calls: int = 1_000_000) -> None:
+        self.slow_calls = slow_calls
+        self.calls = 0
+        self.starts: list[int] = []  # the start of every session every call sent
 
     async def Verify(self, request: target_pb2.VerifyRequest, context: Any) -> Any:
-        await asyncio.sleep(2.0)
-        return target_pb2.VerifyResponse()
+        self.calls += 1
+        self.starts.extend(s.start for s in request.sessions)
+        if self.calls <= self.slow_calls:
+            await asyncio.sleep(2.0)
+        ok = common_pb2.SESSION_STATUS_OK
+        results = [
+            target_pb2.VerifyResult(session_id=s.session_id, status=ok, accepted=0, next_token=5)
+            for s in request.sessions
+        ]
+        return target_pb2.VerifyResponse(results=results, batch_size=len(results))
 
 
 class SlowDraft(draft_pb2_grpc.DraftServiceServicer):
@@ -86,7 +112,7 @@ async def serve(servicer: SlowDraft | SlowTarget, serving: bool) -> tuple[grpc.a
 
 def live(sid: str, tokens: list[int]) -> LiveSession:
     state = DecodeState(sid, tokens, SamplingParams(), StopCriteria(64), KPolicy(4))
-    return cast(LiveSession, SimpleNamespace(sid=sid, state=state))
+    return cast(LiveSession, SimpleNamespace(sid=sid, state=state, deadline=None))
 
 
 async def pool_for(endpoint: str, role: str = "draft") -> ReplicaPool:
@@ -135,20 +161,68 @@ def test_a_warm_up_records_the_length_it_sent() -> None:
     asyncio.run(body())
 
 
+@pytest.mark.parametrize("serving", [True, False])
 @pytest.mark.parametrize("cut", [True, False])
-def test_a_verify_past_its_clients_deadline_expires_without_losing_the_target(cut: bool) -> None:
+def test_a_verify_past_its_deadline_loses_the_target_only_when_not_serving(
+    cut: bool, serving: bool
+) -> None:
     async def body() -> None:
-        server, endpoint = await serve(SlowTarget(), serving=True)
+        server, endpoint = await serve(SlowTarget(), serving=serving)
         pool = await pool_for(endpoint, "target")
         try:
             s = live("a", [1, 2, 3])
             out = await calls.verify(pool, endpoint, [(s, Plan())], 0.2, deadline_cut=cut)
             assert not out.verdicts and not out.errors
-            assert out.expired is cut and out.lost is not cut
-            assert (endpoint in pool.usable()) is cut
+            assert out.expired is (serving and cut)  # the clients left, not the target
+            assert out.slow is (serving and not cut)  # busy, not broken
+            assert out.lost is not serving
+            assert (endpoint in pool.usable()) is serving
         finally:
             await pool.close()
             await server.stop(None)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("slow_calls", [1, 2])
+def test_a_slow_target_gets_the_round_again_before_it_fails_over(slow_calls: int) -> None:
+    """Slow once: the same round replays on the same target (same start: it rolls back
+    there). Slow twice: the batch moves to the other target with the whole history."""
+
+    async def body() -> None:
+        first, other = SlowTarget(slow_calls), SlowTarget(slow_calls=0)
+        (server_a, a), (server_b, b) = await serve(first, True), await serve(other, True)
+        targets = ReplicaPool(
+            "target", EndpointSpec.parse(f"{a},{b}", "target"), target_pb2_grpc.TargetServiceStub
+        )
+        drafts = await pool_for(a)  # never called: the plan has no drafts
+        await targets.start()
+        store = SessionStore(embedded_client())
+        runner = RoundRunner(
+            Scheduler(), drafts, targets, store, RoundTimeouts(target_s=0.3, failover_s=2.0)
+        )
+        try:
+            record = await store.create(session_pb2.SessionRecord(session_id="a", tokens=[1, 2, 3]))
+            s = live("a", [1, 2, 3])
+            s.record = record
+            s.state.target_start = 2  # the first target holds two of the three tokens
+            out, moved = await runner._verify(a, [(s, Plan())])
+            assert out.verdicts["a"].next_token == 5 and not out.errors
+            assert runner.stats.slow_verifies == slow_calls
+            if slow_calls == 1:
+                assert first.starts == [2, 2] and other.calls == 0 and moved == {}
+                assert a in targets.usable()
+            else:
+                assert first.starts == [2, 2] and other.starts == [0]  # the whole history
+                assert moved == {"a": b} and runner.stats.replayed_rounds == 1
+                assert a not in targets.usable()
+        finally:
+            await runner.close()
+            await targets.close()
+            await drafts.close()
+            await store.close()
+            await server_a.stop(None)
+            await server_b.stop(None)
 
     asyncio.run(body())
 
