@@ -264,9 +264,15 @@ class RoundRunner:
         # Measured caps only for rounds where some session may draft (not plain decoding).
         drafting = any(s.state.drafter != "none" for s in live)
         caps = self.caps if drafting else None
-        measurable = caps is not None and not any(self._catching_up(s) for s in live)
         if caps is not None:
             cap = caps.choose(target, len(live), cap)
+        # A round says something about its cap unless a session prefills on the target,
+        # or (for a cap above 0) would draft from a cold or warming draft cache.
+        measurable = caps is not None and not any(
+            len(s.state.tokens) - s.state.target_start > WARM_ABOVE_TOKENS
+            or (cap > 0 and (s.draft_warming or self._cold(s)))
+            for s in live
+        )
         if drafting:
             self.stats.k_caps[cap] += 1
         with spans.phase(attr.SPAN_PROPOSE) as pspan:
@@ -385,13 +391,6 @@ class RoundRunner:
         """Tokens of a session's history its target has not seen (its prefill)."""
         s = self.sessions[sid]
         return len(s.state.tokens) - s.state.target_start
-
-    @classmethod
-    def _catching_up(cls, s: LiveSession) -> bool:
-        """Whether a round with this session says little about its k cap: it prefills on
-        the target, or its draft cache is cold or being rebuilt."""
-        behind = len(s.state.tokens) - s.state.target_start
-        return behind > WARM_ABOVE_TOKENS or s.draft_warming or cls._cold(s)
 
     @staticmethod
     def _cold(s: LiveSession) -> bool:

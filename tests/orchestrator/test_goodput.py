@@ -47,6 +47,35 @@ def test_a_measured_loss_turns_speculation_off_and_exploration_keeps_checking() 
     assert {2, 4, 8} <= set(later)  # the others are re-measured now and then
 
 
+def test_a_cap_that_keeps_losing_is_tried_less_and_less_often() -> None:
+    caps = GoodputCaps(explore_every=4, max_backoff=16)
+    chosen = run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=400)
+    tries = [i for i, c in enumerate(chosen) if c]
+    early = sum(1 for i in tries if 4 <= i < 100)
+    late = sum(1 for i in tries if 300 <= i < 400)
+    assert late < early  # backing off
+    assert late < 25 / 3  # a fixed cadence would try 25 in every 100 rounds
+    assert late >= 3  # but every losing cap is still re-measured (at most every 64 rounds)
+
+
+def test_an_exploration_waits_for_a_round_that_measures_it() -> None:
+    caps = GoodputCaps(explore_every=4)
+    run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=7)  # tried once each; 0 runs
+    assert caps.choose(T, 8, limit=8) == 8  # round 8: re-measure the oldest loser
+    for _ in range(5):  # its rounds are not measured (cold draft caches warming)
+        assert caps.choose(T, 8, limit=8) == 8
+    caps.observe(T, 8, 8, tokens=8 * 6, seconds=10.0)  # measured at last: still loses
+    assert caps.choose(T, 8, limit=8) == 0
+
+
+def test_an_exploration_that_is_never_measured_gives_up() -> None:
+    caps = GoodputCaps(explore_every=4)
+    run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=7)
+    chosen = [caps.choose(T, 8, limit=8) for _ in range(20)]  # nothing measured
+    assert chosen[: caps.patience] == [8] * caps.patience
+    assert 0 in chosen[caps.patience :]  # back to the best after its patience
+
+
 def test_a_change_in_the_text_moves_the_choice() -> None:
     caps = GoodputCaps(explore_every=4)
     run(caps, {0: 1.0, 2: 2.0, 4: 3.0, 8: 2.0}, rounds=20)  # code: drafts pay
@@ -85,3 +114,5 @@ def test_bad_settings_are_refused() -> None:
         GoodputCaps(explore_every=1)
     with pytest.raises(ValueError, match="smoothing"):
         GoodputCaps(smoothing=0)
+    with pytest.raises(ValueError, match="max_backoff"):
+        GoodputCaps(max_backoff=0)
