@@ -13,6 +13,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -243,9 +244,19 @@ class StreamMeter:
 
 
 def reproduce_command(module: str, argv: list[str] | None = None) -> str:
-    """The command that re-runs this benchmark from the repository root."""
+    """The command that re-runs this benchmark from the repository root, with the
+    ``SPECSERVE_*`` variables it ran under (the servers it starts read them too)."""
     args = sys.argv[1:] if argv is None else argv
-    return " ".join([".venv/bin/python", "-m", module, *args])
+    settings = [
+        f"{k}={shlex.quote(v)}"
+        for k, v in sorted(os.environ.items())
+        if k.startswith("SPECSERVE_") and not any(w in k for w in _PRIVATE)
+    ]
+    return " ".join([*settings, ".venv/bin/python", "-m", module, *args])
+
+
+# Variables that name paths of the machine or carry secrets: never in a results file.
+_PRIVATE = ("HOME", "PASSWORD", "URL", "TLS", "FILE")
 
 
 def _jsonable(obj: Any) -> Any:

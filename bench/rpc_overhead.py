@@ -11,7 +11,9 @@ i.e. serialisation, transport, deserialisation, validation, conversion and the
 hop to the model thread and back. A round's overhead is that of its Propose plus
 its Verify. Batch sizes are interleaved round by round (1, 8, 32, 1, 8, 32, ...)
 so the noise of a shared machine falls on all alike; an empty unary RPC
-(GetLoad) is timed in the same loop as the floor of the transport.
+(GetLoad) is timed in the same loop as the floor of the transport, and so is a
+``Check`` on a bare grpc.aio health server (:mod:`bench.bare_grpc`: no interceptors,
+no specserve code), the floor of Python gRPC itself.
 
 Two server variants (``--models``):
 
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.common import environment, environment_md, reproduce_command, write_results
 from bench.rpc_stub import handler_cost
@@ -102,14 +105,19 @@ def sessions(batch: int, seed: int) -> list[DecodeState]:
 
 
 async def measure(
-    target: str, draft: str, rounds: int, warmup: int
+    target: str, draft: str, bare: str, rounds: int, warmup: int
 ) -> tuple[dict[int, Series], dict[str, list[int]]]:
-    """Per-batch round series, and two reference RPCs timed in the same loop (ns):
-    ``empty`` = GetLoad (no model thread), ``hop`` = Release of an unknown session
-    (a round trip through the model thread, no model work)."""
+    """Per-batch round series, and three reference RPCs timed in the same loop (ns):
+    ``bare`` = health Check on a bare grpc.aio server, ``empty`` = GetLoad (no model
+    thread), ``hop`` = Release of an unknown session (a round trip through the model
+    thread, no model work)."""
     out = {b: Series() for b in BATCHES}
-    floor: dict[str, list[int]] = {"empty": [], "hop": []}
-    async with grpc.aio.insecure_channel(target) as tc, grpc.aio.insecure_channel(draft) as dc:
+    floor: dict[str, list[int]] = {"bare": [], "empty": [], "hop": []}
+    async with (
+        grpc.aio.insecure_channel(target) as tc,
+        grpc.aio.insecure_channel(draft) as dc,
+        grpc.aio.insecure_channel(bare) as bc,
+    ):
         calls: list[RpcTiming] = []
         client = RoundClient(
             target_pb2_grpc.TargetServiceStub(tc),
@@ -118,7 +126,9 @@ async def measure(
         )
         batches = {b: sessions(b, seed=b) for b in BATCHES}
         stub = target_pb2_grpc.TargetServiceStub(tc)
+        health = health_pb2_grpc.HealthStub(bc)
         references = {
+            "bare": lambda: health.Check(health_pb2.HealthCheckRequest()),
             "empty": lambda: stub.GetLoad(common_pb2.GetLoadRequest()),
             "hop": lambda: stub.Release(common_pb2.ReleaseRequest(session_ids=["none"])),
         }
@@ -184,12 +194,16 @@ def section(name: str, result: dict[str, Any]) -> str:
 
 {table(rows)}
 
-References timed in the same loop: an empty unary RPC (`GetLoad`, answered on
-the event loop) {pct(floor["empty"], 0.5):.3f} ms p50 / {pct(floor["empty"], 0.99):.3f} ms p99;
+References timed in the same loop: a health `Check` on a bare grpc.aio server
+(no interceptors, no specserve code: Python gRPC's own floor)
+{pct(floor["bare"], 0.5):.3f} ms p50 / {pct(floor["bare"], 0.99):.3f} ms p99; an empty
+unary RPC of ours (`GetLoad`, answered on the event loop)
+{pct(floor["empty"], 0.5):.3f} ms p50 / {pct(floor["empty"], 0.99):.3f} ms p99;
 a round trip through the model thread with no work (`Release` of an unknown id)
 {pct(floor["hop"], 0.5):.3f} ms p50 / {pct(floor["hop"], 0.99):.3f} ms p99. A round's two
 RPCs therefore cost at least about {2 * pct(floor["hop"], 0.5):.3f} ms on this machine
-before a byte of session data is handled. Batch of 8: round overhead p50
+before a byte of session data is handled, and two calls to the bare server
+{2 * pct(floor["bare"], 0.5):.3f} ms. Batch of 8: round overhead p50
 {eight["round_p50_ms"]:.3f} ms, which **{verdict}** the target of <= {TARGET_P50_MS:.0f} ms.
 """
 
@@ -280,10 +294,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in args.models.split(","):
         rounds = args.rounds if name == "stub" else args.tiny_rounds
         target, draft = servers(name, args.threads)
-        with target, draft:
+        bare = ServerProcess("bare", [], module="bench.bare_grpc")
+        with target, draft, bare:
             target.wait_serving(120)
             draft.wait_serving(120)
-            series, floor = asyncio.run(measure(target.address, draft.address, rounds, args.warmup))
+            bare.wait_serving(30)
+            series, floor = asyncio.run(
+                measure(target.address, draft.address, bare.address, rounds, args.warmup)
+            )
         results[name] = {
             "rounds": rounds,
             "warmup": args.warmup,

@@ -80,6 +80,7 @@ class StubTarget(TargetBackend):
         self.dtype = "float32"
         self.tp_size = 1
         self.load = TargetLoad()
+        self.kv_transfer = None  # no ExportKv / ImportKv
 
     def verify(self, calls: Sequence[Sequence[VerifyInput]]) -> list[Verified]:
         return [

@@ -1,0 +1,23 @@
+"""A results file's reproduce line carries the SPECSERVE_* settings the run had, and
+nothing private (paths of the machine, secrets)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench.common import reproduce_command
+
+
+def test_settings_from_the_environment_lead_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in [k for k in os.environ if k.startswith("SPECSERVE_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("SPECSERVE_K_ZERO_AT", "2")
+    monkeypatch.setenv("SPECSERVE_K_CAP", "curve")
+    monkeypatch.setenv("SPECSERVE_HOME", "/somewhere/private")
+    monkeypatch.setenv("SPECSERVE_REDIS_URL", "redis://user:secret@host:6379")
+    monkeypatch.setenv("SPECSERVE_REDIS_PASSWORD", "secret")
+    assert reproduce_command("bench.concurrency", ["--reps", "2"]) == (
+        "SPECSERVE_K_CAP=curve SPECSERVE_K_ZERO_AT=2 .venv/bin/python -m bench.concurrency --reps 2"
+    )
