@@ -10,9 +10,10 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    misses its deadline costs only speculation: its sessions verify with k = 0
    this round and move to another draft replica (or stay at k = 0) if it is
    lost, or stay if it is only slow. A session its draft replica lacks a long
-   history of is prefilled there beside the rounds (:func:`calls.warm`) and
-   verifies at k = 0 until then. The round's k cap is the load curve's bound, or
-   under it the cap measured best (:mod:`specserve.orchestrator.goodput`);
+   history of is prefilled there beside the rounds (:func:`calls.warm`), from the
+   round after its target prefilled it, and verifies at k = 0 until then. The
+   round's k cap is the load curve's bound, or under it the cap measured best
+   (:mod:`specserve.orchestrator.goodput`);
 3. one ``Verify`` on the lane's target. If the target is lost, the sessions'
    committed tokens are re-read from the store and the same round — same drafts,
    same (seed, round index, position) draws — is replayed on another target with
@@ -355,7 +356,7 @@ class RoundRunner:
             k = s.state.next_k(cap)
             spans.asked(s, k)
             if k > 0 and placement.draft is not None and (s.draft_warming or self._cold(s)):
-                if not s.draft_warming:
+                if self._warm_now(s):
                     cold[placement.draft].append(s)
                 continue  # verifies at k = 0 until its draft cache is warm
             if k > 0:
@@ -398,6 +399,16 @@ class RoundRunner:
         (n-gram drafters index any history cheaply)."""
         behind = len(s.state.tokens) - s.state.draft_start
         return s.state.drafter == "model" and behind > WARM_ABOVE_TOKENS
+
+    @staticmethod
+    def _warm_now(s: LiveSession) -> bool:
+        """Whether a cold session's draft cache should start warming: not twice, and not
+        while its target still prefills it. The round after the prefill is soon enough,
+        the draft's prefill does not take the target's cores when they share them, and
+        a burst of sessions that will verify together at k = 0 never warms at all."""
+        return not s.draft_warming and len(s.state.tokens) - s.state.target_start <= (
+            WARM_ABOVE_TOKENS
+        )
 
     def _warm_later(self, endpoint: str, sessions: list[LiveSession]) -> None:
         """Prefill sessions on their draft replica beside the rounds (:func:`calls.warm`)."""

@@ -112,7 +112,9 @@ async def serve(servicer: SlowDraft | SlowTarget, serving: bool) -> tuple[grpc.a
 
 def live(sid: str, tokens: list[int]) -> LiveSession:
     state = DecodeState(sid, tokens, SamplingParams(), StopCriteria(64), KPolicy(4))
-    return cast(LiveSession, SimpleNamespace(sid=sid, state=state, deadline=None))
+    return cast(
+        LiveSession, SimpleNamespace(sid=sid, state=state, deadline=None, draft_warming=False)
+    )
 
 
 async def pool_for(endpoint: str, role: str = "draft") -> ReplicaPool:
@@ -247,3 +249,12 @@ def test_an_evicted_long_history_is_rebuilt_beside_the_round_not_in_it() -> None
             await server.stop(None)
 
     asyncio.run(body())
+
+
+def test_a_draft_cache_warms_only_once_the_target_has_the_history() -> None:
+    s = live("a", list(range(100)))
+    assert not RoundRunner._warm_now(s)  # the target still prefills 100 tokens
+    s.state.target_start = 99  # prefilled: one new token, as in any decode round
+    assert RoundRunner._warm_now(s)
+    cast(Any, s).draft_warming = True
+    assert not RoundRunner._warm_now(s)  # already warming
