@@ -270,9 +270,7 @@ class RoundRunner:
         # A round says something about its cap unless a session prefills on the target,
         # or (for a cap above 0) would draft from a cold or warming draft cache.
         measurable = caps is not None and not any(
-            len(s.state.tokens) - s.state.target_start > WARM_ABOVE_TOKENS
-            or (cap > 0 and (s.draft_warming or self._cold(s)))
-            for s in live
+            self._prefilling(s) or (cap > 0 and (s.draft_warming or self._cold(s))) for s in live
         )
         if drafting:
             self.stats.k_caps[cap] += 1
@@ -406,9 +404,12 @@ class RoundRunner:
         while its target still prefills it. The round after the prefill is soon enough,
         the draft's prefill does not take the target's cores when they share them, and
         a burst of sessions that will verify together at k = 0 never warms at all."""
-        return not s.draft_warming and len(s.state.tokens) - s.state.target_start <= (
-            WARM_ABOVE_TOKENS
-        )
+        return not s.draft_warming and not RoundRunner._prefilling(s)
+
+    @staticmethod
+    def _prefilling(s: LiveSession) -> bool:
+        """Whether this round prefills a long history of the session on its target."""
+        return len(s.state.tokens) - s.state.target_start > WARM_ABOVE_TOKENS
 
     def _warm_later(self, endpoint: str, sessions: list[LiveSession]) -> None:
         """Prefill sessions on their draft replica beside the rounds (:func:`calls.warm`)."""
