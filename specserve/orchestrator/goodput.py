@@ -91,8 +91,7 @@ class GoodputCaps:
         if b.pending in arms:
             if b.rounds - b.pending_since < self.patience:
                 return b.pending  # not measured yet: keep it
-            stuck = arms[b.pending]  # never measured: try it again later, not next
-            stuck.wait = min(2 * max(stuck.wait, self.explore_every), self.max_wait)
+            self._back_off(arms[b.pending])  # never measured: try it again later, not next
             gave_up = True
         b.pending = None
         untried = [a for a, s in arms.items() if s.samples == 0]
@@ -127,9 +126,13 @@ class GoodputCaps:
             b.pending = None
             others = [s.rate for a, s in b.arms.items() if a != cap and s.samples]
             if others and arm.rate < max(others):
-                arm.wait = min(2 * max(arm.wait, self.explore_every), self.max_wait)
+                self._back_off(arm)
             else:
                 arm.wait = 0
+
+    def _back_off(self, arm: _Arm) -> None:
+        """Double the rounds before ``arm`` is due again (from the base, up to the most)."""
+        arm.wait = min(2 * max(arm.wait, self.explore_every), self.max_wait)
 
     def rates(self, target: str, batch: int) -> dict[int, float]:
         """Measured tokens/s per session by cap (for metrics and tests)."""
