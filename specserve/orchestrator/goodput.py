@@ -20,7 +20,8 @@ decoding only for its exploration rounds, a share that shrinks as they keep losi
 An arm chosen to be measured stays the choice until a round at it *is* measured
 (the runner does not measure rounds that prefill, or that would draft from cold
 draft caches, which warm meanwhile), for at most ``4 * explore_every`` rounds: an
-exploration is not spent on a round that says nothing about it.
+exploration is not spent on a round that says nothing about it. A cache that will
+not warm (its warm-up would not repay itself) ends the exploration at once.
 
 A new bucket starts from the nearest measured one's figures (a batch of 6 behaves
 much like a batch of 8), so growing and shrinking batches do not explore from
@@ -129,6 +130,16 @@ class GoodputCaps:
                 self._back_off(arm)
             else:
                 arm.wait = 0
+
+    def give_up(self, target: str, batch: int, cap: int) -> None:
+        """An exploration of ``cap`` cannot be measured (a session of the round will not
+        warm its draft cache, :mod:`~specserve.orchestrator.warm_payback`): stop it now
+        rather than after its patience, and try the arm again later, not next."""
+        b = self._buckets.get((target, bucket_of(batch)))
+        if b is None or b.pending != cap:
+            return
+        b.pending = None
+        self._back_off(b.arms[cap])
 
     def _back_off(self, arm: _Arm) -> None:
         """Double the rounds before ``arm`` is due again (from the base, up to the most)."""

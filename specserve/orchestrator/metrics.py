@@ -106,6 +106,13 @@ class RunnerCollector(Collector):
             "a new draft replica); they verify at k = 0 meanwhile",
             stats.draft_warmups,
         )
+        yield CounterMetricFamily(
+            f"{P}_draft_warmups_declined",
+            "Session rounds a cold session verified at k = 0 because warming its draft "
+            "cache would cost more than speculation is measured to save over its "
+            "remaining tokens",
+            stats.draft_warmups_declined,
+        )
         caps = CounterMetricFamily(
             f"{P}_k_cap_rounds",
             "Batch rounds by the k cap they ran under (the load curve's bound, or below "

@@ -11,7 +11,9 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    this round and move to another draft replica (or stay at k = 0) if it is
    lost, or stay if it is only slow. A session its draft replica lacks a long
    history of is prefilled there beside the rounds (:func:`calls.warm`), from the
-   round after its target prefilled it, and verifies at k = 0 until then. The
+   round after its target prefilled it and only if the measured gain over its
+   remaining tokens repays the measured warm-up (:mod:`~specserve.orchestrator.warm_payback`),
+   and verifies at k = 0 until then. The
    round's k cap is the load curve's bound, or under it the cap measured best
    (:mod:`specserve.orchestrator.goodput`);
 3. one ``Verify`` on the lane's target. If the target is lost, the sessions'
@@ -63,6 +65,7 @@ from specserve.orchestrator.round_spans import RoundSpans
 from specserve.orchestrator.scheduler import LaneKey, Placement, Scheduler
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.session_store import SessionStore
+from specserve.orchestrator.warm_payback import WarmPayback
 from specserve.serving.errors import Unavailable
 from specserve.telemetry import attributes as attr
 from specserve.v1 import session_pb2
@@ -100,6 +103,7 @@ class RunnerStats:
     verify_batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
     draft_fallbacks: int = 0  # session rounds that wanted drafts but verified at k = 0
     draft_warmups: int = 0  # sessions whose draft cache was rebuilt beside the rounds
+    draft_warmups_declined: int = 0  # session rounds cold at k = 0: a warm-up would not repay
     k_caps: collections.Counter[int] = field(default_factory=collections.Counter)  # by cap
     target_failovers: int = 0  # sessions moved to another target mid-round
     replayed_rounds: int = 0  # Verify batches replayed on another target after a loss
@@ -139,6 +143,7 @@ class RoundRunner:
         self.snapshots = snapshots  # None: --kv-snapshots is off
         # The k cap under the load curve, from measured goodput (None: the curve alone).
         self.caps = GoodputCaps() if scheduler.config.measured_k_cap else None
+        self.payback = WarmPayback()  # weighs draft warm-ups against the measured gain
         self.sessions: dict[str, LiveSession] = {}
         self.stats = RunnerStats()
         self._lanes: dict[LaneKey, asyncio.Task[None]] = {}
@@ -274,8 +279,11 @@ class RoundRunner:
         )
         if drafting:
             self.stats.k_caps[cap] += 1
+        declined = self.stats.draft_warmups_declined
         with spans.phase(attr.SPAN_PROPOSE) as pspan:
             plans = await self._propose(target, live, spans, cap)
+            if caps is not None and self.stats.draft_warmups_declined > declined:
+                caps.give_up(target, len(live), cap)  # a cold session stays cold
             if pspan.is_recording():
                 pspan.set_attributes(
                     {
@@ -354,7 +362,7 @@ class RoundRunner:
             k = s.state.next_k(cap)
             spans.asked(s, k)
             if k > 0 and placement.draft is not None and (s.draft_warming or self._cold(s)):
-                if self._warm_now(s):
+                if self._warm_now(s, target, placement.draft, len(live)):
                     cold[placement.draft].append(s)
                 continue  # verifies at k = 0 until its draft cache is warm
             if k > 0:
@@ -376,6 +384,7 @@ class RoundRunner:
         for (ep, items), got in zip(by_draft.items(), found, strict=True):
             plans.update(got)
             if ep not in self.drafts.usable():  # the replica failed: move its sessions
+                self.payback.forget(ep)
                 for s, _ in items:
                     self.scheduler.set_draft(s.sid, self.scheduler.pick_draft(avoid=[ep]))
                     s.state.draft_start = 0
@@ -398,13 +407,24 @@ class RoundRunner:
         behind = len(s.state.tokens) - s.state.draft_start
         return s.state.drafter == "model" and behind > WARM_ABOVE_TOKENS
 
-    @staticmethod
-    def _warm_now(s: LiveSession) -> bool:
-        """Whether a cold session's draft cache should start warming: not twice, and not
-        while its target still prefills it. The round after the prefill is soon enough,
-        the draft's prefill does not take the target's cores when they share them, and
-        a burst of sessions that will verify together at k = 0 never warms at all."""
-        return not s.draft_warming and not RoundRunner._prefilling(s)
+    def _warm_now(self, s: LiveSession, target: str, draft: str, batch: int) -> bool:
+        """Whether a cold session's draft cache should start warming: not twice, not
+        while its target still prefills it (the round after is soon enough, the draft's
+        prefill does not take the target's cores when they share them, and a burst of
+        sessions that will verify together at k = 0 never warms at all), and only if
+        the warm-up repays itself over the session's remaining tokens."""
+        if s.draft_warming or self._prefilling(s):
+            return False
+        if self.caps is None:  # a pinned curve: no measured gain to weigh
+            return True
+        repays = self.payback.repays(
+            draft,
+            behind=len(s.state.tokens) - s.state.draft_start,
+            remaining=s.state.stop.max_new_tokens - len(s.state.completion),
+            rates=self.caps.rates(target, batch),
+        )
+        self.stats.draft_warmups_declined += not repays
+        return repays
 
     @staticmethod
     def _prefilling(s: LiveSession) -> bool:
@@ -417,9 +437,14 @@ class RoundRunner:
             s.draft_warming = True
         self.stats.draft_warmups += len(sessions)
 
+        behind = sum(len(s.state.tokens) - s.state.draft_start for s in sessions)
+
         async def run() -> None:
             try:
-                await calls.warm(self.drafts, endpoint, sessions, self.timeouts.draft_warm_s)
+                started = time.perf_counter()
+                warm = await calls.warm(self.drafts, endpoint, sessions, self.timeouts.draft_warm_s)
+                if len(warm) == len(sessions):
+                    self.payback.observe(endpoint, behind, time.perf_counter() - started)
             finally:
                 lost = endpoint not in self.drafts.usable()
                 for s in sessions:

@@ -76,6 +76,18 @@ def test_an_exploration_that_is_never_measured_gives_up() -> None:
     assert 0 in chosen[caps.patience :]  # back to the best after its patience
 
 
+def test_an_exploration_whose_caches_will_not_warm_ends_at_once() -> None:
+    caps = GoodputCaps(explore_every=4)
+    run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=7)
+    assert caps.choose(T, 8, limit=8) == 8  # round 8: re-measure the oldest loser
+    caps.give_up(T, 8, 4)  # not the exploration: nothing changes
+    assert caps.choose(T, 8, limit=8) == 8
+    caps.give_up(T, 8, 8)  # a session of its round will not warm
+    chosen = [caps.choose(T, 8, limit=8) for _ in range(16)]
+    assert chosen[0] == 0  # the best again, the next round
+    assert 8 not in chosen  # and the arm backed off: not due again at the base wait
+
+
 def test_a_change_in_the_text_moves_the_choice() -> None:
     caps = GoodputCaps(explore_every=4)
     run(caps, {0: 1.0, 2: 2.0, 4: 3.0, 8: 2.0}, rounds=20)  # code: drafts pay

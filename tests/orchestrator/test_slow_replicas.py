@@ -251,10 +251,29 @@ def test_an_evicted_long_history_is_rebuilt_beside_the_round_not_in_it() -> None
     asyncio.run(body())
 
 
-def test_a_draft_cache_warms_only_once_the_target_has_the_history() -> None:
+def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() -> None:
+    """Not during the target's prefill, not twice, and only when the measured gain over
+    the session's remaining tokens (64 here) exceeds the measured warm-up."""
+    spec = EndpointSpec.parse("127.0.0.1:1", "draft")
+    runner = RoundRunner(
+        Scheduler(),
+        ReplicaPool("draft", spec, draft_pb2_grpc.DraftServiceStub),  # never started
+        ReplicaPool("target", spec, target_pb2_grpc.TargetServiceStub),
+        SessionStore(embedded_client()),
+    )
+    assert runner.caps is not None  # the default measured cap
     s = live("a", list(range(100)))
-    assert not RoundRunner._warm_now(s)  # the target still prefills 100 tokens
+    assert not runner._warm_now(s, "t", "d", 1)  # the target still prefills 100 tokens
     s.state.target_start = 99  # prefilled: one new token, as in any decode round
-    assert RoundRunner._warm_now(s)
+    assert runner._warm_now(s, "t", "d", 1)  # nothing measured yet: warm, and measure
+    runner.caps.observe("t", 1, 0, 2, 1.0)  # cap 0: 2 tokens/s
+    runner.caps.observe("t", 1, 4, 4, 1.0)  # cap 4: 4 tokens/s, 0.25 s saved a token
+    runner.payback.observe("d", 100, 1.0)  # 0.01 s a history token: 1 s < 16 s saved
+    assert runner._warm_now(s, "t", "d", 1)
+    runner.payback.forget("d")
+    runner.payback.observe("d", 100, 50.0)  # 0.5 s a history token: 50 s > 16 s saved
+    assert not runner._warm_now(s, "t", "d", 1)
+    assert runner.stats.draft_warmups_declined == 1
+    runner.payback.forget("d")
     cast(Any, s).draft_warming = True
-    assert not RoundRunner._warm_now(s)  # already warming
+    assert not runner._warm_now(s, "t", "d", 1)  # already warming
