@@ -397,7 +397,10 @@ class RoundRunner:
 
     def _target_backlog(self, sid: str) -> int:
         """Tokens of a session's history its target has not seen (its prefill)."""
-        s = self.sessions[sid]
+        return self._backlog(self.sessions[sid])
+
+    @staticmethod
+    def _backlog(s: LiveSession) -> int:
         return len(s.state.tokens) - s.state.target_start
 
     @staticmethod
@@ -429,7 +432,7 @@ class RoundRunner:
     @staticmethod
     def _prefilling(s: LiveSession) -> bool:
         """Whether this round prefills a long history of the session on its target."""
-        return len(s.state.tokens) - s.state.target_start > WARM_ABOVE_TOKENS
+        return RoundRunner._backlog(s) > WARM_ABOVE_TOKENS
 
     def _warm_later(self, endpoint: str, sessions: list[LiveSession]) -> None:
         """Prefill sessions on their draft replica beside the rounds (:func:`calls.warm`)."""
