@@ -11,9 +11,9 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    this round and move to another draft replica (or stay at k = 0) if it is
    lost, or stay if it is only slow. A session its draft replica lacks a long
    history of is prefilled there beside the rounds (:func:`calls.warm`), from the
-   round after its target prefilled it and only if the measured gain over its
-   remaining tokens repays the measured warm-up (:mod:`~specserve.orchestrator.warm_payback`),
-   and verifies at k = 0 until then. The
+   round after its target prefilled it and only if the measured gain over the
+   batch's remaining tokens repays the measured warm-up of the round's cold sessions
+   (:mod:`~specserve.orchestrator.warm_payback`), and verifies at k = 0 until then. The
    round's k cap is the load curve's bound, or under it the cap measured best
    (:mod:`specserve.orchestrator.goodput`);
 3. one ``Verify`` on the lane's target. If the target is lost, the sessions'
@@ -362,7 +362,7 @@ class RoundRunner:
             k = s.state.next_k(cap)
             spans.asked(s, k)
             if k > 0 and placement.draft is not None and (s.draft_warming or self._cold(s)):
-                if self._warm_now(s, target, placement.draft, len(live)):
+                if self._may_warm(s):
                     cold[placement.draft].append(s)
                 continue  # verifies at k = 0 until its draft cache is warm
             if k > 0:
@@ -392,7 +392,8 @@ class RoundRunner:
         # No draft replica, a failed or slow one, or a refusal: these verify at k = 0.
         self.stats.draft_fallbacks += sum(1 for sid in wanted if sid not in plans)
         for ep, sessions in cold.items():  # after this round's Propose: never in its way
-            self._warm_later(ep, sessions)
+            if self._warm_repays(target, ep, sessions, len(live)):
+                self._warm_later(ep, sessions)
         return plans
 
     def _target_backlog(self, sid: str) -> int:
@@ -410,23 +411,33 @@ class RoundRunner:
         behind = len(s.state.tokens) - s.state.draft_start
         return s.state.drafter == "model" and behind > WARM_ABOVE_TOKENS
 
-    def _warm_now(self, s: LiveSession, target: str, draft: str, batch: int) -> bool:
-        """Whether a cold session's draft cache should start warming: not twice, not
+    def _may_warm(self, s: LiveSession) -> bool:
+        """Whether a cold session's draft cache may start warming: not twice, and not
         while its target still prefills it (the round after is soon enough, the draft's
         prefill does not take the target's cores when they share them, and a burst of
-        sessions that will verify together at k = 0 never warms at all), and only if
-        the warm-up repays itself over the session's remaining tokens."""
-        if s.draft_warming or self._prefilling(s):
-            return False
+        sessions that will verify together at k = 0 never warms at all)."""
+        return not s.draft_warming and not self._prefilling(s)
+
+    def _warm_repays(
+        self, target: str, draft: str, sessions: list[LiveSession], batch: int
+    ) -> bool:
+        """Whether warming a round's cold ``sessions`` on ``draft`` repays itself.
+
+        They are weighed together: one warm-up call prefills them all, and the rounds
+        of the batch move together, so the batch's time saved (over its
+        longest remaining turn) must exceed the whole warm-up. Eight sessions that would
+        each repay their own warm-up need not repay eight.
+        """
         if self.caps is None:  # a pinned curve: no measured gain to weigh
             return True
         repays = self.payback.repays(
             draft,
-            behind=len(s.state.tokens) - s.state.draft_start,
-            remaining=s.state.stop.max_new_tokens - len(s.state.completion),
+            behind=sum(len(s.state.tokens) - s.state.draft_start for s in sessions),
+            remaining=max(s.state.stop.max_new_tokens - len(s.state.completion) for s in sessions),
             rates=self.caps.rates(target, batch),
         )
-        self.stats.draft_warmups_declined += not repays
+        if not repays:
+            self.stats.draft_warmups_declined += len(sessions)
         return repays
 
     @staticmethod

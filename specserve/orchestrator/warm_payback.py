@@ -6,10 +6,18 @@ rest of its turn; it costs draft compute, and where draft and target share a
 device (one CPU, one GPU) every second of it slows the target's rounds as well.
 A session with a long history and a few tokens left (the last of a batch, which
 drafts once it is alone) can lose more to its warm-up than speculation gains it.
-So a warm-up starts only when what speculation is measured to save over the
-session's remaining tokens exceeds what the warm-up is measured to cost::
+So a warm-up starts only when what speculation is measured to save exceeds what
+the warm-up is measured to cost::
 
     remaining * (1 / rate_0 - 1 / rate_best) > behind * warm_seconds_per_token
+
+The sessions of one round that are cold on one draft replica are weighed
+together: one warm-up call prefills them all (a prefill's cost grows with the
+tokens it takes), and a batch's rounds move together, so ``remaining`` is the
+longest remaining turn among them (what the batch's wall time can gain) and
+``behind`` their histories summed (what the warm-up takes). Eight fresh sessions
+that would each repay their own warm-up can cost the batch more than drafting
+saves it.
 
 ``rate_0`` and ``rate_best`` are the goodput (tokens/s per session) measured at
 cap 0 and at the best cap above it for the round's batch
@@ -57,9 +65,10 @@ class WarmPayback:
     def repays(
         self, endpoint: str, *, behind: int, remaining: int, rates: Mapping[int, float]
     ) -> bool:
-        """Whether warming ``behind`` history tokens on ``endpoint`` for a session with
-        ``remaining`` tokens to go saves more time than it takes, by the measured goodput
-        ``rates`` (tokens/s per session by cap) of the batch it decodes in."""
+        """Whether warming ``behind`` history tokens (of the sessions warmed together) on
+        ``endpoint``, for a batch whose longest turn has ``remaining`` tokens to go, saves
+        more time than it takes, by the measured goodput ``rates`` (tokens/s per session
+        by cap) of that batch."""
         per_token = self._cost.get(endpoint)
         plain = rates.get(0)
         drafting = [r for cap, r in rates.items() if cap > 0]

@@ -253,7 +253,8 @@ def test_an_evicted_long_history_is_rebuilt_beside_the_round_not_in_it() -> None
 
 def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() -> None:
     """Not during the target's prefill, not twice, and only when the measured gain over
-    the session's remaining tokens (64 here) exceeds the measured warm-up."""
+    the batch's remaining tokens (64 here) exceeds the measured warm-up of the round's
+    cold sessions, weighed together."""
     spec = EndpointSpec.parse("127.0.0.1:1", "draft")
     runner = RoundRunner(
         Scheduler(),
@@ -262,18 +263,20 @@ def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() 
         SessionStore(embedded_client()),
     )
     assert runner.caps is not None  # the default measured cap
-    s = live("a", list(range(100)))
-    assert not runner._warm_now(s, "t", "d", 1)  # the target still prefills 100 tokens
-    s.state.target_start = 99  # prefilled: one new token, as in any decode round
-    assert runner._warm_now(s, "t", "d", 1)  # nothing measured yet: warm, and measure
-    runner.caps.observe("t", 1, 0, 2, 1.0)  # cap 0: 2 tokens/s
-    runner.caps.observe("t", 1, 4, 4, 1.0)  # cap 4: 4 tokens/s, 0.25 s saved a token
-    runner.payback.observe("d", 100, 1.0)  # 0.01 s a history token: 1 s < 16 s saved
-    assert runner._warm_now(s, "t", "d", 1)
+    s, other = live("a", list(range(100))), live("b", list(range(100)))
+    assert not runner._may_warm(s)  # the target still prefills 100 tokens
+    s.state.target_start = other.state.target_start = 99  # prefilled: one new token
+    assert runner._may_warm(s)
+    assert runner._warm_repays("t", "d", [s], 1)  # nothing measured yet: warm, and measure
+    runner.caps.observe("t", 2, 0, 4, 1.0)  # cap 0: 2 tokens/s per session
+    runner.caps.observe("t", 2, 4, 8, 1.0)  # cap 4: 4 tokens/s, 0.25 s saved a token
+    runner.payback.observe("d", 100, 1.0)  # 0.01 s a history token: 2 s < 16 s saved
+    assert runner._warm_repays("t", "d", [s, other], 2)
     runner.payback.forget("d")
-    runner.payback.observe("d", 100, 50.0)  # 0.5 s a history token: 50 s > 16 s saved
-    assert not runner._warm_now(s, "t", "d", 1)
-    assert runner.stats.draft_warmups_declined == 1
+    runner.payback.observe("d", 100, 10.0)  # 0.1 s a token: 10 s each, 20 s together
+    assert runner._warm_repays("t", "d", [s], 2)
+    assert not runner._warm_repays("t", "d", [s, other], 2)
+    assert runner.stats.draft_warmups_declined == 2  # in session rounds
     runner.payback.forget("d")
     cast(Any, s).draft_warming = True
-    assert not runner._warm_now(s, "t", "d", 1)  # already warming
+    assert not runner._may_warm(s)  # already warming
