@@ -61,13 +61,15 @@ def _row(runs: list[Run], plain: dict[tuple[int, int], Run]) -> dict[str, Any]:
     drafted = sum(s.drafted for s in streams)
     accepted = sum(s.accepted for s in streams)
     rounds = sum(s.rounds for s in streams)
-    ratios = [r.tokens_per_s / plain[(r.rep, r.concurrency)].tokens_per_s for r in runs]
+    ordered = sorted(runs, key=lambda r: r.rep)
+    ratios = [r.tokens_per_s / plain[(r.rep, r.concurrency)].tokens_per_s for r in ordered]
     return {
         "variant": runs[0].variant,
         "concurrency": runs[0].concurrency,
         "reps": len(runs),
         "tokens_per_s": statistics.median(r.tokens_per_s for r in runs),
         "ratio_vs_plain": statistics.median(ratios),
+        "ratios_by_rep": ratios,
         "itl_p50_ms": 1e3 * pct(per_token, 0.5),
         "itl_p99_ms": 1e3 * pct(per_token, 0.99),
         "stall_p99_ms": 1e3 * pct(gaps, 0.99),
@@ -160,6 +162,13 @@ def _caps(row: dict[str, Any]) -> str:
     return ", ".join(f"{cap}: {n:.0f}" for cap, n in caps.items()) or "–"
 
 
+def _ratios(row: dict[str, Any]) -> str:
+    """``0.96x (0.78, 1.15)``: the median ratio, then each repetition's."""
+    reps = row.get("ratios_by_rep") or []
+    each = f" ({', '.join(f'{x:.2f}' for x in reps)})" if len(reps) > 1 else ""
+    return f"{row['ratio_vs_plain']:.2f}x{each}"
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f}%"
 
@@ -191,7 +200,10 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, A
         "## Throughput and latency",
         "",
         "tok/s: every stream's tokens over the wall time from the first request to the last "
-        "token. ITL: a message with n tokens arriving g after the previous one counts n "
+        "token. vs plain: the median of the repetitions' ratios, each repetition's in "
+        "brackets (in repetition 0 the measured k cap meets each batch size for the first "
+        "time and explores; later ones run on what it measured). "
+        "ITL: a message with n tokens arriving g after the previous one counts n "
         "latencies of g/n; stall: g itself. Rounds by k cap: the orchestrator's batch rounds "
         "by the k cap they ran under (the load curve's bound, or under it the cap with the "
         "best measured goodput; 0 = no drafts). `wrong`: streams whose tokens differ from "
@@ -210,7 +222,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, A
         )
         lines.append(
             f"| {r['concurrency']} | {r['variant']} | {r['tokens_per_s']:.2f} | "
-            f"{r['ratio_vs_plain']:.2f}x | {_num(r['itl_p50_ms'], '.0f')} | "
+            f"{_ratios(r)} | {_num(r['itl_p50_ms'], '.0f')} | "
             f"{_num(r['itl_p99_ms'], '.0f')} | {_num(r['stall_p99_ms'], '.0f')} | "
             f"{_num(r['ttft_p50_s'])} | {_pct(r['acceptance_rate'])} | "
             f"{_num(r['mean_acceptance_length'])} | {ahead} | {_caps(r)} | "

@@ -38,7 +38,7 @@ def test_ratios_wrong_streams_and_targets() -> None:
             run(AHEAD, 1, rep, 1.0, same),  # twice plain's tokens/s
             run(NO_AHEAD, 1, rep, 4.0, other if rep == 0 else same),  # half, one stream wrong
             run(PLAIN, 2, rep, 2.0, same),
-            run(AHEAD, 2, rep, 2.5, same),  # 0.8x plain
+            run(AHEAD, 2, rep, 2.5 if rep else 1.0, same),  # 2x plain, then 0.8x
             run(NO_AHEAD, 2, rep, 2.0, same),
         ]
     local = [LocalRun("adaptive k", rep, same, 0.8, 4, 3, 2) for rep in range(3)]
@@ -48,7 +48,8 @@ def test_ratios_wrong_streams_and_targets() -> None:
     assert rows[(AHEAD, 1)]["ratio_vs_plain"] == pytest.approx(2.0)
     assert rows[(NO_AHEAD, 1)]["ratio_vs_plain"] == pytest.approx(0.5)
     assert rows[(NO_AHEAD, 1)]["wrong_streams"] == 1 and rows[(AHEAD, 1)]["wrong_streams"] == 0
-    assert rows[(AHEAD, 2)]["tokens_per_s"] == pytest.approx(8 / 2.5)
+    assert rows[(AHEAD, 2)]["tokens_per_s"] == pytest.approx(8 / 2.5)  # the median rep
+    assert rows[(AHEAD, 2)]["ratios_by_rep"] == pytest.approx([2.0, 0.8, 0.8])
     assert rows[(AHEAD, 1)]["acceptance_rate"] == pytest.approx(0.75)
     t = summary["targets"]
     assert t["adaptive_variant"] == NO_AHEAD  # the orchestrator's default (draft-ahead off)
@@ -85,6 +86,7 @@ def test_ratios_wrong_streams_and_targets() -> None:
     }
     text = markdown(summary, args, env)
     assert "**not met** (1: 0.50x, 2: 1.00x)" in text and "(0.20x)" in text
+    assert "| 0.80x (2.00, 0.80, 0.80) |" in text  # the median, then each repetition's
     assert not math.isnan(rows[(PLAIN, 2)]["itl_p50_ms"])
 
 
