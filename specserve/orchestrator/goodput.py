@@ -25,9 +25,12 @@ not warm (its warm-up would not repay itself) ends the exploration at once.
 
 A new bucket starts from the nearest measured one's figures (a batch of 6 behaves
 much like a batch of 8), so growing and shrinking batches do not explore from
-scratch. Rounds that include a prefill or a draft warm-up are not measured: they
-say nothing about the cap. Pure Python, no clock: the round runner passes in
-what it measured.
+scratch; starting from a larger batch, the caps above that batch's best start
+untried (drafting pays at least as well in a smaller batch, and a figure measured
+at another batch size would hold the better cap back until it is re-measured).
+Rounds that include a prefill or a draft warm-up are not measured: they say
+nothing about the cap. Pure Python, no clock: the round runner passes in what it
+measured.
 """
 
 from __future__ import annotations
@@ -164,6 +167,19 @@ class GoodputCaps:
             b = self._buckets[key] = _Bucket()
             near = [k for k in self._buckets if k[0] == target and k != key]
             if near:  # start from the nearest measured batch size's figures
-                src = self._buckets[min(near, key=lambda k: abs(k[1] - key[1]))]
-                b.arms = {a: _Arm(s.rate, min(s.samples, 1)) for a, s in src.arms.items()}
+                src_key = min(near, key=lambda k: abs(k[1] - key[1]))
+                src = self._buckets[src_key]
+                measured = {a: s.rate for a, s in src.arms.items() if s.samples}
+                # Drafting pays at least as well in a smaller batch: caps above the
+                # larger batch's best start untried here (the bound first), not behind it.
+                top = (
+                    max(measured, key=lambda a: (measured[a], -a))
+                    if measured and key[1] < src_key[1]
+                    else None
+                )
+                b.arms = {
+                    a: _Arm(s.rate, min(s.samples, 1))
+                    for a, s in src.arms.items()
+                    if top is None or a <= top
+                }
         return b

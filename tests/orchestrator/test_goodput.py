@@ -104,6 +104,16 @@ def test_a_new_batch_size_starts_from_the_nearest_measured_one() -> None:
     assert caps.choose("other:1", 8, limit=8) == 8  # another target knows nothing yet
 
 
+def test_a_smaller_batch_tries_the_caps_above_the_larger_batchs_best_first() -> None:
+    caps = GoodputCaps(explore_every=100)
+    run(caps, {0: 1.0, 2: 1.4, 4: 1.2, 8: 0.8}, rounds=6, batch=8)  # 8 sessions: cap 2
+    # One session: 8 and 4 were not measured at this batch; the bound is tried first.
+    alone = run(caps, {0: 4.0, 2: 5.0, 4: 5.5, 8: 6.0}, rounds=6, batch=1)
+    assert alone[:2] == [8, 4]
+    assert alone[2:] == [8] * 4  # no rounds held at cap 2 by the larger batch's figure
+    assert caps.choose(T, 16, limit=8) == 2  # a larger batch still starts from cap 2
+
+
 def test_the_curves_bound_is_respected() -> None:
     caps = GoodputCaps()
     assert caps.choose(T, 40, limit=0) == 0
