@@ -109,8 +109,8 @@ class RunnerCollector(Collector):
         yield CounterMetricFamily(
             f"{P}_draft_warmups_declined",
             "Session rounds a cold session verified at k = 0 because warming its draft "
-            "cache would cost more than speculation is measured to save over its "
-            "remaining tokens",
+            "cache (with the round's other cold sessions) would cost more than "
+            "speculation is measured to save over the batch's remaining tokens",
             stats.draft_warmups_declined,
         )
         caps = CounterMetricFamily(

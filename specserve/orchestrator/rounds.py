@@ -432,13 +432,18 @@ class RoundRunner:
             return True
         repays = self.payback.repays(
             draft,
-            behind=sum(len(s.state.tokens) - s.state.draft_start for s in sessions),
+            behind=self._draft_backlog(sessions),
             remaining=max(s.state.stop.max_new_tokens - len(s.state.completion) for s in sessions),
             rates=self.caps.rates(target, batch),
         )
         if not repays:
             self.stats.draft_warmups_declined += len(sessions)
         return repays
+
+    @staticmethod
+    def _draft_backlog(sessions: list[LiveSession]) -> int:
+        """History tokens of these sessions their draft replica has not seen (a warm-up)."""
+        return sum(len(s.state.tokens) - s.state.draft_start for s in sessions)
 
     @staticmethod
     def _prefilling(s: LiveSession) -> bool:
@@ -451,7 +456,7 @@ class RoundRunner:
             s.draft_warming = True
         self.stats.draft_warmups += len(sessions)
 
-        behind = sum(len(s.state.tokens) - s.state.draft_start for s in sessions)
+        behind = self._draft_backlog(sessions)
 
         async def run() -> None:
             try:
