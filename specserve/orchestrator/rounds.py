@@ -408,8 +408,7 @@ class RoundRunner:
     def _cold(s: LiveSession) -> bool:
         """Whether drafting now would make the draft replica prefill a long history first
         (n-gram drafters index any history cheaply)."""
-        behind = len(s.state.tokens) - s.state.draft_start
-        return s.state.drafter == "model" and behind > WARM_ABOVE_TOKENS
+        return s.state.drafter == "model" and RoundRunner._draft_backlog([s]) > WARM_ABOVE_TOKENS
 
     def _may_warm(self, s: LiveSession) -> bool:
         """Whether a cold session's draft cache may start warming: not twice, and not

@@ -273,10 +273,14 @@ def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() 
     runner.payback.observe("d", 100, 1.0)  # 0.01 s a history token: 2 s < 16 s saved
     assert runner._warm_repays("t", "d", [s, other], 2)
     runner.payback.forget("d")
+    runner.payback.observe("d", 100, 50.0)  # 0.5 s a history token: 50 s > 16 s saved
+    assert not runner._warm_repays("t", "d", [s], 2)  # a lone session is weighed too
+    assert runner.stats.draft_warmups_declined == 1
+    runner.payback.forget("d")
     runner.payback.observe("d", 100, 10.0)  # 0.1 s a token: 10 s each, 20 s together
     assert runner._warm_repays("t", "d", [s], 2)
     assert not runner._warm_repays("t", "d", [s, other], 2)
-    assert runner.stats.draft_warmups_declined == 2  # in session rounds
+    assert runner.stats.draft_warmups_declined == 3  # in session rounds
     runner.payback.forget("d")
     cast(Any, s).draft_warming = True
     assert not runner._may_warm(s)  # already warming
