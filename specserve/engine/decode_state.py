@@ -14,7 +14,7 @@ from enum import StrEnum
 
 from specserve.engine.drafter import DraftInput
 from specserve.engine.errors import InvalidArgument
-from specserve.engine.k_policy import KPolicy
+from specserve.engine.k_policy import KPolicy, expected_tokens
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.verifier import VerifyInput
@@ -107,6 +107,15 @@ class DecodeState:
             return 0
         remaining = self.stop.max_new_tokens - len(self.completion)
         return max(0, min(self.k_policy.next_k(k_cap), remaining - 1))
+
+    def expected_commit(self, k_cap: int | None = None) -> float:
+        """Tokens the next round is expected to commit under ``k_cap``: with the k the
+        policy would draft and its running per-token acceptance (no state changes)."""
+        if self.drafter == "none":
+            return 1.0
+        remaining = self.stop.max_new_tokens - len(self.completion)
+        k = max(0, min(self.k_policy.plan(k_cap), remaining - 1))
+        return expected_tokens(self.k_policy.alpha, k)
 
     def draft_input(self, k: int, *, full: bool = False) -> DraftInput:
         start = 0 if full else self.draft_start

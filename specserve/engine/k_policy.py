@@ -60,13 +60,19 @@ class KPolicy:
         self.smoothing = smoothing
         self._probe = 0
 
-    def next_k(self, k_cap: int | None = None) -> int:
-        """The k for the next round, at most ``k_cap`` (the orchestrator's load cap)."""
+    def plan(self, k_cap: int | None = None) -> int:
+        """The k the policy would draft under ``k_cap``, before any probe (no state
+        changes: the orchestrator asks this of every cap it weighs)."""
         cap = self.k_max if k_cap is None else min(k_cap, self.k_max)
         if self.fixed is not None:
             return min(self.fixed, cap)
-        k = best_k(self.alpha, cap, self.cost)
-        if k == 0 and cap > 0:
+        return best_k(self.alpha, cap, self.cost)
+
+    def next_k(self, k_cap: int | None = None) -> int:
+        """The k for the next round, at most ``k_cap`` (the orchestrator's load cap)."""
+        k = self.plan(k_cap)
+        cap = self.k_max if k_cap is None else min(k_cap, self.k_max)
+        if k == 0 and self.fixed is None and cap > 0:
             # Probe with one draft every few rounds so a session whose text turns
             # predictable (code after prose) can win speculation back.
             self._probe += 1

@@ -116,7 +116,8 @@ class RunnerCollector(Collector):
         caps = CounterMetricFamily(
             f"{P}_k_cap_rounds",
             "Batch rounds by the k cap they ran under (the load curve's bound, or below "
-            "it the cap with the best measured goodput; 0 = no speculation)",
+            "it the cap with the best goodput, expected tokens over measured round time; "
+            "0 = no speculation)",
             labels=["cap"],
         )
         for cap, count in sorted(stats.k_caps.items()):

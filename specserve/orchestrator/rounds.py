@@ -14,8 +14,9 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    round after its target prefilled it and only if the measured gain over the
    batch's remaining tokens repays the measured warm-up of the round's cold sessions
    (:mod:`~specserve.orchestrator.warm_payback`), and verifies at k = 0 until then. The
-   round's k cap is the load curve's bound, or under it the cap measured best
-   (:mod:`specserve.orchestrator.goodput`);
+   round's k cap is the load curve's bound, or under it the cap with the best
+   predicted goodput: tokens the sessions' acceptance expects over the round time
+   measured at that cap (:mod:`specserve.orchestrator.goodput`);
 3. one ``Verify`` on the lane's target. If the target is lost, the sessions'
    committed tokens are re-read from the store and the same round — same drafts,
    same (seed, round index, position) draws — is replayed on another target with
@@ -45,6 +46,7 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
@@ -141,7 +143,7 @@ class RoundRunner:
         self.store = store
         self.timeouts = timeouts or RoundTimeouts()
         self.snapshots = snapshots  # None: --kv-snapshots is off
-        # The k cap under the load curve, from measured goodput (None: the curve alone).
+        # The k cap under the load curve, from measured round times (None: the curve alone).
         self.caps = GoodputCaps() if scheduler.config.measured_k_cap else None
         self.payback = WarmPayback()  # weighs draft warm-ups against the measured gain
         self.sessions: dict[str, LiveSession] = {}
@@ -271,7 +273,7 @@ class RoundRunner:
         drafting = any(s.state.drafter != "none" for s in live)
         caps = self.caps if drafting else None
         if caps is not None:
-            cap = caps.choose(target, len(live), cap)
+            cap = caps.choose(target, len(live), cap, self._expected(live))
         # A round says something about its cap unless a session prefills on the target,
         # or (for a cap above 0) would draft from a cold or warming draft cache.
         measurable = caps is not None and not any(
@@ -324,8 +326,7 @@ class RoundRunner:
             committed.append((s, s.state.commit(plan.proposal, verdict)))
         self._move(target, moved)
         if caps is not None and measurable and not (moved or outcome.errors or outcome.expired):
-            tokens = sum(len(kept) for _, kept in committed)
-            caps.observe(target, len(live), cap, tokens, seconds)
+            caps.observe(target, len(live), cap, seconds)
         with spans.phase(attr.SPAN_COMMIT) as cspan:
             if cspan.is_recording():
                 cspan.set_attribute(attr.BATCH_SIZE, len(committed))
@@ -392,9 +393,16 @@ class RoundRunner:
         # No draft replica, a failed or slow one, or a refusal: these verify at k = 0.
         self.stats.draft_fallbacks += sum(1 for sid in wanted if sid not in plans)
         for ep, sessions in cold.items():  # after this round's Propose: never in its way
-            if self._warm_repays(target, ep, sessions, len(live)):
+            if self._warm_repays(target, ep, sessions, live):
                 self._warm_later(ep, sessions)
         return plans
+
+    @staticmethod
+    def _expected(live: list[LiveSession]) -> Callable[[int], float]:
+        """cap -> the tokens the round's sessions expect to commit under it, each from
+        its running acceptance as if its draft cache were warm (a cold session drafts
+        once a cap above 0 lets it warm)."""
+        return lambda cap: sum(s.state.expected_commit(cap) for s in live)
 
     def _target_backlog(self, sid: str) -> int:
         """Tokens of a session's history its target has not seen (its prefill)."""
@@ -418,7 +426,7 @@ class RoundRunner:
         return not s.draft_warming and not self._prefilling(s)
 
     def _warm_repays(
-        self, target: str, draft: str, sessions: list[LiveSession], batch: int
+        self, target: str, draft: str, sessions: list[LiveSession], live: list[LiveSession]
     ) -> bool:
         """Whether warming a round's cold ``sessions`` on ``draft`` repays itself.
 
@@ -433,7 +441,7 @@ class RoundRunner:
             draft,
             behind=self._draft_backlog(sessions),
             remaining=max(s.state.stop.max_new_tokens - len(s.state.completion) for s in sessions),
-            rates=self.caps.rates(target, batch),
+            rates=self.caps.rates(target, len(live), self._expected(live)),
         )
         if not repays:
             self.stats.draft_warmups_declined += len(sessions)

@@ -19,8 +19,9 @@ longest remaining turn among them (what the batch's wall time can gain) and
 that would each repay their own warm-up can cost the batch more than drafting
 saves it.
 
-``rate_0`` and ``rate_best`` are the goodput (tokens/s per session) measured at
-cap 0 and at the best cap above it for the round's batch
+``rate_0`` and ``rate_best`` are the goodput (tokens/s per session) at cap 0 and
+at the best cap above it for the round's batch: the round's sessions' expected
+tokens over the round time measured at that cap
 (:class:`~specserve.orchestrator.goodput.GoodputCaps`); ``warm_seconds_per_token``
 is this draft replica's recent warm-ups (seconds per history token, smoothed).
 Until both are measured a warm-up goes ahead: the figures come from drafting.
@@ -67,7 +68,7 @@ class WarmPayback:
     ) -> bool:
         """Whether warming ``behind`` history tokens (of the sessions warmed together) on
         ``endpoint``, for a batch whose longest turn has ``remaining`` tokens to go, saves
-        more time than it takes, by the measured goodput ``rates`` (tokens/s per session
+        more time than it takes, by the goodput ``rates`` (tokens/s per session
         by cap) of that batch."""
         per_token = self._cost.get(endpoint)
         plain = rates.get(0)

@@ -1,5 +1,6 @@
-"""The measured k cap: it tries each cap, runs the best, re-measures, and turns speculation
-off where it loses (pure: the test plays the clock)."""
+"""The measured k cap: it times each cap, runs the one whose expected tokens over its
+round time is best, re-times, and turns speculation off where it loses (pure: the test
+plays the clock and the sessions' expectations)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,37 @@ from specserve.orchestrator.goodput import GoodputCaps, bucket_of
 T = "t:1"
 
 
-def run(caps: GoodputCaps, rate_of: dict[int, float], rounds: int, batch: int = 8) -> list[int]:
-    """Play ``rounds`` rounds where a round at cap c commits ``rate_of[c]`` tokens/s/session."""
+def play(
+    caps: GoodputCaps,
+    tokens_of: dict[int, float],
+    seconds_of: dict[int, float],
+    rounds: int,
+    batch: int = 8,
+    limit: int = 8,
+) -> list[int]:
+    """Play ``rounds`` rounds: the batch expects ``tokens_of[c]`` tokens a round at cap c,
+    and a round at cap c takes ``seconds_of[c]``."""
     chosen = []
     for _ in range(rounds):
-        cap = caps.choose(T, batch, limit=8)
+        cap = caps.choose(T, batch, limit, tokens_of.__getitem__)
         chosen.append(cap)
-        caps.observe(T, batch, cap, tokens=round(rate_of[cap] * batch * 10), seconds=10.0)
+        caps.observe(T, batch, cap, seconds=seconds_of[cap])
     return chosen
+
+
+def tokens(rate_of: dict[int, float], batch: int = 8) -> dict[int, float]:
+    """Expected tokens a round by cap: more drafts, more tokens."""
+    return {c: batch * (1 + c / 4) for c in rate_of}
+
+
+EXPECT = tokens({0: 0, 2: 0, 4: 0, 8: 0}).__getitem__  # what run() expects of a batch of 8
+
+
+def run(caps: GoodputCaps, rate_of: dict[int, float], rounds: int, batch: int = 8) -> list[int]:
+    """Play rounds where cap c yields ``rate_of[c]`` tokens/s per session."""
+    want = tokens(rate_of, batch)
+    seconds = {c: want[c] / (rate_of[c] * batch) for c in rate_of}
+    return play(caps, want, seconds, rounds, batch)
 
 
 def test_batch_sizes_fall_in_power_of_two_buckets() -> None:
@@ -36,7 +60,8 @@ def test_every_cap_is_tried_once_from_the_bound_down_then_the_best_runs() -> Non
     assert chosen[:4] == [8, 4, 2, 0]
     exploit = [c for i, c in enumerate(chosen[4:], start=5) if i % 8]
     assert set(exploit) == {4}
-    assert caps.rates(T, 8) == pytest.approx({0: 1.0, 2: 2.0, 4: 3.0, 8: 2.5})
+    rates = {0: 1.0, 2: 2.0, 4: 3.0, 8: 2.5}
+    assert caps.rates(T, 8, tokens(rates).__getitem__) == pytest.approx(rates)
 
 
 def test_a_measured_loss_turns_speculation_off_and_exploration_keeps_checking() -> None:
@@ -61,17 +86,17 @@ def test_a_cap_that_keeps_losing_is_tried_less_and_less_often() -> None:
 def test_an_exploration_waits_for_a_round_that_measures_it() -> None:
     caps = GoodputCaps(explore_every=4)
     run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=7)  # tried once each; 0 runs
-    assert caps.choose(T, 8, limit=8) == 8  # round 8: re-measure the oldest loser
+    assert caps.choose(T, 8, 8, EXPECT) == 8  # round 8: re-measure the oldest loser
     for _ in range(5):  # its rounds are not measured (cold draft caches warming)
-        assert caps.choose(T, 8, limit=8) == 8
-    caps.observe(T, 8, 8, tokens=8 * 6, seconds=10.0)  # measured at last: still loses
-    assert caps.choose(T, 8, limit=8) == 0
+        assert caps.choose(T, 8, 8, EXPECT) == 8
+    caps.observe(T, 8, 8, seconds=8 * 3 / (0.6 * 8))  # timed at last: still loses
+    assert caps.choose(T, 8, 8, EXPECT) == 0
 
 
 def test_an_exploration_that_is_never_measured_gives_up() -> None:
     caps = GoodputCaps(explore_every=4)
     run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=7)
-    chosen = [caps.choose(T, 8, limit=8) for _ in range(20)]  # nothing measured
+    chosen = [caps.choose(T, 8, 8, EXPECT) for _ in range(20)]  # nothing measured
     assert chosen[: caps.patience] == [8] * caps.patience
     assert 0 in chosen[caps.patience :]  # back to the best after its patience
 
@@ -79,29 +104,36 @@ def test_an_exploration_that_is_never_measured_gives_up() -> None:
 def test_an_exploration_whose_caches_will_not_warm_ends_at_once() -> None:
     caps = GoodputCaps(explore_every=4)
     run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=7)
-    assert caps.choose(T, 8, limit=8) == 8  # round 8: re-measure the oldest loser
+    assert caps.choose(T, 8, 8, EXPECT) == 8  # round 8: re-measure the oldest loser
     caps.give_up(T, 8, 4)  # not the exploration: nothing changes
-    assert caps.choose(T, 8, limit=8) == 8
+    assert caps.choose(T, 8, 8, EXPECT) == 8
     caps.give_up(T, 8, 8)  # a session of its round will not warm
-    chosen = [caps.choose(T, 8, limit=8) for _ in range(16)]
+    chosen = [caps.choose(T, 8, 8, EXPECT) for _ in range(16)]
     assert chosen[0] == 0  # the best again, the next round
     assert 8 not in chosen  # and the arm backed off: not due again at the base wait
 
 
-def test_a_change_in_the_text_moves_the_choice() -> None:
-    caps = GoodputCaps(explore_every=4)
-    run(caps, {0: 1.0, 2: 2.0, 4: 3.0, 8: 2.0}, rounds=20)  # code: drafts pay
-    chosen = run(caps, {0: 1.0, 2: 0.5, 4: 0.4, 8: 0.3}, rounds=40)  # prose: they stop
-    assert chosen[-8:].count(0) >= 6
+def test_a_change_in_acceptance_moves_the_choice_at_once() -> None:
+    caps = GoodputCaps(explore_every=8)
+    seconds = {0: 1.0, 2: 1.3, 4: 1.6, 8: 2.4}  # what a round costs: steady
+    code = {0: 8.0, 2: 8 * 2.7, 4: 8 * 4.0, 8: 8 * 5.6}  # acceptance 0.9
+    prose = {0: 8.0, 2: 8 * 1.2, 4: 8 * 1.25, 8: 8 * 1.25}  # acceptance 0.2
+    chosen = play(caps, code, seconds, rounds=10)  # timed once each, then cap 4 runs
+    assert chosen[:4] == [8, 4, 2, 0] and chosen[-1] == 4
+    # The sessions' acceptance falls: plain decoding wins from the next round, with
+    # no cap re-timed (one unlucky round at a good cap, by contrast, changes nothing:
+    # the tokens a round happened to commit are not what arms are judged by).
+    assert play(caps, prose, seconds, rounds=3) == [0, 0, 0]
+    assert play(caps, code, seconds, rounds=1) == [4]
 
 
 def test_a_new_batch_size_starts_from_the_nearest_measured_one() -> None:
     caps = GoodputCaps(explore_every=100)
     run(caps, {0: 1.0, 2: 2.0, 4: 3.0, 8: 2.5}, rounds=6, batch=8)
-    assert caps.choose(T, 6, limit=8) == 4  # same bucket
-    assert caps.choose(T, 16, limit=8) == 4  # new bucket: no exploring from scratch
-    assert caps.rates(T, 16) == pytest.approx(caps.rates(T, 8))
-    assert caps.choose("other:1", 8, limit=8) == 8  # another target knows nothing yet
+    assert caps.choose(T, 6, 8, EXPECT) == 4  # same bucket
+    assert caps.choose(T, 16, 8, EXPECT) == 4  # new bucket: no exploring from scratch
+    assert caps.seconds(T, 16) == pytest.approx(caps.seconds(T, 8))
+    assert caps.choose("other:1", 8, 8, EXPECT) == 8  # another target knows nothing yet
 
 
 def test_a_smaller_batch_tries_the_caps_above_the_larger_batchs_best_first() -> None:
@@ -111,23 +143,23 @@ def test_a_smaller_batch_tries_the_caps_above_the_larger_batchs_best_first() -> 
     alone = run(caps, {0: 4.0, 2: 5.0, 4: 5.5, 8: 6.0}, rounds=6, batch=1)
     assert alone[:2] == [8, 4]
     assert alone[2:] == [8] * 4  # no rounds held at cap 2 by the larger batch's figure
-    assert caps.choose(T, 16, limit=8) == 2  # a larger batch still starts from cap 2
+    assert caps.choose(T, 16, 8, EXPECT) == 2  # a larger batch still starts from cap 2
 
 
 def test_the_curves_bound_is_respected() -> None:
     caps = GoodputCaps()
-    assert caps.choose(T, 40, limit=0) == 0
+    assert caps.choose(T, 40, 0, EXPECT) == 0
     assert all(c <= 3 for c in run_limited(caps, limit=3, rounds=12))
     caps.forget(T)
-    assert caps.rates(T, 8) == {}
+    assert caps.seconds(T, 8) == {}
 
 
 def run_limited(caps: GoodputCaps, limit: int, rounds: int) -> list[int]:
     chosen = []
     for _ in range(rounds):
-        cap = caps.choose(T, 8, limit)
+        cap = caps.choose(T, 8, limit, lambda c: 8.0 * (c + 1))
         chosen.append(cap)
-        caps.observe(T, 8, cap, tokens=8 * (cap + 1), seconds=1.0)
+        caps.observe(T, 8, cap, seconds=1.0)
     return chosen
 
 

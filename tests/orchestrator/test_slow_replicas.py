@@ -252,9 +252,9 @@ def test_an_evicted_long_history_is_rebuilt_beside_the_round_not_in_it() -> None
 
 
 def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() -> None:
-    """Not during the target's prefill, not twice, and only when the measured gain over
-    the batch's remaining tokens (64 here) exceeds the measured warm-up of the round's
-    cold sessions, weighed together."""
+    """Not during the target's prefill, not twice, and only when the gain over the batch's
+    remaining tokens (64 here; the sessions' expected tokens over the measured round
+    times) exceeds the measured warm-up of the round's cold sessions, weighed together."""
     spec = EndpointSpec.parse("127.0.0.1:1", "draft")
     runner = RoundRunner(
         Scheduler(),
@@ -267,20 +267,27 @@ def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() 
     assert not runner._may_warm(s)  # the target still prefills 100 tokens
     s.state.target_start = other.state.target_start = 99  # prefilled: one new token
     assert runner._may_warm(s)
-    assert runner._warm_repays("t", "d", [s], 1)  # nothing measured yet: warm, and measure
-    runner.caps.observe("t", 2, 0, 4, 1.0)  # cap 0: 2 tokens/s per session
-    runner.caps.observe("t", 2, 4, 8, 1.0)  # cap 4: 4 tokens/s, 0.25 s saved a token
+    assert runner._warm_repays("t", "d", [s], [s])  # nothing measured yet: warm, and measure
+    batch = [s, other]
+    for x in batch:
+        x.state.k_policy.alpha = 1.0  # every draft accepted: 5 tokens a round at cap 4
+    runner.caps.choose("t", 2, 4, runner._expected(batch))
+    runner.caps.observe("t", 2, 0, 0.5)  # cap 0: 2 tokens/s per session
+    runner.caps.observe("t", 2, 4, 1.25)  # cap 4: 4 tokens/s, 0.25 s saved a token
     runner.payback.observe("d", 100, 1.0)  # 0.01 s a history token: 2 s < 16 s saved
-    assert runner._warm_repays("t", "d", [s, other], 2)
+    assert runner._warm_repays("t", "d", batch, batch)
     runner.payback.forget("d")
     runner.payback.observe("d", 100, 50.0)  # 0.5 s a history token: 50 s > 16 s saved
-    assert not runner._warm_repays("t", "d", [s], 2)  # a lone session is weighed too
+    assert not runner._warm_repays("t", "d", [s], batch)  # a lone session is weighed too
     assert runner.stats.draft_warmups_declined == 1
     runner.payback.forget("d")
     runner.payback.observe("d", 100, 10.0)  # 0.1 s a token: 10 s each, 20 s together
-    assert runner._warm_repays("t", "d", [s], 2)
-    assert not runner._warm_repays("t", "d", [s, other], 2)
+    assert runner._warm_repays("t", "d", [s], batch)
+    assert not runner._warm_repays("t", "d", batch, batch)
     assert runner.stats.draft_warmups_declined == 3  # in session rounds
+    for x in batch:
+        x.state.k_policy.alpha = 0.0  # every draft rejected: drafting gains nothing
+    assert not runner._warm_repays("t", "d", [s], batch)  # nothing to repay it with
     runner.payback.forget("d")
     cast(Any, s).draft_warming = True
     assert not runner._may_warm(s)  # already warming

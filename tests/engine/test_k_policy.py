@@ -1,0 +1,45 @@
+"""The k policy's plan and the tokens a session expects of a round under a cap (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.engine.decode_state import DecodeState, StopCriteria
+from specserve.engine.k_policy import KPolicy, expected_tokens
+from specserve.engine.sampling import SamplingParams
+
+
+def state(policy: KPolicy, *, max_new_tokens: int = 64, drafter: str = "model") -> DecodeState:
+    return DecodeState(
+        "s", [1, 2, 3], SamplingParams(), StopCriteria(max_new_tokens), policy, drafter=drafter
+    )
+
+
+def test_expected_tokens_is_leviathans_eq_1() -> None:
+    assert expected_tokens(0.8, 0) == 1.0
+    assert expected_tokens(0.8, 3) == pytest.approx(1 + 0.8 + 0.8**2 + 0.8**3)
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_a_plan_follows_acceptance_and_the_cap_and_changes_nothing() -> None:
+    policy = KPolicy(None, alpha0=0.95)
+    assert policy.plan() > 2
+    assert policy.plan(2) == 2
+    assert policy.plan(0) == 0
+    policy.alpha = 0.05  # drafts nearly always rejected: plain decoding
+    assert [policy.plan(8) for _ in range(16)] == [0] * 16  # no probe, no state
+    assert [policy.next_k(8) for _ in range(8)] == [0] * 7 + [1]  # next_k probes
+    assert [policy.next_k(0) for _ in range(8)] == [0] * 8  # never above the cap
+    assert KPolicy(3).plan(8) == 3 and KPolicy(3).plan(2) == 2
+
+
+def test_a_session_expects_its_acceptance_at_the_k_it_would_draft() -> None:
+    policy = KPolicy(None, alpha0=0.9)
+    s = state(policy)
+    for cap in (0, 1, 2, 4, 8):
+        assert s.expected_commit(cap) == pytest.approx(expected_tokens(0.9, policy.plan(cap)))
+    assert s.expected_commit(0) == 1.0
+    assert s.expected_commit(4) > s.expected_commit(2) > 1.0
+    # Two tokens to go: at most one draft, whatever the cap.
+    assert state(KPolicy(6, alpha0=0.9), max_new_tokens=2).expected_commit(8) == pytest.approx(1.9)
+    assert state(KPolicy(None), drafter="none").expected_commit(8) == 1.0
