@@ -108,14 +108,18 @@ class DecodeState:
         remaining = self.stop.max_new_tokens - len(self.completion)
         return max(0, min(self.k_policy.next_k(k_cap), remaining - 1))
 
-    def expected_commit(self, k_cap: int | None = None) -> float:
-        """Tokens the next round is expected to commit under ``k_cap``: with the k the
-        policy would draft and its running per-token acceptance (no state changes)."""
+    def planned_k(self, k_cap: int | None = None) -> int:
+        """The k the next round would draft under ``k_cap``, before any probe of the
+        policy (no state changes: the orchestrator asks this of every cap it weighs)."""
         if self.drafter == "none":
-            return 1.0
+            return 0
         remaining = self.stop.max_new_tokens - len(self.completion)
-        k = max(0, min(self.k_policy.plan(k_cap), remaining - 1))
-        return expected_tokens(self.k_policy.alpha, k)
+        return max(0, min(self.k_policy.plan(k_cap), remaining - 1))
+
+    def expected_commit(self, k_cap: int | None = None) -> float:
+        """Tokens the next round is expected to commit under ``k_cap``: at the planned k
+        and the policy's running per-token acceptance."""
+        return expected_tokens(self.k_policy.alpha, self.planned_k(k_cap))
 
     def draft_input(self, k: int, *, full: bool = False) -> DraftInput:
         start = 0 if full else self.draft_start

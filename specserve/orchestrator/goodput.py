@@ -5,46 +5,51 @@ by the target's batch, but where speculation stops paying depends on the
 hardware: on a GPU a 5-token verify of 8 sessions costs about what a 1-token one
 does, on a CPU it is compute-bound, and where draft and target share cores every
 drafted token slows verification too. So under the curve's bound the
-orchestrator chooses among a few candidate caps ("arms": 0, 2, 4 and the bound)
-by their predicted goodput::
+orchestrator runs the cap with the best predicted goodput::
 
-    rate(cap) = expected(cap) / seconds(cap)
+    rate(cap) = expected(cap) / seconds(depth(cap))
 
-``seconds(cap)`` is *measured*: per target and batch size (in power-of-two
-buckets), the smoothed wall time of a round (propose and verify) at that cap.
-``expected(cap)`` is *predicted* when the round is chosen: the tokens the batch is
-expected to commit, each session's ``(1 - a**(k + 1)) / (1 - a)`` at the k its
-policy would draft under the cap and its running per-token acceptance ``a``
-(Leviathan et al., eq. 1; the same figure SmartSpec's goodput uses). The two
-halves have different noise: a round's time at a given cap and batch is steady,
-while the tokens one round commits swing with every rejection; judging an arm by
-the tokens its last rounds happened to commit lets one unlucky round at a good cap
-send it into back-off for dozens of rounds. Acceptance is averaged over the
-sessions and their rounds instead, and when it changes (prose after code) every
-arm's prediction moves at once, without re-measuring any.
+``expected(cap)`` and ``depth(cap)`` are *predicted* from the round's sessions when
+the cap is chosen: the tokens the batch is expected to commit, each session's
+``(1 - a**(k + 1)) / (1 - a)`` at the k its policy would draft under the cap and its
+running per-token acceptance ``a`` (Leviathan et al., eq. 1; the figure SmartSpec's
+goodput uses), and the most drafts any session would make (the draft's sequential
+steps; the verify's width grows with it). ``seconds(depth)`` is *measured*: per
+target and batch size (in power-of-two buckets), the smoothed wall time (propose
+and verify) of rounds without drafts, ``t0``, and of rounds with drafts together
+with their mean depth, which give the line ``t0 + slope * depth`` through both.
+The two halves have different noise: a round's time at a given depth and batch is
+steady, while the tokens one round commits swing with every rejection (judging a
+cap by the tokens its last rounds happened to commit let one unlucky round at a
+good cap send it into back-off). And the time is modelled by depth, not by cap: a
+cap's rounds are as deep as their sessions' policies make them, so a fresh session
+that drafts 1 token is not charged the time of the 4-token rounds a warmed-up one
+ran at the same cap. Every cap under the bound is weighed each round, and a change
+in acceptance (prose after code) moves every prediction at once.
 
-Each arm is timed once when a bucket is new; after that, every
-``explore_every``-th round of a bucket re-times the arm timed longest ago among
-those that are due, so a change in what a round costs is noticed. An arm is due
-``explore_every`` rounds after it last ran, and each time it is re-timed and still
-loses, it waits twice as long (up to ``max_backoff`` times that): a cap that keeps
-losing costs fewer and fewer rounds. Cap 0 is an arm, so a predicted loss turns
-speculation off, and adaptive speculation is worse than plain batched decoding only
-for its exploration rounds, a share that shrinks as they keep losing.
+Two things are timed, rounds without drafts and rounds with them, and each is timed
+once when a bucket is new (drafting first, at the bound: most sessions start out
+drafting well). After that the one the predictions do not choose is re-timed every
+``explore_every``-th round of the bucket once it is due: ``explore_every`` rounds
+after it last ran, and each time it is re-timed and still loses, twice as long (up
+to ``max_backoff`` times that), so a settled choice costs fewer and fewer rounds.
+Plain decoding is one of the two, so a predicted loss turns speculation off, and
+adaptive speculation is worse than plain batched decoding only for its exploration
+rounds, a share that shrinks as they keep losing.
 
-An arm chosen to be timed stays the choice until a round at it *is* timed (the
-runner does not time rounds that prefill, or that would draft from cold draft
-caches, which warm meanwhile), for at most ``4 * explore_every`` rounds: an
-exploration is not spent on a round that says nothing about it. A cache that will
-not warm (its warm-up would not repay itself) ends the exploration at once.
+An exploration stays the choice until a round of it *is* timed (the runner does not
+time rounds that prefill, or that would draft from cold draft caches, which warm
+meanwhile), for at most ``4 * explore_every`` rounds: an exploration is not spent on
+a round that says nothing about it. A cache that will not warm (its warm-up would not
+repay itself) ends the exploration at once.
 
-A new bucket starts from the nearest timed one's figures (the ratios of round
-times at a batch of 6 are much those at 8), so growing and shrinking batches do
-not explore from scratch; starting from a larger batch, the caps above that
-batch's best start untimed (drafting pays at least as well in a smaller batch,
-and a figure from another batch size would hold the better cap back until it is
-re-timed). Pure Python, no clock: the round runner passes in what it measured and
-what its sessions expect.
+A new bucket starts from the nearest timed one's figures, so growing and shrinking
+batches do not explore from scratch. Starting from a larger batch, drafting starts
+untimed and is timed first: its slope at the larger batch is steeper (wider verifies)
+and would hold a smaller batch at plain decoding until re-timed. Any figure carried
+over corrects itself: a stale figure makes its side look better than it is, so that
+side runs and is re-timed. Pure Python, no clock: the round runner passes in what it
+measured and what its sessions expect.
 """
 
 from __future__ import annotations
@@ -52,15 +57,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-BASE_ARMS = (0, 2, 4)
+Outlook = Callable[[int], tuple[float, int]]
+"""cap -> (the tokens a round of the batch is expected to commit under that cap, the
+most drafts any of its sessions would make)."""
 
-Expected = Callable[[int], float]
-"""cap -> the tokens a round of the batch is expected to commit under that cap."""
+PLAIN, DRAFTING = False, True  # the two things timed: rounds without drafts, with them
 
 
 @dataclass
 class _Arm:
-    seconds: float = 0.0  # a round's wall time at this cap (EMA)
+    seconds: float = 0.0  # a round's wall time (EMA)
+    depth: float = 0.0  # the most drafts per session in those rounds (EMA; 0 for plain)
     samples: int = 0
     last: int = 0  # the bucket's round count when this arm was last chosen
     wait: int = 0  # rounds from ``last`` until it is due to be re-timed (0: the base)
@@ -68,11 +75,23 @@ class _Arm:
 
 @dataclass
 class _Bucket:
-    arms: dict[int, _Arm] = field(default_factory=dict)
+    arms: dict[bool, _Arm] = field(default_factory=lambda: {PLAIN: _Arm(), DRAFTING: _Arm()})
     rounds: int = 0
-    pending: int | None = None  # an arm chosen to be timed, not timed yet
+    pending: int | None = None  # the cap of an exploration not timed yet
     pending_since: int = 0
-    judge: int | None = None  # an exploration just timed: back it off if it lost
+    judge: bool | None = None  # an exploration just timed: back it off if it lost
+
+    def seconds(self, depth: int) -> float | None:
+        """Predicted wall time of a round whose deepest session drafts ``depth``."""
+        plain, drafting = self.arms[PLAIN], self.arms[DRAFTING]
+        if not plain.samples:
+            return None
+        if depth == 0:
+            return plain.seconds
+        if not drafting.samples or drafting.depth <= 0:
+            return None
+        slope = max(0.0, (drafting.seconds - plain.seconds) / drafting.depth)
+        return plain.seconds + slope * depth
 
 
 def bucket_of(batch: int) -> int:
@@ -98,102 +117,94 @@ class GoodputCaps:
         self.patience = 4 * explore_every  # rounds an exploration waits to be timed
         self._buckets: dict[tuple[str, int], _Bucket] = {}
 
-    @staticmethod
-    def arms(limit: int) -> list[int]:
-        """The candidate caps under the curve's bound ``limit``."""
-        return sorted({a for a in BASE_ARMS if a <= limit} | {limit})
-
-    def choose(self, target: str, batch: int, limit: int, expected: Expected) -> int:
+    def choose(self, target: str, batch: int, limit: int, outlook: Outlook) -> int:
         """The cap for a round of ``batch`` sessions on ``target``, at most ``limit``,
-        whose sessions expect to commit ``expected(cap)`` tokens under a cap."""
+        whose sessions expect ``outlook(cap)`` of a round under a cap."""
         if limit <= 0:
             return 0
-        b = self._bucket(target, batch, expected)
+        b = self._bucket(target, batch)
         b.rounds += 1
-        arms = {a: b.arms.setdefault(a, _Arm()) for a in self.arms(limit)}
-        rate = _rates(arms, expected)
+        rate = _rates(b, limit, outlook)
+        best = _best(rate)
+        drafting = _best({c: r for c, r in rate.items() if c > 0}) or limit
         if b.judge is not None:  # an exploration timed last round: did it lose again?
-            judged, b.judge = b.judge, None
-            if judged in rate and rate[judged] < max(rate.values()):
-                self._back_off(arms[judged])
-            elif judged in arms:
-                arms[judged].wait = 0
+            judged, b.judge = b.arms[b.judge], None
+            if best is not None and (best > 0) != (judged is b.arms[DRAFTING]):
+                self._back_off(judged)
+            else:
+                judged.wait = 0
         gave_up = False
-        if b.pending in arms:
+        if b.pending is not None:
             if b.rounds - b.pending_since < self.patience:
-                return b.pending  # not timed yet: keep it
-            self._back_off(arms[b.pending])  # never timed: try it again later, not next
+                return min(b.pending, limit)  # not timed yet: keep it
+            self._back_off(b.arms[b.pending > 0])  # never timed: try again later, not next
             gave_up = True
         b.pending = None
-        untried = [a for a in arms if a not in rate]
-        best = _best(rate)
-        due = [
-            a
-            for a in arms
-            if a != best and b.rounds - arms[a].last >= max(arms[a].wait, self.explore_every)
-        ]
-        if untried:
-            pick = max(untried)  # the bound first: most sessions start out drafting well
-        elif due and not gave_up and b.rounds % self.explore_every == 0:
-            pick = min(due, key=lambda a: arms[a].last)
+        if not b.arms[DRAFTING].samples:
+            pick = limit  # drafting first, at the bound: most sessions start out drafting well
+        elif not b.arms[PLAIN].samples:
+            pick = 0
         else:
-            assert best is not None
-            arms[best].last, arms[best].wait = b.rounds, 0
-            return best
-        arms[pick].last = b.rounds
+            assert best is not None  # both timed: every cap has a prediction
+            other = b.arms[best == 0]
+            due = b.rounds - other.last >= max(other.wait, self.explore_every)
+            if not (due and not gave_up and b.rounds % self.explore_every == 0):
+                b.arms[best > 0].last, b.arms[best > 0].wait = b.rounds, 0
+                return best
+            pick = drafting if best == 0 else 0
+        b.arms[pick > 0].last = b.rounds
         b.pending, b.pending_since = pick, b.rounds
         return pick
 
-    def observe(self, target: str, batch: int, cap: int, seconds: float) -> None:
-        """A round of ``batch`` sessions at cap ``cap`` took ``seconds`` (propose and
-        verify)."""
-        if batch <= 0 or seconds <= 0:
+    def observe(self, target: str, batch: int, depth: int, seconds: float) -> None:
+        """A round of ``batch`` sessions whose deepest session drafted ``depth`` tokens
+        took ``seconds`` (propose and verify)."""
+        if batch <= 0 or seconds <= 0 or depth < 0:
             return
         b = self._buckets.get((target, bucket_of(batch)))
         if b is None:
             return  # never chosen for this batch (the cap came from the curve alone)
-        arm = b.arms.setdefault(cap, _Arm())
+        arm = b.arms[depth > 0]
         w = 1.0 if arm.samples == 0 else self.smoothing
         arm.seconds = (1 - w) * arm.seconds + w * seconds
+        arm.depth = (1 - w) * arm.depth + w * depth
         arm.samples += 1
-        if b.pending == cap:  # an exploration timed: judged with the next round's sessions
-            b.pending, b.judge = None, cap
+        if b.pending is not None and (b.pending > 0) == (depth > 0):
+            b.pending, b.judge = None, depth > 0  # judged with the next round's sessions
 
     def give_up(self, target: str, batch: int, cap: int) -> None:
         """An exploration of ``cap`` cannot be timed (a session of the round will not
         warm its draft cache, :mod:`~specserve.orchestrator.warm_payback`): stop it now
-        rather than after its patience, and try the arm again later, not next."""
+        rather than after its patience, and try it again later, not next."""
         b = self._buckets.get((target, bucket_of(batch)))
-        if b is None or b.pending != cap:
+        if b is None or b.pending is None or b.pending != cap:
             return
         b.pending = None
-        self._back_off(b.arms[cap])
+        self._back_off(b.arms[cap > 0])
 
     def _back_off(self, arm: _Arm) -> None:
         """Double the rounds before ``arm`` is due again (from the base, up to the most)."""
         arm.wait = min(2 * max(arm.wait, self.explore_every), self.max_wait)
 
-    def rates(self, target: str, batch: int, expected: Expected) -> dict[int, float]:
-        """Predicted tokens/s per session by timed cap, for a batch of ``batch`` sessions
-        that expect ``expected(cap)`` tokens a round (for the warm-up rule and tests)."""
+    def rates(self, target: str, batch: int, limit: int, outlook: Outlook) -> dict[int, float]:
+        """Predicted tokens/s per session by cap up to ``limit``, for a batch of
+        ``batch`` sessions that expect ``outlook(cap)`` (for the warm-up rule and tests)."""
         b = self._buckets.get((target, bucket_of(batch)))
         if b is None:
             return {}
-        return {a: r / batch for a, r in sorted(_rates(b.arms, expected).items())}
+        return {c: r / batch for c, r in _rates(b, limit, outlook).items()}
 
-    def seconds(self, target: str, batch: int) -> dict[int, float]:
-        """A round's timed seconds by cap (for tests and debugging)."""
+    def seconds(self, target: str, batch: int, depth: int) -> float | None:
+        """A round's predicted seconds at ``depth`` (for tests and debugging)."""
         b = self._buckets.get((target, bucket_of(batch)))
-        if b is None:
-            return {}
-        return {a: s.seconds for a, s in sorted(b.arms.items()) if s.samples}
+        return None if b is None else b.seconds(depth)
 
     def forget(self, target: str) -> None:
         """Drop a target's figures (it left the pool; a new replica may differ)."""
         for key in [k for k in self._buckets if k[0] == target]:
             del self._buckets[key]
 
-    def _bucket(self, target: str, batch: int, expected: Expected) -> _Bucket:
+    def _bucket(self, target: str, batch: int) -> _Bucket:
         key = (target, bucket_of(batch))
         b = self._buckets.get(key)
         if b is None:
@@ -201,25 +212,26 @@ class GoodputCaps:
             near = [k for k in self._buckets if k[0] == target and k != key]
             if near:  # start from the nearest timed batch size's figures
                 src_key = min(near, key=lambda k: abs(k[1] - key[1]))
-                src = self._buckets[src_key].arms
-                rate = _rates(src, expected)
-                # Drafting pays at least as well in a smaller batch: caps above the
-                # larger batch's best start untimed here (the bound first), not behind it.
-                top = _best(rate) if key[1] < src_key[1] else None
-                b.arms = {
-                    a: _Arm(s.seconds, min(s.samples, 1))
-                    for a, s in src.items()
-                    if top is None or a <= top
-                }
+                for side, arm in self._buckets[src_key].arms.items():
+                    if side is DRAFTING and key[1] < src_key[1]:
+                        continue  # a smaller batch times drafting first (see the module doc)
+                    b.arms[side] = _Arm(arm.seconds, arm.depth, min(arm.samples, 1))
         return b
 
 
-def _rates(arms: dict[int, _Arm], expected: Expected) -> dict[int, float]:
-    """Predicted tokens per second of the whole batch, by timed arm."""
-    return {a: expected(a) / s.seconds for a, s in arms.items() if s.samples and s.seconds > 0}
+def _rates(b: _Bucket, limit: int, outlook: Outlook) -> dict[int, float]:
+    """Predicted tokens per second of the whole batch, by cap up to ``limit`` (the caps
+    whose round time can be predicted)."""
+    rate = {}
+    for cap in range(limit + 1):
+        tokens, depth = outlook(cap)
+        seconds = b.seconds(depth)
+        if seconds is not None and seconds > 0:
+            rate[cap] = tokens / seconds
+    return rate
 
 
 def _best(rate: dict[int, float]) -> int | None:
-    """The arm with the best predicted goodput (the smaller cap of a tie: fewer drafts
-    for the same tokens); None when none is timed."""
+    """The cap with the best predicted goodput (the smaller cap of a tie: fewer drafts
+    for the same tokens); None when none is predicted."""
     return max(rate, key=lambda a: (rate[a], -a)) if rate else None

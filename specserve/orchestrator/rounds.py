@@ -16,7 +16,7 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    (:mod:`~specserve.orchestrator.warm_payback`), and verifies at k = 0 until then. The
    round's k cap is the load curve's bound, or under it the cap with the best
    predicted goodput: tokens the sessions' acceptance expects over the round time
-   measured at that cap (:mod:`specserve.orchestrator.goodput`);
+   measured for that many drafts (:mod:`specserve.orchestrator.goodput`);
 3. one ``Verify`` on the lane's target. If the target is lost, the sessions'
    committed tokens are re-read from the store and the same round — same drafts,
    same (seed, round index, position) draws — is replayed on another target with
@@ -46,7 +46,6 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry import context as otel_context
@@ -59,7 +58,7 @@ from specserve.orchestrator.bets import BetBook
 from specserve.orchestrator.calls import WARM_ABOVE_TOKENS, Plan
 from specserve.orchestrator.draft_ahead import Outcome
 from specserve.orchestrator.errors import VersionConflict
-from specserve.orchestrator.goodput import GoodputCaps
+from specserve.orchestrator.goodput import GoodputCaps, Outlook
 from specserve.orchestrator.kv_snapshots import KvSnapshots
 from specserve.orchestrator.ledger import Ending, Ledger
 from specserve.orchestrator.replicas import ReplicaPool
@@ -273,7 +272,7 @@ class RoundRunner:
         drafting = any(s.state.drafter != "none" for s in live)
         caps = self.caps if drafting else None
         if caps is not None:
-            cap = caps.choose(target, len(live), cap, self._expected(live))
+            cap = caps.choose(target, len(live), cap, self._outlook(live))
         # A round says something about its cap unless a session prefills on the target,
         # or (for a cap above 0) would draft from a cold or warming draft cache.
         measurable = caps is not None and not any(
@@ -326,7 +325,8 @@ class RoundRunner:
             committed.append((s, s.state.commit(plan.proposal, verdict)))
         self._move(target, moved)
         if caps is not None and measurable and not (moved or outcome.errors or outcome.expired):
-            caps.observe(target, len(live), cap, seconds)
+            depth = max((len(p.proposal.tokens) for p in plans.values()), default=0)
+            caps.observe(target, len(live), depth, seconds)
         with spans.phase(attr.SPAN_COMMIT) as cspan:
             if cspan.is_recording():
                 cspan.set_attribute(attr.BATCH_SIZE, len(committed))
@@ -398,11 +398,15 @@ class RoundRunner:
         return plans
 
     @staticmethod
-    def _expected(live: list[LiveSession]) -> Callable[[int], float]:
-        """cap -> the tokens the round's sessions expect to commit under it, each from
-        its running acceptance as if its draft cache were warm (a cold session drafts
-        once a cap above 0 lets it warm)."""
-        return lambda cap: sum(s.state.expected_commit(cap) for s in live)
+    def _outlook(live: list[LiveSession]) -> Outlook:
+        """cap -> (the tokens the round's sessions expect to commit under it, the most
+        drafts any of them would make), each from its policy and running acceptance as
+        if its draft cache were warm (a cold session drafts once a cap above 0 lets it
+        warm)."""
+        return lambda cap: (
+            sum(s.state.expected_commit(cap) for s in live),
+            max(s.state.planned_k(cap) for s in live),
+        )
 
     def _target_backlog(self, sid: str) -> int:
         """Tokens of a session's history its target has not seen (its prefill)."""
@@ -441,7 +445,9 @@ class RoundRunner:
             draft,
             behind=self._draft_backlog(sessions),
             remaining=max(s.state.stop.max_new_tokens - len(s.state.completion) for s in sessions),
-            rates=self.caps.rates(target, len(live), self._expected(live)),
+            rates=self.caps.rates(
+                target, len(live), self.scheduler.k_cap(target), self._outlook(live)
+            ),
         )
         if not repays:
             self.stats.draft_warmups_declined += len(sessions)

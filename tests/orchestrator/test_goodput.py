@@ -1,166 +1,173 @@
-"""The measured k cap: it times each cap, runs the one whose expected tokens over its
-round time is best, re-times, and turns speculation off where it loses (pure: the test
-plays the clock and the sessions' expectations)."""
+"""The measured k cap: it times rounds with and without drafts, runs the cap whose
+expected tokens over predicted round time is best, re-times the other side now and then,
+and turns speculation off where it loses (pure: the test plays the clock and the
+sessions' expectations)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
+from specserve.engine.k_policy import expected_tokens
 from specserve.orchestrator.goodput import GoodputCaps, bucket_of
 
 T = "t:1"
 
 
-def play(
-    caps: GoodputCaps,
-    tokens_of: dict[int, float],
-    seconds_of: dict[int, float],
-    rounds: int,
-    batch: int = 8,
-    limit: int = 8,
-) -> list[int]:
-    """Play ``rounds`` rounds: the batch expects ``tokens_of[c]`` tokens a round at cap c,
-    and a round at cap c takes ``seconds_of[c]``."""
+@dataclass
+class World:
+    """A batch of ``batch`` sessions whose policies draft ``min(k, cap)`` at per-token
+    acceptance ``alpha``, on a target where a round takes ``t0 + per_draft * depth``."""
+
+    alpha: float = 0.9
+    k: int = 4
+    t0: float = 1.0
+    per_draft: float = 0.15
+    batch: int = 8
+
+    def outlook(self, cap: int) -> tuple[float, int]:
+        depth = min(self.k, cap)
+        return self.batch * expected_tokens(self.alpha, depth), depth
+
+    def seconds(self, depth: int) -> float:
+        return self.t0 + self.per_draft * depth
+
+    def best(self, limit: int = 8) -> int:
+        rate = {c: self.outlook(c)[0] / self.seconds(self.outlook(c)[1]) for c in range(limit + 1)}
+        return max(rate, key=lambda c: (rate[c], -c))
+
+
+def play(caps: GoodputCaps, world: World, rounds: int, limit: int = 8) -> list[int]:
     chosen = []
     for _ in range(rounds):
-        cap = caps.choose(T, batch, limit, tokens_of.__getitem__)
+        cap = caps.choose(T, world.batch, limit, world.outlook)
         chosen.append(cap)
-        caps.observe(T, batch, cap, seconds=seconds_of[cap])
+        depth = world.outlook(cap)[1]
+        caps.observe(T, world.batch, depth, world.seconds(depth))
     return chosen
 
 
-def tokens(rate_of: dict[int, float], batch: int = 8) -> dict[int, float]:
-    """Expected tokens a round by cap: more drafts, more tokens."""
-    return {c: batch * (1 + c / 4) for c in rate_of}
-
-
-EXPECT = tokens({0: 0, 2: 0, 4: 0, 8: 0}).__getitem__  # what run() expects of a batch of 8
-
-
-def run(caps: GoodputCaps, rate_of: dict[int, float], rounds: int, batch: int = 8) -> list[int]:
-    """Play rounds where cap c yields ``rate_of[c]`` tokens/s per session."""
-    want = tokens(rate_of, batch)
-    seconds = {c: want[c] / (rate_of[c] * batch) for c in rate_of}
-    return play(caps, want, seconds, rounds, batch)
+CODE = World(alpha=0.9)  # drafting pays: the best cap is 4 (the policies' k)
+PROSE = World(alpha=0.2, per_draft=0.3)  # drafts mostly rejected: plain decoding wins
 
 
 def test_batch_sizes_fall_in_power_of_two_buckets() -> None:
     assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 3, 3, 4, 4, 5, 5, 6]
 
 
-def test_arms_are_0_2_4_and_the_bound() -> None:
-    assert GoodputCaps.arms(8) == [0, 2, 4, 8]
-    assert GoodputCaps.arms(3) == [0, 2, 3]
-    assert GoodputCaps.arms(1) == [0, 1]
-
-
-def test_every_cap_is_tried_once_from_the_bound_down_then_the_best_runs() -> None:
+def test_drafting_is_timed_first_then_plain_then_the_best_predicted_cap_runs() -> None:
     caps = GoodputCaps(explore_every=8)
-    chosen = run(caps, {0: 1.0, 2: 2.0, 4: 3.0, 8: 2.5}, rounds=14)
-    assert chosen[:4] == [8, 4, 2, 0]
-    exploit = [c for i, c in enumerate(chosen[4:], start=5) if i % 8]
-    assert set(exploit) == {4}
-    rates = {0: 1.0, 2: 2.0, 4: 3.0, 8: 2.5}
-    assert caps.rates(T, 8, tokens(rates).__getitem__) == pytest.approx(rates)
+    assert CODE.best() == 4 and PROSE.best() == 0
+    chosen = play(caps, CODE, rounds=14)
+    assert chosen[:2] == [8, 0]
+    exploit = [c for i, c in enumerate(chosen[2:], start=3) if i % 8]
+    assert set(exploit) == {4}  # cap 4: 8 would predict the same time and tokens
+    assert caps.seconds(T, 8, 0) == pytest.approx(1.0)
+    assert caps.seconds(T, 8, 2) == pytest.approx(1.3)  # the line through both figures
+    rates = caps.rates(T, 8, 8, CODE.outlook)
+    assert rates[0] == pytest.approx(1.0)  # tokens/s per session
+    assert rates[4] == pytest.approx(expected_tokens(0.9, 4) / 1.6)
 
 
-def test_a_measured_loss_turns_speculation_off_and_exploration_keeps_checking() -> None:
+def test_a_predicted_loss_turns_speculation_off_and_exploration_keeps_checking() -> None:
     caps = GoodputCaps(explore_every=4)
-    chosen = run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=40)
-    later = chosen[4:]
+    chosen = play(caps, PROSE, rounds=40)
+    later = chosen[2:]
     assert later.count(0) >= 0.7 * len(later)  # plain decoding won: it runs
-    assert {2, 4, 8} <= set(later)  # the others are re-measured now and then
+    assert any(c > 0 for c in later)  # drafting is re-timed now and then
 
 
-def test_a_cap_that_keeps_losing_is_tried_less_and_less_often() -> None:
+def test_a_side_that_keeps_losing_is_tried_less_and_less_often() -> None:
     caps = GoodputCaps(explore_every=4, max_backoff=16)
-    chosen = run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=400)
+    chosen = play(caps, PROSE, rounds=400)
     tries = [i for i, c in enumerate(chosen) if c]
-    early = sum(1 for i in tries if 4 <= i < 100)
+    early = sum(1 for i in tries if 2 <= i < 100)
     late = sum(1 for i in tries if 300 <= i < 400)
     assert late < early  # backing off
     assert late < 25 / 3  # a fixed cadence would try 25 in every 100 rounds
-    assert late >= 3  # but every losing cap is still re-measured (at most every 64 rounds)
+    assert late >= 1  # but drafting is still re-timed (at most every 64 rounds)
 
 
-def test_an_exploration_waits_for_a_round_that_measures_it() -> None:
+def test_a_fresh_session_is_not_charged_the_depth_of_warmed_up_ones() -> None:
+    """Times are by depth, not by cap: drafting timed at depth 4 predicts a 1-draft
+    round at a quarter of the extra time, so a new session (acceptance prior 0.7, its
+    policy drafting 1) drafts rather than sitting at plain decoding, never measured."""
+    caps = GoodputCaps(explore_every=100)
+    play(caps, World(alpha=0.9, k=4, batch=1, t0=0.22, per_draft=0.07), rounds=4)
+    fresh = World(alpha=0.7, k=1, batch=1, t0=0.22, per_draft=0.07)
+    # 1.7 tokens in 0.29 s beats 1 in 0.22 s; charged a 4-deep round (0.5 s) it would not.
+    assert caps.choose(T, 1, 8, fresh.outlook) == 1
+
+
+def test_an_exploration_waits_for_a_round_that_times_it() -> None:
     caps = GoodputCaps(explore_every=4)
-    run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=7)  # tried once each; 0 runs
-    assert caps.choose(T, 8, 8, EXPECT) == 8  # round 8: re-measure the oldest loser
-    for _ in range(5):  # its rounds are not measured (cold draft caches warming)
-        assert caps.choose(T, 8, 8, EXPECT) == 8
-    caps.observe(T, 8, 8, seconds=8 * 3 / (0.6 * 8))  # timed at last: still loses
-    assert caps.choose(T, 8, 8, EXPECT) == 0
+    play(caps, PROSE, rounds=7)  # timed once each; plain runs
+    assert caps.choose(T, 8, 8, PROSE.outlook) > 0  # round 8: re-time drafting
+    for _ in range(5):  # its rounds are not timed (cold draft caches warming)
+        assert caps.choose(T, 8, 8, PROSE.outlook) > 0
+    caps.observe(T, 8, 4, PROSE.seconds(4))  # timed at last: still loses
+    assert caps.choose(T, 8, 8, PROSE.outlook) == 0
 
 
-def test_an_exploration_that_is_never_measured_gives_up() -> None:
+def test_an_exploration_that_is_never_timed_gives_up() -> None:
     caps = GoodputCaps(explore_every=4)
-    run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=7)
-    chosen = [caps.choose(T, 8, 8, EXPECT) for _ in range(20)]  # nothing measured
-    assert chosen[: caps.patience] == [8] * caps.patience
+    play(caps, PROSE, rounds=7)
+    chosen = [caps.choose(T, 8, 8, PROSE.outlook) for _ in range(40)]  # nothing timed
+    assert all(c > 0 for c in chosen[: caps.patience])
     assert 0 in chosen[caps.patience :]  # back to the best after its patience
 
 
 def test_an_exploration_whose_caches_will_not_warm_ends_at_once() -> None:
     caps = GoodputCaps(explore_every=4)
-    run(caps, {0: 2.0, 2: 1.5, 4: 1.2, 8: 0.6}, rounds=7)
-    assert caps.choose(T, 8, 8, EXPECT) == 8  # round 8: re-measure the oldest loser
-    caps.give_up(T, 8, 4)  # not the exploration: nothing changes
-    assert caps.choose(T, 8, 8, EXPECT) == 8
-    caps.give_up(T, 8, 8)  # a session of its round will not warm
-    chosen = [caps.choose(T, 8, 8, EXPECT) for _ in range(16)]
-    assert chosen[0] == 0  # the best again, the next round
-    assert 8 not in chosen  # and the arm backed off: not due again at the base wait
+    play(caps, PROSE, rounds=7)
+    cap = caps.choose(T, 8, 8, PROSE.outlook)  # round 8: re-time drafting
+    assert cap > 0
+    caps.give_up(T, 8, 0)  # not the exploration: nothing changes
+    assert caps.choose(T, 8, 8, PROSE.outlook) == cap
+    caps.give_up(T, 8, cap)  # a session of its round will not warm
+    chosen = [caps.choose(T, 8, 8, PROSE.outlook) for _ in range(16)]
+    # The best again; drafting backed off: not re-timed at round 12 (the base wait).
+    assert chosen[:6] == [0] * 6
 
 
 def test_a_change_in_acceptance_moves_the_choice_at_once() -> None:
     caps = GoodputCaps(explore_every=8)
-    seconds = {0: 1.0, 2: 1.3, 4: 1.6, 8: 2.4}  # what a round costs: steady
-    code = {0: 8.0, 2: 8 * 2.7, 4: 8 * 4.0, 8: 8 * 5.6}  # acceptance 0.9
-    prose = {0: 8.0, 2: 8 * 1.2, 4: 8 * 1.25, 8: 8 * 1.25}  # acceptance 0.2
-    chosen = play(caps, code, seconds, rounds=10)  # timed once each, then cap 4 runs
-    assert chosen[:4] == [8, 4, 2, 0] and chosen[-1] == 4
-    # The sessions' acceptance falls: plain decoding wins from the next round, with
-    # no cap re-timed (one unlucky round at a good cap, by contrast, changes nothing:
-    # the tokens a round happened to commit are not what arms are judged by).
-    assert play(caps, prose, seconds, rounds=3) == [0, 0, 0]
-    assert play(caps, code, seconds, rounds=1) == [4]
+    assert play(caps, CODE, rounds=6)[-1] == 4
+    # The sessions' acceptance falls: plain decoding wins from the next round with
+    # nothing re-timed (and one unlucky round changes nothing: the tokens a round
+    # happened to commit are not what caps are judged by).
+    assert play(caps, World(alpha=0.1), rounds=1) == [0]
+    assert play(caps, CODE, rounds=1) == [4]
 
 
-def test_a_new_batch_size_starts_from_the_nearest_measured_one() -> None:
+def test_a_new_batch_size_starts_from_the_nearest_timed_one() -> None:
     caps = GoodputCaps(explore_every=100)
-    run(caps, {0: 1.0, 2: 2.0, 4: 3.0, 8: 2.5}, rounds=6, batch=8)
-    assert caps.choose(T, 6, 8, EXPECT) == 4  # same bucket
-    assert caps.choose(T, 16, 8, EXPECT) == 4  # new bucket: no exploring from scratch
-    assert caps.seconds(T, 16) == pytest.approx(caps.seconds(T, 8))
-    assert caps.choose("other:1", 8, 8, EXPECT) == 8  # another target knows nothing yet
+    play(caps, CODE, rounds=6)
+    assert caps.choose(T, 6, 8, CODE.outlook) == 4  # same bucket
+    assert caps.choose(T, 16, 8, World(batch=16).outlook) == 4  # no exploring from scratch
+    assert caps.seconds(T, 16, 3) == pytest.approx(caps.seconds(T, 8, 3))
+    assert caps.choose("other:1", 8, 8, CODE.outlook) == 8  # another target knows nothing
 
 
-def test_a_smaller_batch_tries_the_caps_above_the_larger_batchs_best_first() -> None:
+def test_a_smaller_batch_times_drafting_first() -> None:
     caps = GoodputCaps(explore_every=100)
-    run(caps, {0: 1.0, 2: 1.4, 4: 1.2, 8: 0.8}, rounds=6, batch=8)  # 8 sessions: cap 2
-    # One session: 8 and 4 were not measured at this batch; the bound is tried first.
-    alone = run(caps, {0: 4.0, 2: 5.0, 4: 5.5, 8: 6.0}, rounds=6, batch=1)
-    assert alone[:2] == [8, 4]
-    assert alone[2:] == [8] * 4  # no rounds held at cap 2 by the larger batch's figure
-    assert caps.choose(T, 16, 8, EXPECT) == 2  # a larger batch still starts from cap 2
+    play(caps, World(alpha=0.9, per_draft=1.0), rounds=4)  # 8 sessions: drafting loses
+    assert caps.choose(T, 8, 8, CODE.outlook) == 0
+    # One session: the steep slope of 8-wide verifies is not carried over; drafting is
+    # timed first, and at this batch it pays.
+    alone = World(alpha=0.9, batch=1, t0=0.2, per_draft=0.05)
+    chosen = play(caps, alone, rounds=4)
+    assert chosen == [8, 4, 4, 4]
+    assert caps.seconds(T, 1, 0) == pytest.approx(1.0)  # plain carried over, not re-timed
 
 
 def test_the_curves_bound_is_respected() -> None:
     caps = GoodputCaps()
-    assert caps.choose(T, 40, 0, EXPECT) == 0
-    assert all(c <= 3 for c in run_limited(caps, limit=3, rounds=12))
+    assert caps.choose(T, 40, 0, CODE.outlook) == 0
+    assert all(c <= 3 for c in play(caps, CODE, rounds=12, limit=3))
     caps.forget(T)
-    assert caps.seconds(T, 8) == {}
-
-
-def run_limited(caps: GoodputCaps, limit: int, rounds: int) -> list[int]:
-    chosen = []
-    for _ in range(rounds):
-        cap = caps.choose(T, 8, limit, lambda c: 8.0 * (c + 1))
-        chosen.append(cap)
-        caps.observe(T, 8, cap, seconds=1.0)
-    return chosen
+    assert caps.seconds(T, 8, 0) is None
 
 
 def test_bad_settings_are_refused() -> None:
