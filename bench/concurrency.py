@@ -12,7 +12,7 @@ concurrency (A B C, A B C, ...):
 * ``adaptive, no draft-ahead``: the same with ``--draft-ahead off`` (the
   orchestrator's defaults);
 * ``curve`` (on request): the defaults with ``--k-cap curve``, the k cap from the
-  load curve alone instead of measured goodput.
+  load curve alone instead of the measured k cap.
 
 Each repetition uses its own prompts, the same for every variant, so greedy
 tokens must agree across variants (a stream that differs from ``plain`` is

@@ -206,7 +206,8 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, A
         "ITL: a message with n tokens arriving g after the previous one counts n "
         "latencies of g/n; stall: g itself. Rounds by k cap: the orchestrator's batch rounds "
         "by the k cap they ran under (the load curve's bound, or under it the cap with the "
-        "best measured goodput; 0 = no drafts). `wrong`: streams whose tokens differ from "
+        "best predicted goodput; 0 = no drafts; sessions with cold draft caches verify at "
+        "k = 0 under any cap). `wrong`: streams whose tokens differ from "
         "plain decoding's.",
         "",
         "| sessions | variant | tok/s | vs plain | ITL p50 ms | ITL p99 ms | stall p99 ms "

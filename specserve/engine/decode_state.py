@@ -108,18 +108,18 @@ class DecodeState:
         remaining = self.stop.max_new_tokens - len(self.completion)
         return max(0, min(self.k_policy.next_k(k_cap), remaining - 1))
 
-    def planned_k(self, k_cap: int | None = None) -> int:
-        """The k the next round would draft under ``k_cap``, before any probe of the
-        policy (no state changes: the orchestrator asks this of every cap it weighs)."""
+    def outlook(self, limit: int) -> list[tuple[float, int]]:
+        """Under each cap ``0 .. limit``: (the tokens the next round is expected to
+        commit, the k it would draft), from the policy's plan before any probe and its
+        running per-token acceptance (no state changes: the orchestrator weighs every
+        cap each round)."""
         if self.drafter == "none":
-            return 0
-        remaining = self.stop.max_new_tokens - len(self.completion)
-        return max(0, min(self.k_policy.plan(k_cap), remaining - 1))
-
-    def expected_commit(self, k_cap: int | None = None) -> float:
-        """Tokens the next round is expected to commit under ``k_cap``: at the planned k
-        and the policy's running per-token acceptance."""
-        return expected_tokens(self.k_policy.alpha, self.planned_k(k_cap))
+            ks = [0] * (limit + 1)
+        else:
+            remaining = self.stop.max_new_tokens - len(self.completion)
+            ks = [max(0, min(k, remaining - 1)) for k in self.k_policy.plans(limit)]
+        alpha = self.k_policy.alpha
+        return [(expected_tokens(alpha, k), k) for k in ks]
 
     def draft_input(self, k: int, *, full: bool = False) -> DraftInput:
         start = 0 if full else self.draft_start

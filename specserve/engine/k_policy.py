@@ -30,15 +30,14 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def _rate(alpha: float, k: int, cost: CostModel) -> float:
+    """Tokens per unit of cost of a round with k drafts."""
+    return expected_tokens(alpha, k) / (1.0 + cost.verify_per_token * k + cost.draft_per_token * k)
+
+
 def best_k(alpha: float, k_max: int, cost: CostModel, k_min: int = 0) -> int:
     """The k in ``[k_min, k_max]`` with the most tokens per unit of cost."""
-
-    def rate(k: int) -> float:
-        return expected_tokens(alpha, k) / (
-            1.0 + cost.verify_per_token * k + cost.draft_per_token * k
-        )
-
-    return max(range(k_min, k_max + 1), key=rate)
+    return max(range(k_min, k_max + 1), key=lambda k: _rate(alpha, k, cost))
 
 
 class KPolicy:
@@ -60,25 +59,39 @@ class KPolicy:
         self.smoothing = smoothing
         self._probe = 0
 
-    def plan(self, k_cap: int | None = None) -> int:
-        """The k the policy would draft under ``k_cap``, before any probe (no state
-        changes: the orchestrator asks this of every cap it weighs)."""
-        cap = self.k_max if k_cap is None else min(k_cap, self.k_max)
+    def plans(self, limit: int) -> list[int]:
+        """The k the policy would draft under each cap ``0 .. limit``, before any probe:
+        one pass, no state changes (the orchestrator weighs every cap each round)."""
+        top = min(limit, self.k_max)
         if self.fixed is not None:
-            return min(self.fixed, cap)
-        return best_k(self.alpha, cap, self.cost)
+            ks = [min(self.fixed, cap) for cap in range(top + 1)]
+        else:  # best_k under each cap: the running best over k = 0 .. cap
+            ks, best, best_rate = [], 0, -1.0
+            for k in range(top + 1):
+                rate = _rate(self.alpha, k, self.cost)
+                if rate > best_rate:  # ties keep the smaller k, as best_k does
+                    best, best_rate = k, rate
+                ks.append(best)
+        return ks + ks[-1:] * (limit - top)
+
+    def plan(self, k_cap: int | None = None) -> int:
+        """The k the policy would draft under ``k_cap``, before any probe."""
+        cap = self._cap(k_cap)
+        return self.plans(cap)[cap]
 
     def next_k(self, k_cap: int | None = None) -> int:
         """The k for the next round, at most ``k_cap`` (the orchestrator's load cap)."""
         k = self.plan(k_cap)
-        cap = self.k_max if k_cap is None else min(k_cap, self.k_max)
-        if k == 0 and self.fixed is None and cap > 0:
+        if k == 0 and self.fixed is None and self._cap(k_cap) > 0:
             # Probe with one draft every few rounds so a session whose text turns
             # predictable (code after prose) can win speculation back.
             self._probe += 1
             if self._probe % 8 == 0:
                 return 1
         return k
+
+    def _cap(self, k_cap: int | None) -> int:
+        return self.k_max if k_cap is None else max(0, min(k_cap, self.k_max))
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Update alpha from one round: ``accepted`` of ``drafted`` tokens kept."""

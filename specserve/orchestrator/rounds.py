@@ -272,7 +272,7 @@ class RoundRunner:
         drafting = any(s.state.drafter != "none" for s in live)
         caps = self.caps if drafting else None
         if caps is not None:
-            cap = caps.choose(target, len(live), cap, self._outlook(live))
+            cap = caps.choose(target, len(live), cap, self._outlook(live, cap))
         # A round says something about its cap unless a session prefills on the target,
         # or (for a cap above 0) would draft from a cold or warming draft cache.
         measurable = caps is not None and not any(
@@ -398,15 +398,17 @@ class RoundRunner:
         return plans
 
     @staticmethod
-    def _outlook(live: list[LiveSession]) -> Outlook:
-        """cap -> (the tokens the round's sessions expect to commit under it, the most
-        drafts any of them would make), each from its policy and running acceptance as
-        if its draft cache were warm (a cold session drafts once a cap above 0 lets it
-        warm)."""
-        return lambda cap: (
-            sum(s.state.expected_commit(cap) for s in live),
-            max(s.state.planned_k(cap) for s in live),
-        )
+    def _outlook(live: list[LiveSession], limit: int) -> Outlook:
+        """cap (up to ``limit``) -> (the tokens the round's sessions expect to commit
+        under it, the most drafts any of them would make), each from its policy and
+        running acceptance as if its draft cache were warm (a cold session drafts once a
+        cap above 0 lets it warm). One table for every cap, built once a round."""
+        limit = max(limit, 0)
+        each = [s.state.outlook(limit) for s in live]
+        table = [
+            (sum(o[cap][0] for o in each), max(o[cap][1] for o in each)) for cap in range(limit + 1)
+        ]
+        return lambda cap: table[min(cap, limit)]
 
     def _target_backlog(self, sid: str) -> int:
         """Tokens of a session's history its target has not seen (its prefill)."""
@@ -441,13 +443,12 @@ class RoundRunner:
         """
         if self.caps is None:  # a pinned curve: no measured gain to weigh
             return True
+        limit = self.scheduler.k_cap(target)
         repays = self.payback.repays(
             draft,
             behind=self._draft_backlog(sessions),
             remaining=max(s.state.stop.max_new_tokens - len(s.state.completion) for s in sessions),
-            rates=self.caps.rates(
-                target, len(live), self.scheduler.k_cap(target), self._outlook(live)
-            ),
+            rates=self.caps.rates(target, len(live), limit, self._outlook(live, limit)),
         )
         if not repays:
             self.stats.draft_warmups_declined += len(sessions)

@@ -21,7 +21,7 @@ saves it.
 
 ``rate_0`` and ``rate_best`` are the goodput (tokens/s per session) at cap 0 and
 at the best cap above it for the round's batch: the round's sessions' expected
-tokens over the round time measured at that cap
+tokens over the round time predicted for the drafts that cap allows
 (:class:`~specserve.orchestrator.goodput.GoodputCaps`); ``warm_seconds_per_token``
 is this draft replica's recent warm-ups (seconds per history token, smoothed).
 Until both are measured a warm-up goes ahead: the figures come from drafting.

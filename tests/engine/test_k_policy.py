@@ -33,13 +33,22 @@ def test_a_plan_follows_acceptance_and_the_cap_and_changes_nothing() -> None:
     assert KPolicy(3).plan(8) == 3 and KPolicy(3).plan(2) == 2
 
 
+def test_a_plan_for_every_cap_is_the_plan_under_each() -> None:
+    for alpha in (0.05, 0.5, 0.7, 0.9, 0.99, 1.0):
+        policy = KPolicy(None, alpha0=alpha, k_max=6)
+        assert policy.plans(9) == [policy.plan(cap) for cap in range(10)]
+    assert KPolicy(3).plans(5) == [0, 1, 2, 3, 3, 3]
+
+
 def test_a_session_expects_its_acceptance_at_the_k_it_would_draft() -> None:
     policy = KPolicy(None, alpha0=0.9)
     s = state(policy)
+    outlook = s.outlook(8)
+    assert [k for _, k in outlook] == [policy.plan(cap) for cap in range(9)]
     for cap in (0, 1, 2, 4, 8):
-        assert s.expected_commit(cap) == pytest.approx(expected_tokens(0.9, policy.plan(cap)))
-    assert s.expected_commit(0) == 1.0
-    assert s.expected_commit(4) > s.expected_commit(2) > 1.0
+        assert outlook[cap][0] == pytest.approx(expected_tokens(0.9, policy.plan(cap)))
+    assert outlook[0][0] == 1.0
+    assert outlook[4][0] > outlook[2][0] > 1.0
     # Two tokens to go: at most one draft, whatever the cap.
-    assert state(KPolicy(6, alpha0=0.9), max_new_tokens=2).expected_commit(8) == pytest.approx(1.9)
-    assert state(KPolicy(None), drafter="none").expected_commit(8) == 1.0
+    assert state(KPolicy(6, alpha0=0.9), max_new_tokens=2).outlook(8)[8] == pytest.approx((1.9, 1))
+    assert state(KPolicy(None), drafter="none").outlook(8)[8] == (1.0, 0)

@@ -271,7 +271,7 @@ def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() 
     batch = [s, other]
     for x in batch:
         x.state.k_policy.alpha = 1.0  # every draft accepted: 5 tokens a round at cap 4
-    runner.caps.choose("t", 2, 4, runner._outlook(batch))
+    runner.caps.choose("t", 2, 4, runner._outlook(batch, 4))
     runner.caps.observe("t", 2, 0, 0.5)  # cap 0: 2 tokens/s per session
     runner.caps.observe("t", 2, 4, 1.25)  # 4 drafts: 4 tokens/s, 0.25 s saved a token
     runner.payback.observe("d", 100, 1.0)  # 0.01 s a history token: 2 s < 16 s saved
