@@ -196,7 +196,11 @@ class Orchestrator:
             list(turn.tokens),
             sampling,
             stop,
-            KPolicy(params.k, k_max=self.k_max),
+            KPolicy(
+                params.k,
+                k_max=self.k_max,
+                alpha0=self.runner.prior.alpha(params.drafter, sampling.greedy),
+            ),
             drafter=params.drafter,
             decode=text.decode,
             round_index=turn.round_index,

@@ -94,6 +94,16 @@ class RunnerCollector(Collector):
             "(0 before any round)",
             1 + stats.accepted_tokens / stats.session_rounds if stats.session_rounds else 0.0,
         )
+        prior = GaugeMetricFamily(
+            f"{P}_acceptance_prior",
+            "Per-token acceptance a new session's k policy starts from: the pool's recent "
+            "draft trials, by drafter and mode (greedy or sampled)",
+            labels=["drafter", "mode"],
+        )
+        for drafter, greedy in self.runner.prior.seen():
+            mode = "greedy" if greedy else "sampled"
+            prior.add_metric([drafter, mode], self.runner.prior.alpha(drafter, greedy))
+        yield prior
         yield CounterMetricFamily(
             f"{P}_draft_fallbacks",
             "Session rounds that wanted drafts but verified at k = 0 (draft replica failed, "
