@@ -54,12 +54,15 @@ measured and what its sessions expect.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 Outlook = Callable[[int], tuple[float, int]]
 """cap -> (the tokens a round of the batch is expected to commit under that cap, the
 most drafts any of its sessions would make)."""
+
+log = logging.getLogger(__name__)
 
 PLAIN, DRAFTING = False, True  # the two things timed: rounds without drafts, with them
 
@@ -126,6 +129,15 @@ class GoodputCaps:
         b.rounds += 1
         rate = _rates(b, limit, outlook)
         best = _best(rate)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "k caps on %s, batch %d: t0 %s, drafting %s, tokens/s by cap %s",
+                target,
+                batch,
+                _arm_text(b.arms[PLAIN]),
+                _arm_text(b.arms[DRAFTING]),
+                {c: round(r, 2) for c, r in rate.items()},
+            )
         drafting = _best({c: r for c, r in rate.items() if c > 0}) or limit
         if b.judge is not None:  # an exploration timed last round: did it lose again?
             judged, b.judge = b.arms[b.judge], None
@@ -229,6 +241,12 @@ def _rates(b: _Bucket, limit: int, outlook: Outlook) -> dict[int, float]:
         if seconds is not None and seconds > 0:
             rate[cap] = tokens / seconds
     return rate
+
+
+def _arm_text(arm: _Arm) -> str:
+    if not arm.samples:
+        return "untimed"
+    return f"{arm.seconds:.3f} s at depth {arm.depth:.1f} ({arm.samples} rounds)"
 
 
 def _best(rate: dict[int, float]) -> int | None:

@@ -13,7 +13,9 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    history of is prefilled there beside the rounds (:func:`calls.warm`), from the
    round after its target prefilled it and only if the measured gain over the
    batch's remaining tokens repays the measured warm-up of the round's cold sessions
-   (:mod:`~specserve.orchestrator.warm_payback`), and verifies at k = 0 until then. The
+   (:mod:`~specserve.orchestrator.warm_payback`), and verifies at k = 0 until then
+   (a lone session holds no other back: it is prefilled inside its round and
+   drafts in it, :meth:`RoundRunner._warm_now`). The
    round's k cap is the load curve's bound, or under it the cap with the best
    predicted goodput: tokens the sessions' acceptance expects over the round time
    measured for that many drafts (:mod:`specserve.orchestrator.goodput`);
@@ -54,6 +56,7 @@ from opentelemetry import trace
 from specserve.engine.decode_state import FinishReason
 from specserve.engine.errors import EngineError
 from specserve.orchestrator import calls, draft_ahead
+from specserve.orchestrator.acceptance_prior import AcceptancePrior
 from specserve.orchestrator.bets import BetBook
 from specserve.orchestrator.calls import WARM_ABOVE_TOKENS, Plan
 from specserve.orchestrator.draft_ahead import Outcome
@@ -145,6 +148,7 @@ class RoundRunner:
         # The k cap under the load curve, from measured round times (None: the curve alone).
         self.caps = GoodputCaps() if scheduler.config.measured_k_cap else None
         self.payback = WarmPayback()  # weighs draft warm-ups against the measured gain
+        self.prior = AcceptancePrior()  # where a new session's acceptance estimate starts
         self.sessions: dict[str, LiveSession] = {}
         self.stats = RunnerStats()
         self._lanes: dict[LaneKey, asyncio.Task[None]] = {}
@@ -321,12 +325,24 @@ class RoundRunner:
             plan, verdict = plans[s.sid], outcome.verdicts[s.sid]
             drafted = len(plan.proposal.tokens)
             self.stats.note_verdict(drafted, verdict.accepted)
+            self.prior.observe(s.state.drafter, s.state.params.greedy, drafted, verdict.accepted)
             spans.verdict(s, drafted, verdict.accepted)
             committed.append((s, s.state.commit(plan.proposal, verdict)))
         self._move(target, moved)
         if caps is not None and measurable and not (moved or outcome.errors or outcome.expired):
             depth = max((len(p.proposal.tokens) for p in plans.values()), default=0)
             caps.observe(target, len(live), depth, seconds)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "round on %s: %d sessions, k cap %d, drafts %s, accepted %s, %.3f s%s",
+                target,
+                len(live),
+                cap,
+                [len(plans[s.sid].proposal.tokens) for s in live],
+                [outcome.verdicts[s.sid].accepted for s in live if s.sid in outcome.verdicts],
+                seconds,
+                "" if measurable else " (not timed)",
+            )
         with spans.phase(attr.SPAN_COMMIT) as cspan:
             if cspan.is_recording():
                 cspan.set_attribute(attr.BATCH_SIZE, len(committed))
@@ -350,6 +366,7 @@ class RoundRunner:
         bets = await self.bets.collect(s.sid for s in live)
         by_draft: dict[str, list[tuple[LiveSession, int]]] = collections.defaultdict(list)
         cold: dict[str, list[LiveSession]] = collections.defaultdict(list)
+        k_of: dict[str, int] = {}  # what each cold session would draft
         wanted: list[str] = []  # sessions that want drafts this round
         plans: dict[str, Plan] = collections.defaultdict(Plan)
         for s in live:
@@ -365,6 +382,7 @@ class RoundRunner:
             if k > 0 and placement.draft is not None and (s.draft_warming or self._cold(s)):
                 if self._may_warm(s):
                     cold[placement.draft].append(s)
+                    k_of[s.sid] = k
                 continue  # verifies at k = 0 until its draft cache is warm
             if k > 0:
                 wanted.append(s.sid)
@@ -393,8 +411,40 @@ class RoundRunner:
         # No draft replica, a failed or slow one, or a refusal: these verify at k = 0.
         self.stats.draft_fallbacks += sum(1 for sid in wanted if sid not in plans)
         for ep, sessions in cold.items():  # after this round's Propose: never in its way
-            if self._warm_repays(target, ep, sessions, live):
+            if not self._warm_repays(target, ep, sessions, live):
+                continue
+            if len(live) == 1:  # a lone session: nobody else's round waits for it
+                plans.update(await self._warm_now(ep, [(s, k_of[s.sid]) for s in sessions], live))
+            else:
                 self._warm_later(ep, sessions)
+        return plans
+
+    async def _warm_now(
+        self, endpoint: str, items: list[tuple[LiveSession, int]], live: list[LiveSession]
+    ) -> dict[str, Plan]:
+        """Prefill a lone session on its draft replica inside this round, and draft.
+
+        No other session's round waits for the prefill, and the session drafts this
+        round instead of verifying at k = 0 beside a warm-up (where draft and target
+        share cores, both of them slowed by the other: a lone session's first rounds
+        at k = 0 took 0.5-1.0 s instead of 0.21 s). Not for a round of several cold
+        sessions: with their draft prefills inside the round, 4 new prompts ran
+        0.80x plain decoding (``bench.concurrency``, median of 3). The
+        call is timed as a warm-up (its drafts included) for the payback rule.
+        """
+        sessions = [s for s, _ in items]
+        behind = self._draft_backlog(sessions)
+        timeout = self._timeout(self.timeouts.draft_warm_s, live)
+        started = time.perf_counter()
+        plans = await calls.propose(self.drafts, endpoint, items, timeout, resend_up_to=None)
+        if len(plans) == len(items):
+            self.payback.observe(endpoint, behind, time.perf_counter() - started)
+        self.stats.draft_warmups += len(sessions)
+        if endpoint not in self.drafts.usable():  # the replica failed: move its sessions
+            self.payback.forget(endpoint)
+            for s in sessions:
+                self.scheduler.set_draft(s.sid, self.scheduler.pick_draft(avoid=[endpoint]))
+                s.state.draft_start = 0
         return plans
 
     @staticmethod

@@ -31,7 +31,7 @@ from specserve.orchestrator.calls import Plan
 from specserve.orchestrator.redis_settings import embedded_client
 from specserve.orchestrator.replicas import EndpointSpec, ReplicaPool
 from specserve.orchestrator.rounds import RoundRunner, RoundTimeouts
-from specserve.orchestrator.scheduler import Scheduler
+from specserve.orchestrator.scheduler import Placement, Scheduler
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.session_store import SessionStore
 from specserve.v1 import (
@@ -291,3 +291,50 @@ def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() 
     runner.payback.forget("d")
     cast(Any, s).draft_warming = True
     assert not runner._may_warm(s)  # already warming
+
+
+def test_a_round_of_only_cold_sessions_warms_them_inside_it_and_drafts() -> None:
+    """A lone new session drafts in its first round after the target's prefill (its
+    draft prefill inside that round); a cold session beside a warm one is warmed
+    beside the rounds, so the warm one's round does not wait for it."""
+
+    async def body() -> None:
+        draft = SlowDraft(delay_s=0.0)
+        server, endpoint = await serve(draft, True)
+        drafts = await pool_for(endpoint)
+        spec = EndpointSpec.parse("127.0.0.1:1", "target")
+        runner = RoundRunner(
+            Scheduler(),
+            drafts,
+            ReplicaPool("target", spec, target_pb2_grpc.TargetServiceStub),  # never started
+            SessionStore(embedded_client()),
+        )
+        spans = cast(Any, SimpleNamespace(asked=lambda s, k: None))
+        try:
+            lone = live("a", list(range(100)))
+            lone.state.target_start = 99  # the target has prefilled it: one new token
+            runner.scheduler.join("a", Placement("t", 0, endpoint))
+            plans = await runner._propose("t", [lone], spans, 4)
+            assert plans["a"].proposal.tokens == [7]  # drafts this round
+            assert lone.state.draft_start == 100 and not lone.draft_warming
+            assert runner.stats.draft_warmups == 1
+            assert runner.payback.cost(endpoint) is not None  # timed as a warm-up
+
+            warm, cold = live("b", [1, 2, 3]), live("c", list(range(100)))
+            warm.state.target_start = warm.state.draft_start = 2
+            cold.state.target_start = 99
+            for x in (warm, cold):
+                runner.scheduler.join(x.sid, Placement("t", 0, endpoint))
+            runner.payback.forget(endpoint)  # not measured: the warm-up goes ahead
+            plans = await runner._propose("t", [warm, cold], spans, 4)
+            assert "b" in plans and "c" not in plans  # the cold one verifies at k = 0 now
+            assert cold.draft_warming  # ... while its draft replica prefills it
+            while cold.draft_warming:
+                await asyncio.sleep(0.01)
+            assert cold.state.draft_start == 100 and runner.stats.draft_warmups == 2
+        finally:
+            await runner.close()
+            await drafts.close()
+            await server.stop(None)
+
+    asyncio.run(body())
