@@ -243,6 +243,12 @@ class StreamMeter:
         return [self.nbytes / time_call(self.buffer.amax) for _ in range(reps)]
 
 
+def parse_range(text: str) -> list[int]:
+    """``"0-19"`` -> [0, 1, ..., 19]; ``"5"`` -> [5] (prompt ranges on the command line)."""
+    lo, _, hi = text.partition("-")
+    return list(range(int(lo), int(hi or lo) + 1))
+
+
 def reproduce_command(module: str, argv: list[str] | None = None) -> str:
     """The command that re-runs this benchmark from the repository root, with the
     ``SPECSERVE_*`` variables it ran under (the servers it starts read them too)."""

@@ -42,7 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import environment, environment_md, reproduce_command, write_results
+from bench.common import (
+    environment,
+    environment_md,
+    parse_range,
+    reproduce_command,
+    write_results,
+)
 from specserve.engine.k_policy import CostModel, KPolicy
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -234,11 +240,6 @@ def markdown(
         )
     lines += ["", "Reproduce:", "", "```", data["command"], "```", "", environment_md(env)]
     return "\n".join(lines) + "\n"
-
-
-def parse_range(text: str) -> list[int]:
-    lo, _, hi = text.partition("-")
-    return list(range(int(lo), int(hi or lo) + 1))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

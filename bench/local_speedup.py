@@ -34,6 +34,7 @@ from bench.common import (
     LoadProbe,
     environment,
     environment_md,
+    parse_range,
     reproduce_command,
     write_results,
 )
@@ -70,11 +71,6 @@ class Variant:
     fn: Callable[[list[int], int], Run]  # (prompt, new tokens)
     runs: list[Run] = field(default_factory=list)
     wrong: list[int] = field(default_factory=list)  # prompt indices whose tokens differ
-
-
-def parse_range(text: str) -> list[int]:
-    lo, _, hi = text.partition("-")
-    return list(range(int(lo), int(hi or lo) + 1))
 
 
 def engine_variant(

@@ -44,6 +44,7 @@ from bench.common import (
     RESULTS_DIR,
     environment,
     environment_md,
+    parse_range,
     reproduce_command,
     write_results,
 )
@@ -88,11 +89,6 @@ def prompts(target: str, which: Sequence[int]) -> list[list[int]]:
     tok = load_tokenizer(resolve(target))
     problems = read_problems()
     return [tok.encode(problems[f"HumanEval/{i}"]["prompt"]) for i in which]
-
-
-def parse_range(text: str) -> list[int]:
-    lo, _, hi = text.partition("-")
-    return list(range(int(lo), int(hi or lo) + 1))
 
 
 # -- span arithmetic -----------------------------------------------------------------

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ALPHA0 = 0.7  # the acceptance a policy starts from when nothing better is known
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -63,7 +65,7 @@ class KPolicy:
         *,
         k_max: int = 8,
         cost: CostModel | None = None,
-        alpha0: float = 0.7,
+        alpha0: float = ALPHA0,
         smoothing: float = 0.2,
     ) -> None:
         self.fixed = k

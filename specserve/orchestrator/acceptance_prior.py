@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_ALPHA = 0.7  # KPolicy's own default: the prior before any round is seen
+from specserve.engine.k_policy import ALPHA0
+
+DEFAULT_ALPHA = ALPHA0  # KPolicy's own default: the prior before any round is seen
 
 
 @dataclass
