@@ -41,7 +41,7 @@ from bench.common import (
 from bench.engine_decode import load_pair
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
-from specserve.engine.loader import resolve_source
+from specserve.engine.loader import prepare, resolve_source
 from specserve.engine.model import CausalLM
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.ngram import NgramDrafter
@@ -169,7 +169,7 @@ def build_variants(
 def _bf16_copy(model: CausalLM) -> CausalLM:
     copy = CausalLM(model.config)
     copy.load_state_dict(model.state_dict())
-    return copy.to(torch.bfloat16).eval()
+    return prepare(copy.to(torch.bfloat16))  # bfloat16 weights, as load_model gives them
 
 
 def summarize(variants: list[Variant]) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
-// CPU kernels of the specserve engine: float32, AVX-512 or AVX2 + FMA, torch's intra-op
-// threads. Compiled on first use by specserve/engine/cpu_kernels.py (which documents them)
+// CPU kernels of the specserve engine: float32 arithmetic (weights float32 or bfloat16),
+// AVX-512 or AVX2 + FMA, torch's intra-op threads. Compiled on first use by specserve/engine/cpu_kernels.py (which documents them)
 // with -DSPECSERVE_AVX512 or -DSPECSERVE_AVX2; LIBNAME (the op namespace) comes from its
 // compiler flags too.
 #include <ATen/Parallel.h>
@@ -59,6 +59,34 @@ inline __m256 fold256(const Vec* v) { return _mm256_add_ps(v[0], v[1]); }
 
 constexpr int P = LANES / W;  // Vecs per lane set
 
+// Weights are float32 or bfloat16 (BF16: its 16 bits, the high half of a float32).
+// A bfloat16 weight is widened to the float32 of the same value (exact: a shift) as it
+// is loaded, and everything else is float32, so a product with bfloat16 weights gives
+// the same bits as one with those weights converted to float32: half the bytes from
+// memory for the same arithmetic.
+using BF16 = uint16_t;
+
+inline Vec wload(const float* p) { return vload(p); }
+inline Vec wload_first(const float* p, int64_t n) { return vload_first(p, n); }
+#if defined(SPECSERVE_AVX512)
+inline Vec wload(const BF16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#else
+inline Vec wload(const BF16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+// The first n (0 <= n <= W) weights at p widened, zeros in the other lanes (the tail of
+// K only, so a scalar copy is fine).
+inline Vec wload_first(const BF16* p, int64_t n) {
+  alignas(64) uint32_t bits[W] = {};
+  for (int64_t i = 0; i < n; ++i) bits[i] = uint32_t(p[i]) << 16;
+  return vload(reinterpret_cast<const float*>(bits));
+}
+
 // The sum of the 16 lanes held in v[0 .. P): pairwise, lane l + lane l + 8, then + 4,
 // + 2, + 1 (the order of GCC's _mm512_reduce_add_ps, written out so that it is fixed).
 inline float reduce16(const Vec* v) {
@@ -92,15 +120,15 @@ constexpr int LARGE_NB = 1, LARGE_RG = 6;
 constexpr int TAIL_RG = 6;  // tiles for the last < NB weight rows (one at a time)
 constexpr int MAX_ROWS = 32;   // rows of x one pass over a block takes (ops.py sends <= 32)
 constexpr int K_CHUNK = 256;   // floats of each weight row per pass for > 1 tile of rows
-constexpr int PREFETCH = 512;  // floats ahead in a weight row (256-512 were best)
+constexpr int PREFETCH_BYTES = 2048;  // ahead in a weight row (1-2 KiB of float32 were best)
 
 // acc[(r * NO + o) * P + p] += x[r, k0:k1] . w[o, k0:k1] lane-wise, for R rows of x and
 // NO weight rows; k0 is a multiple of 16, and a tail past the last multiple of 16 of K is
 // read with masked loads. Each (r, o) has one lane set whose 16 lanes see the products
 // in the same order however the caller splits [0, K) or groups the rows, so results do
 // not depend on R, NO or the blocking.
-template <int R, int NO>
-__attribute__((always_inline)) inline void tile_acc(const float* x, int64_t ldx, const float* w,
+template <int R, int NO, typename T>
+__attribute__((always_inline)) inline void tile_acc(const float* x, int64_t ldx, const T* w,
                                                     int64_t ldw, int64_t k0, int64_t k1,
                                                     Vec* acc) {
   Vec a[R][NO][P];
@@ -116,12 +144,12 @@ __attribute__((always_inline)) inline void tile_acc(const float* x, int64_t ldx,
     // at each 4 KiB page; measured 3% (1 row) to 9% (5 rows) faster than without.
 #pragma GCC unroll 8
     for (int o = 0; o < NO; ++o)
-      _mm_prefetch((const char*)(w + o * ldw + k + PREFETCH), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w + o * ldw + k) + PREFETCH_BYTES, _MM_HINT_T0);
 #pragma GCC unroll 2
     for (int p = 0; p < P; ++p) {  // one Vec of the lane sets at a time: fewer registers
       Vec wv[NO];
 #pragma GCC unroll 8
-      for (int o = 0; o < NO; ++o) wv[o] = vload(w + o * ldw + k + p * W);
+      for (int o = 0; o < NO; ++o) wv[o] = wload(w + o * ldw + k + p * W);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const Vec xv = vload(x + r * ldx + k + p * W);
@@ -136,7 +164,7 @@ __attribute__((always_inline)) inline void tile_acc(const float* x, int64_t ldx,
       const int64_t n = std::min<int64_t>(std::max<int64_t>(k1 - k - p * W, 0), W);
       Vec wv[NO];
 #pragma GCC unroll 8
-      for (int o = 0; o < NO; ++o) wv[o] = vload_first(w + o * ldw + k + p * W, n);
+      for (int o = 0; o < NO; ++o) wv[o] = wload_first(w + o * ldw + k + p * W, n);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const Vec xv = vload_first(x + r * ldx + k + p * W, n);
@@ -154,8 +182,8 @@ __attribute__((always_inline)) inline void tile_acc(const float* x, int64_t ldx,
 }
 
 // tile_acc<g, NO> for a run-time g in [1, G].
-template <int G, int NO>
-inline void tile_acc_n(int64_t g, const float* x, int64_t ldx, const float* w, int64_t ldw,
+template <int G, int NO, typename T>
+inline void tile_acc_n(int64_t g, const float* x, int64_t ldx, const T* w, int64_t ldw,
                        int64_t k0, int64_t k1, Vec* acc) {
   if (g == G) {
     tile_acc<G, NO>(x, ldx, w, ldw, k0, k1, acc);
@@ -179,8 +207,8 @@ inline void store(int64_t R, int64_t NO, const Vec* acc, float* y, int64_t ldy,
 // block's weight rows are read once from memory in chunks of K_CHUNK, and every group of
 // RG rows meets each chunk while it is in L1 (accumulators kept in a stack buffer
 // between chunks), so neither the weights nor x fall out of L1.
-template <int NO, int RG>
-void block(int64_t R, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+template <int NO, int RG, typename T>
+void block(int64_t R, const float* x, int64_t ldx, const T* w, int64_t ldw, int64_t K,
            float* y, int64_t ldy, const float* bias) {
   alignas(64) Vec acc[MAX_ROWS * NO * P];
   for (int64_t s0 = 0; s0 < R; s0 += MAX_ROWS) {
@@ -203,11 +231,11 @@ void block(int64_t R, const float* x, int64_t ldx, const float* w, int64_t ldw, 
 }
 
 // The NB weight rows from row o of w [out, K] (fewer at the end of w); yo: y's column o.
-template <int NB, int RG>
-inline void rows_block(int64_t R, const float* x, int64_t ldx, const float* w, int64_t ldw,
+template <int NB, int RG, typename T>
+inline void rows_block(int64_t R, const float* x, int64_t ldx, const T* w, int64_t ldw,
                        int64_t K, int64_t o, int64_t out, float* yo, int64_t ldy,
                        const float* bias) {
-  const float* wo = w + o * ldw;
+  const T* wo = w + o * ldw;
   const float* bo = bias ? bias + o : nullptr;
   if (out - o >= NB) {
     block<NB, RG>(R, x, ldx, wo, ldw, K, yo, ldy, bo);
@@ -217,8 +245,32 @@ inline void rows_block(int64_t R, const float* x, int64_t ldx, const float* w, i
   }
 }
 
+inline bool is_weight_dtype(const at::Tensor& w) {
+  return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16;
+}
+
+// The NB weight rows from row o of w (float32 or bfloat16, by bf16), with the small-row or
+// large-row blocking: the one place a weight's element type is dispatched.
+inline void rows_block_any(bool small, bool bf16, int64_t R, const float* x, int64_t ldx,
+                           const void* w, int64_t ldw, int64_t K, int64_t o, int64_t out,
+                           float* yo, int64_t ldy, const float* bias) {
+  auto run = [&](auto* wt) {
+    if (small) {
+      rows_block<SMALL_NB, SMALL_RG>(R, x, ldx, wt, ldw, K, o, out, yo, ldy, bias);
+    } else {
+      rows_block<LARGE_NB, LARGE_RG>(R, x, ldx, wt, ldw, K, o, out, yo, ldy, bias);
+    }
+  };
+  if (bf16) {
+    run(static_cast<const BF16*>(w));
+  } else {
+    run(static_cast<const float*>(w));
+  }
+}
+
 // x [R, K] times each ws[i] [out_i, K] (+ bs[i]). The results lie side by side in one
-// [R, sum out_i] buffer; returned as column views of it, one per weight.
+// [R, sum out_i] buffer; returned as column views of it, one per weight. Weights are
+// float32 or bfloat16 (each its own); x, biases and results are float32.
 std::vector<at::Tensor> linears(const at::Tensor& x_in, at::TensorList ws_in,
                                 const c10::List<std::optional<at::Tensor>>& bs) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
@@ -231,17 +283,19 @@ std::vector<at::Tensor> linears(const at::Tensor& x_in, at::TensorList ws_in,
   TORCH_CHECK(bs.size() == ws.size(), "one bias entry (or None) per weight");
   const int64_t R = x.size(0), K = x.size(1), ldx = x.stride(0);
   const size_t n = ws.size();
-  std::vector<const float*> wp(n), bp(n);
+  std::vector<const void*> wp(n);
+  std::vector<const float*> bp(n);
+  std::vector<char> bf16(n);
   std::vector<int64_t> ldw(n), outs(n), col(n + 1, 0), first(n + 1, 0);
   std::vector<at::Tensor> keep;  // contiguous copies of odd biases live until the end
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& w = ws[i];
-    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.scalar_type() == at::kFloat &&
-                    w.device().is_cpu(),
-                "each weight must be a float32 CPU matrix [out, K] matching x");
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && is_weight_dtype(w) && w.device().is_cpu(),
+                "each weight must be a float32 or bfloat16 CPU matrix [out, K] matching x");
     outs[i] = w.size(0);
     ldw[i] = w.stride(0);
-    wp[i] = w.const_data_ptr<float>();
+    wp[i] = w.const_data_ptr();
+    bf16[i] = w.scalar_type() == at::kBFloat16;
     const std::optional<at::Tensor> b = bs.get(i);
     bp[i] = nullptr;
     if (b.has_value() && b->defined()) {
@@ -267,12 +321,8 @@ std::vector<at::Tensor> linears(const at::Tensor& x_in, at::TensorList ws_in,
     for (int64_t blk = b0; blk < b1; ++blk) {
       while (blk >= first[i + 1]) ++i;
       const int64_t o = (blk - first[i]) * nb;
-      float* yo = yp + col[i] + o;
-      if (small) {
-        rows_block<SMALL_NB, SMALL_RG>(R, xp, ldx, wp[i], ldw[i], K, o, outs[i], yo, ldy, bp[i]);
-      } else {
-        rows_block<LARGE_NB, LARGE_RG>(R, xp, ldx, wp[i], ldw[i], K, o, outs[i], yo, ldy, bp[i]);
-      }
+      rows_block_any(small, bf16[i], R, xp, ldx, wp[i], ldw[i], K, o, outs[i], yp + col[i] + o,
+                     ldy, bp[i]);
     }
   });
   std::vector<at::Tensor> views;
@@ -283,7 +333,8 @@ std::vector<at::Tensor> linears(const at::Tensor& x_in, at::TensorList ws_in,
 
 // silu(x @ wg.T) * (x @ wu.T): the gate and up rows of one block go through the same tile
 // code as linears (same bits for g and u), then the activation, so the [R, I] gate and up
-// products are never written out and no separate silu / mul ops run.
+// products are never written out and no separate silu / mul ops run. wg and wu are both
+// float32 or both bfloat16.
 at::Tensor gate_up_silu(const at::Tensor& x_in, const at::Tensor& wg_in, const at::Tensor& wu_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "x must be a float32 CPU matrix");
@@ -291,14 +342,16 @@ at::Tensor gate_up_silu(const at::Tensor& x_in, const at::Tensor& wg_in, const a
   const at::Tensor wg = wg_in.contiguous(), wu = wu_in.contiguous();
   const int64_t R = x.size(0), K = x.size(1), ldx = x.stride(0), I = wg.size(0);
   for (const at::Tensor* w : {&wg, &wu})
-    TORCH_CHECK(w->dim() == 2 && w->size(0) == I && w->size(1) == K &&
-                    w->scalar_type() == at::kFloat && w->device().is_cpu(),
-                "gate and up must be float32 CPU matrices [I, K] matching x");
+    TORCH_CHECK(w->dim() == 2 && w->size(0) == I && w->size(1) == K && is_weight_dtype(*w) &&
+                    w->scalar_type() == wg.scalar_type() && w->device().is_cpu(),
+                "gate and up must be float32 or bfloat16 CPU matrices [I, K] of one dtype "
+                "matching x");
   at::Tensor y = at::empty({R, I}, x.options());
   float* yp = y.mutable_data_ptr<float>();
   const float* xp = x.const_data_ptr<float>();
-  const float* gp = wg.const_data_ptr<float>();
-  const float* up = wu.const_data_ptr<float>();
+  const void* gp = wg.const_data_ptr();
+  const void* up = wu.const_data_ptr();
+  const bool bf16 = wg.scalar_type() == at::kBFloat16;
   const bool small = R <= SMALL_ROWS;
   const int64_t nb = small ? SMALL_NB : LARGE_NB;  // weight rows per block, as in linears
   const int64_t grain = (16384 + 2 * nb * K - 1) / (2 * nb * K);
@@ -306,13 +359,8 @@ at::Tensor gate_up_silu(const at::Tensor& x_in, const at::Tensor& wg_in, const a
     std::vector<float> g(R * nb), u(R * nb);  // [R, nb] gate and up products of a block
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t o = blk * nb, no = I - o < nb ? I - o : nb;
-      if (small) {
-        rows_block<SMALL_NB, SMALL_RG>(R, xp, ldx, gp, K, K, o, I, g.data(), nb, nullptr);
-        rows_block<SMALL_NB, SMALL_RG>(R, xp, ldx, up, K, K, o, I, u.data(), nb, nullptr);
-      } else {
-        rows_block<LARGE_NB, LARGE_RG>(R, xp, ldx, gp, K, K, o, I, g.data(), nb, nullptr);
-        rows_block<LARGE_NB, LARGE_RG>(R, xp, ldx, up, K, K, o, I, u.data(), nb, nullptr);
-      }
+      rows_block_any(small, bf16, R, xp, ldx, gp, K, K, o, I, g.data(), nb, nullptr);
+      rows_block_any(small, bf16, R, xp, ldx, up, K, K, o, I, u.data(), nb, nullptr);
       for (int64_t r = 0; r < R; ++r)
         for (int64_t j = 0; j < no; ++j) {
           const float gv = g[r * nb + j];

@@ -1,5 +1,10 @@
 """AVX-512 / AVX2 kernels for the few-token float32 steps of decoding (``cpu_kernels.cpp``).
 
+Activations are float32; weight matrices are float32 or bfloat16. A bfloat16 weight is
+widened to float32 as it is loaded (exact: a 16-bit shift), so its product has the bits
+of the float32 kernel on ``w.float()`` while half the bytes come from memory: a 1-row
+product over 72 [4864, 896] weights took 30 ms against 49 ms in float32 here (2 threads).
+
 A decode or verify step multiplies 1 to k + 1 rows by every weight of the model, so
 it is bound by streaming the weights from memory. MKL's ``sgemm`` re-reads a weight
 once per ~3 rows, so a 5-row product costs about twice a 1-row one; and between two

@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from specserve import model_store
+from specserve.engine import cpu_kernels
 from specserve.engine.config import ModelConfig
 from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
 from specserve.engine.gguf_convert import convert_gguf, is_converted, is_gguf, sha256_file
@@ -42,6 +43,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "parse_dtype",
+    "prepare",
     "read_config",
     "resolve_source",
 ]
@@ -219,6 +221,11 @@ def load_model(
     On CPU the weights then move onto transparent huge pages where the kernel offers
     them (:mod:`specserve.engine.hugepages`): resident, 64-byte aligned memory that a
     decode step streams 5-20% faster than the checkpoint's 4 KiB pages.
+
+    bfloat16 on a CPU with the engine's kernels means bfloat16 weight matrices under
+    float32 activations, norms and KV cache (:meth:`CausalLM.compute_in_float32`):
+    half the bytes per step of float32 weights, and the kernels' exactness across row
+    counts. Elsewhere (GPU, no kernels) bfloat16 is bfloat16 throughout.
     """
     if dtype not in DTYPES.values():
         raise InvalidArgument(f"dtype {dtype} is not supported; choose from {', '.join(DTYPES)}")
@@ -231,9 +238,21 @@ def load_model(
     model.rope = RotaryEmbedding(cfg)
     _fill(model, files, dtype, torch.device(device))
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "unfilled tensor"
-    if huge_pages and torch.device(device).type == "cpu":
-        move_to_huge_pages(model)
-    return model.eval(), cfg
+    return prepare(model, huge_pages=huge_pages), cfg
+
+
+def prepare(model: CausalLM, *, huge_pages: bool = True) -> CausalLM:
+    """Ready a model whose weights are in place (loaded, or ``.to()`` a dtype) to serve.
+
+    On CPU: bfloat16 weights compute in float32 where the kernels exist (see
+    :func:`load_model`), and the weights move onto huge pages if ``huge_pages``.
+    """
+    if model.device.type == "cpu":
+        if model.dtype == torch.bfloat16 and cpu_kernels.kernels() is not None:
+            model.compute_in_float32()
+        if huge_pages:
+            move_to_huge_pages(model)
+    return model.eval()
 
 
 def load_tokenizer(source: str | Path, *, home: Path | None = None) -> Tokenizer:

@@ -227,10 +227,33 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg)
+        self.compute_dtype: torch.dtype | None = None  # None: the weights' dtype
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the weight matrices."""
         return self.model.embed_tokens.weight.dtype
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of activations, norms, biases and the KV cache."""
+        return self.compute_dtype or self.dtype
+
+    def compute_in_float32(self) -> None:
+        """Keep the weight matrices as they are (bfloat16) and compute in float32.
+
+        Norm weights and biases (vectors, a few KiB) become float32; activations and
+        the KV cache are float32; the products read the matrices in their dtype
+        (:mod:`specserve.engine.ops`: the CPU kernels widen bfloat16 as they load it).
+        On a CPU this halves the bytes a decode step streams against float32 weights
+        and rounds only the weights: a (k + 1)-token forward gives the same bits as k + 1
+        one-token forwards, as in float32. Call it after any ``.to()``.
+        """
+        for module in self.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.dim() == 1 and param.dtype != torch.float32:
+                    setattr(module, name, nn.Parameter(param.float(), requires_grad=False))
+        self.compute_dtype = torch.float32
 
     @property
     def device(self) -> torch.device:
@@ -244,7 +267,7 @@ class CausalLM(nn.Module):
             num_kv_heads=attn.k_proj.weight.shape[0] // attn.head_dim,
             head_dim=attn.head_dim,
             budget_bytes=budget_bytes,
-            dtype=self.dtype,
+            dtype=self.activation_dtype,
             device=self.device,
             block_size=block_size,
         )
@@ -260,7 +283,7 @@ class CausalLM(nn.Module):
         ids = torch.tensor(
             [t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device
         )
-        h = self.model.embed_tokens(ids)  # [tokens, hidden]
+        h = self.model.embed_tokens(ids).to(self.activation_dtype)  # [tokens, hidden]
         for i, layer in enumerate(self.model.layers):
             h = h + layer.self_attn(layer.input_layernorm(h), plan, self.rope, kv.k[i], kv.v[i])
             h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -12,6 +12,11 @@ row count. Larger products (prefill), other dtypes and devices, and anything tha
 autograd use torch. The choice depends only on shapes, dtypes and devices, so it is
 deterministic per row count.
 
+Weights may be bfloat16 under float32 activations (a model loaded in bfloat16 on
+such a CPU, see :meth:`CausalLM.compute_in_float32`): the kernels widen each weight
+as they read it (half the bytes from memory, the same bits as the float32 copy of
+those weights), and the torch path widens the weight before ``F.linear``.
+
 A decode step is ~200 of these calls, each after a weight stream that has flushed
 the caches, so the checks are cheap and the glue between products is kept to few
 ops (:func:`gate_up_silu`, :func:`rms_norm`, :func:`rope_cache_attention`):
@@ -35,6 +40,9 @@ from specserve.engine.cpu_kernels import Kernels
 # 16, 1.3 at 32, ~1.0 at 48, 0.8 at 96); past it MKL's blocked GEMM wins. Verify batches
 # of several sessions fit.
 MAX_KERNEL_ROWS = 32
+
+# Weight dtypes the kernels read (activations are float32 either way).
+KERNEL_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 _enabled = [True]
 
@@ -61,11 +69,22 @@ def _kernels_for(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Kernels | 
     ):
         return None
     for w in weights:
-        if w.dtype != torch.float32 or not w.is_cpu:
+        if w.dtype not in KERNEL_WEIGHT_DTYPES or not w.is_cpu:
             return None
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return None  # the kernels have no backward
     return cpu_kernels.kernels()
+
+
+def _torch_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear``, widening a weight of a narrower dtype than ``x`` (bfloat16 weights
+    under float32 activations) to ``x``'s dtype first: the same values, float32 arithmetic.
+    """
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    return F.linear(x, weight, bias)
 
 
 def linear(
@@ -76,7 +95,7 @@ def linear(
     """``x @ weight.T + bias``, as ``torch.nn.functional.linear``."""
     kern = _kernels_for(x, (weight,))
     if kern is None:
-        return F.linear(x, weight, bias)
+        return _torch_linear(x, weight, bias)
     return kern.linears(x, [weight], [bias])[0]
 
 
@@ -93,7 +112,7 @@ def linears(
     """
     kern = _kernels_for(x, weights)
     if kern is None:
-        return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+        return [_torch_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
     return kern.linears(x, weights, biases)
 
 
@@ -105,7 +124,7 @@ def gate_up_silu(
     """``silu(x @ gate.T) * (x @ up.T)``, the first half of a SwiGLU MLP, in one call."""
     kern = _kernels_for(x, (gate, up))
     if kern is None:
-        return F.silu(F.linear(x, gate)) * F.linear(x, up)
+        return F.silu(_torch_linear(x, gate)) * _torch_linear(x, up)
     return kern.gate_up_silu(x, gate, up)
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve import model_store
-from specserve.engine import loader
+from specserve.engine import cpu_kernels, loader
 from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
 from specserve.engine.loader import (
     Tokenizer,
@@ -140,7 +140,15 @@ def test_dtype_choice(llama_dir: tuple[Path, CausalLM], dtype: torch.dtype, atol
     path, original = llama_dir
     model, _ = load_model(path, dtype)
     assert model.dtype == dtype
-    assert all(p.dtype == dtype for p in model.parameters())
+    assert all(p.dtype == dtype for p in model.parameters() if p.dim() == 2)
+    if dtype == torch.bfloat16 and cpu_kernels.kernels() is not None:
+        # bfloat16 matrices under float32 activations, norms, biases and KV cache
+        assert model.activation_dtype == torch.float32
+        assert all(p.dtype == torch.float32 for p in model.parameters() if p.dim() == 1)
+        assert model.new_kv_pool(1 << 20).dtype == torch.float32
+    else:
+        assert all(p.dtype == dtype for p in model.parameters())
+        assert model.new_kv_pool(1 << 20).dtype == dtype
     torch.testing.assert_close(logits(model), logits(original), atol=atol, rtol=0)
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
 
+from specserve.engine import cpu_kernels
 from specserve.engine.config import ModelConfig
 from specserve.engine.model import CausalLM, SeqInput
 
@@ -121,6 +124,31 @@ def test_bfloat16_model_runs_and_stays_close() -> None:
     kv.reserve({"s": 16})
     logits = ours([SeqInput("s", ids[0].tolist(), num_logits=16)], kv)
     assert (logits - _reference(ref, ids)[0]).abs().max() < 0.1
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no CPU kernels (AVX-512 / AVX2)")
+def test_bfloat16_weights_computed_in_float32_equal_their_float32_copy() -> None:
+    """bfloat16 matrices under float32 compute give, bit for bit, the logits of a float32
+    model holding the same (bfloat16-rounded) weights: in a prefill (torch path), in a
+    verify forward and in one-token steps (kernels), so verify == decode as in float32."""
+    _, base = _pair("qwen2", seed=5)
+    half = copy.deepcopy(base).to(torch.bfloat16)
+    half.compute_in_float32()
+    assert half.dtype == torch.bfloat16 and half.activation_dtype == torch.float32
+    wide = copy.deepcopy(base).to(torch.bfloat16).to(torch.float32)
+    ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(6)).tolist()
+    out = {}
+    for name, model in (("half", half), ("wide", wide)):
+        kv = model.new_kv_pool(1 << 20)
+        assert kv.dtype == torch.float32
+        kv.reserve({"s": 60, "t": 60})
+        prefill = model([SeqInput("s", ids[:40], num_logits=40)], kv)
+        model([SeqInput("t", ids[:40], num_logits=1)], kv)
+        verify = model([SeqInput("s", ids[40:45], num_logits=5)], kv)
+        steps = torch.cat([model([SeqInput("t", [i])], kv) for i in ids[40:45]])
+        assert torch.equal(verify, steps)
+        out[name] = (prefill, verify)
+    assert all(torch.equal(a, b) for a, b in zip(out["half"], out["wide"], strict=True))
 
 
 def test_unsupported_architecture_is_a_clear_error() -> None:

@@ -75,6 +75,33 @@ def test_rows_do_not_change_each_others_bits() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 32])
+def test_bfloat16_weights_give_the_bits_of_their_float32_copies(rows: int) -> None:
+    """bfloat16 weights under float32 x: widened exactly as they load, so the product is
+    bit for bit the float32 kernel's on ``w.float()`` (row invariance carries over)."""
+    gen = torch.Generator().manual_seed(rows)
+    k = 600  # K chunks and a masked tail (the bfloat16 tail load is its own code)
+    x = torch.randn(rows, k, generator=gen)
+    ws = [torch.randn(n, k, generator=gen).bfloat16() for n in (37, 8, 64)]
+    bs = [torch.randn(37, generator=gen), None, torch.randn(64, generator=gen)]
+    wide = [w.float() for w in ws]
+    mixed = [ws[0], wide[1], ws[2]]  # each weight its own dtype in one call
+    for got in (ops.linears(x, ws, bs), ops.linears(x, mixed, bs)):
+        for y, want in zip(got, ops.linears(x, wide, bs), strict=True):
+            assert y.dtype == torch.float32 and torch.equal(y, want)
+    gate, up = ws[2], ws[2].flip(0)
+    y = ops.gate_up_silu(x, gate, up)
+    assert torch.equal(y, ops.gate_up_silu(x, gate.float(), up.float()))
+    assert torch.equal(ops.gate_up_silu(x[-1:], gate, up), y[-1:])
+    assert _rel_err(ops.linear(x, ws[0], bs[0]), _reference(x, wide[0], bs[0])) <= 1e-5
+    with ops.kernels_enabled(False):  # torch widens the weight first: float32 arithmetic
+        assert torch.equal(ops.linear(x, ws[0], bs[0]), F.linear(x, wide[0], bs[0]))
+        assert torch.equal(
+            ops.gate_up_silu(x, gate, up), F.silu(x @ gate.float().T) * (x @ up.float().T)
+        )
+
+
+@needs_kernel
 def test_thread_count_does_not_change_bits() -> None:
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(5, 300, generator=gen), torch.randn(999, 300, generator=gen)

@@ -5,6 +5,11 @@ differently, so greedy speculative output may leave target-only output. The
 acceptance rule itself stays exact with respect to the logits the verify forward
 computed; the property tested here is that a divergence can only happen where
 target-only decoding faced a near-tie (top-2 logit gap within bfloat16 rounding).
+
+On a CPU with the engine's kernels a model loaded in bfloat16 keeps bfloat16
+weights but computes in float32 (``CausalLM.compute_in_float32``): there the
+verify forward and the one-token forward agree bit for bit, and greedy speculative
+output equals target-only output exactly, as in float32.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve.engine import cpu_kernels
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.model import SeqInput
@@ -67,3 +73,27 @@ def test_bf16_divergence_only_at_near_ties(seed: int) -> None:
     assert gaps[first] <= 0.05 * scale, (
         f"diverged at {first} where target-only had a clear winner (gap {gaps[first]:.3f})"
     )
+
+
+@pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no CPU kernels (AVX-512 / AVX2)")
+@pytest.mark.parametrize("seed", range(4))
+def test_bf16_weights_computed_in_float32_are_exact(seed: int) -> None:
+    arch = "qwen2" if seed % 2 else "llama"
+    target = tiny_model(seed, arch).to(torch.bfloat16)
+    draft = noisy_copy(tiny_model(seed, arch), 0.3, seed).to(torch.bfloat16)
+    for model in (target, draft):
+        model.compute_in_float32()
+        assert model.dtype == torch.bfloat16 and model.activation_dtype == torch.float32
+    engine = SpeculativeEngine(
+        TargetVerifier(target, BUDGET), {"model": ModelDrafter(draft, BUDGET)}
+    )
+    prompt = [(seed * 37 + i * 11) % 256 for i in range(12)]
+    runs = {}
+    for drafter, k in (("none", 0), ("model", 4)):
+        s = DecodeState(
+            "s", prompt, SamplingParams(), StopCriteria(48), KPolicy(k), drafter=drafter
+        )
+        engine.run([s])
+        runs[drafter] = s
+    assert runs["model"].stats.drafted > 0 and runs["model"].stats.accepted > 0
+    assert runs["model"].completion == runs["none"].completion
