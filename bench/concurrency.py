@@ -366,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--target", default=TARGET, help="target model (store name, dir, tiny:...)")
     p.add_argument("--draft", default=DRAFT, help="draft model (same tokenizer as the target)")
     p.add_argument("--target-dtype", default="float32")
-    p.add_argument("--draft-dtype", default="float32")
+    p.add_argument("--draft-dtype", default="bfloat16", help="as `specserve up` (default)")
     p.add_argument("--new-tokens", type=int, default=64, help="max_new_tokens of every request")
     p.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8])
     p.add_argument("--reps", type=int, default=3, help="repetitions (each with its own prompts)")

@@ -1,8 +1,8 @@
 """Local speculative decoding vs target-only, in the engine and in transformers.
 
 One run, one process, variants interleaved per prompt (A B C ..., prompt after
-prompt): engine target-only; engine speculative with the draft model (float32 and
-bfloat16 draft, fixed k and adaptive k); the n-gram drafter; transformers
+prompt): engine target-only; engine speculative with the draft model (bfloat16
+weights, the served default, and float32; fixed k and adaptive k); the n-gram drafter; transformers
 ``generate``; transformers assisted generation. Greedy, EOS ignored so every
 variant emits exactly ``--new-tokens`` tokens, and every variant's tokens are
 checked against engine target-only (a variant that differs is reported as wrong).
@@ -132,7 +132,7 @@ def build_variants(
     draft16 = None
     for k in [*args.ks, None]:
         label = "auto" if k is None else str(k)
-        if "fp32" in want:
+        if "fp32" in want and label in args.fp32_ks:
             d = ModelDrafter(draft32, KV_BUDGET)
             out.append(
                 Variant(
@@ -283,8 +283,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--bf16-ks",
         type=lambda s: s.split(","),
+        default=["2", "3", "4", "5", "6", "auto"],
+        help="k values (of --ks, or auto) run with the bfloat16 draft (the served default)",
+    )
+    p.add_argument(
+        "--fp32-ks",
+        type=lambda s: s.split(","),
         default=["4", "auto"],
-        help="k values (of --ks, or auto) run with the bfloat16 draft as well",
+        help="k values (of --ks, or auto) run with the float32 draft",
     )
     p.add_argument("--hf-k", type=int, default=4, help="k for transformers assisted generation")
     p.add_argument("--threads", type=int, default=2)

@@ -40,7 +40,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--target", default=None, help="target model (default: the demo target)")
     p.add_argument("--draft", default=None, help="draft model (default: the demo draft)")
     p.add_argument("--tiny", action="store_true", help="tiny random models (no download)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    dtypes = ["float32", "bfloat16", "float16"]
+    p.add_argument("--dtype", default="float32", choices=dtypes, help="the target's dtype")
+    p.add_argument(
+        "--draft-dtype",
+        default="bfloat16",
+        choices=dtypes,
+        help="the draft's dtype (default bfloat16: on a CPU with the engine's kernels, "
+        "bfloat16 weights under float32 compute, half the bytes of a draft step; the draft's "
+        "precision never changes the output)",
+    )
     p.add_argument(
         "--redis-url",
         default=os.environ.get("SPECSERVE_REDIS_URL"),
@@ -132,10 +141,10 @@ def _run_up(args: argparse.Namespace) -> int:
             from specserve.model_store import resolve
 
             resolve(spec)  # NotFound says how to fetch it, before anything starts
-    common = ["--dtype", args.dtype, *(["--threads", str(args.threads)] if args.threads else [])]
+    threads = ["--threads", str(args.threads)] if args.threads else []
     servers = [
-        ServerProcess("target", ["--model", target, *common]),
-        ServerProcess("draft", ["--model", draft, *common]),
+        ServerProcess("target", ["--model", target, "--dtype", args.dtype, *threads]),
+        ServerProcess("draft", ["--model", draft, "--dtype", args.draft_dtype, *threads]),
     ]
     orchestrator: OrchestratorProcess | None = None
     try:

@@ -81,9 +81,11 @@ class Completion:
 def load(spec: str, dtype: str) -> tuple[CausalLM, object | None]:
     """Load a model and its tokenizer (None for tiny random models)."""
     if spec.startswith("tiny:"):
+        from specserve.engine.loader import prepare
         from specserve.engine.tiny import tiny_from_spec
 
-        return tiny_from_spec(spec).to(DTYPES[dtype]), None
+        # as load_model does: bfloat16 weights compute in float32 on a CPU with kernels
+        return prepare(tiny_from_spec(spec).to(DTYPES[dtype]), huge_pages=False), None
     from specserve.engine.loader import load_model, load_tokenizer
     from specserve.model_store import resolve
 

@@ -122,7 +122,7 @@ def gate_up_silu(
     up: torch.Tensor,  # [intermediate, hidden]
 ) -> torch.Tensor:  # [rows, intermediate]
     """``silu(x @ gate.T) * (x @ up.T)``, the first half of a SwiGLU MLP, in one call."""
-    kern = _kernels_for(x, (gate, up))
+    kern = _kernels_for(x, (gate, up)) if gate.dtype == up.dtype else None
     if kern is None:
         return F.silu(_torch_linear(x, gate)) * _torch_linear(x, up)
     return kern.gate_up_silu(x, gate, up)

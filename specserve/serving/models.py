@@ -39,12 +39,12 @@ def load_weights(spec: str, dtype: str, fail_after: int | None = None) -> Causal
     Module level so that ``functools.partial(load_weights, spec, dtype)`` pickles
     (Ray sends it to the rank actors).
     """
-    from specserve.engine.loader import DTYPES, load_model
+    from specserve.engine.loader import DTYPES, load_model, prepare
     from specserve.engine.tiny import tiny_from_spec
     from specserve.model_store import resolve
 
     if spec.startswith("tiny:"):
-        model = tiny_from_spec(spec).to(DTYPES[dtype])
+        model = prepare(tiny_from_spec(spec).to(DTYPES[dtype]), huge_pages=False)
     else:
         model, _ = load_model(resolve(spec), DTYPES[dtype], huge_pages=False)
     if fail_after is not None:

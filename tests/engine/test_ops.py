@@ -93,6 +93,9 @@ def test_bfloat16_weights_give_the_bits_of_their_float32_copies(rows: int) -> No
     y = ops.gate_up_silu(x, gate, up)
     assert torch.equal(y, ops.gate_up_silu(x, gate.float(), up.float()))
     assert torch.equal(ops.gate_up_silu(x[-1:], gate, up), y[-1:])
+    # gate and up of two dtypes: not the kernel's case, torch computes it
+    torch_gate_up = F.silu(F.linear(x, gate.float())) * F.linear(x, up.float())
+    assert torch.equal(ops.gate_up_silu(x, gate, up.float()), torch_gate_up)
     assert _rel_err(ops.linear(x, ws[0], bs[0]), _reference(x, wide[0], bs[0])) <= 1e-5
     with ops.kernels_enabled(False):  # torch widens the weight first: float32 arithmetic
         assert torch.equal(ops.linear(x, ws[0], bs[0]), F.linear(x, wide[0], bs[0]))
