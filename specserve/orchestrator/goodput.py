@@ -38,10 +38,10 @@ adaptive speculation is worse than plain batched decoding only for its explorati
 rounds, a share that shrinks as they keep losing.
 
 An exploration stays the choice until a round of it *is* timed (the runner does not
-time rounds that prefill, or that would draft from cold draft caches, which warm
-meanwhile), for at most ``4 * explore_every`` rounds: an exploration is not spent on
-a round that says nothing about it. A cache that will not warm (its warm-up would not
-repay itself) ends the exploration at once.
+time rounds that prefill, that run beside a draft warm-up, or that would draft from
+cold draft caches, which warm meanwhile), for at most ``4 * explore_every`` rounds:
+an exploration is not spent on a round that says nothing about it. A cache that will
+not warm (its warm-up would not repay itself) ends the exploration at once.
 
 A new bucket starts from the nearest timed one's figures, so growing and shrinking
 batches do not explore from scratch. Starting from a larger batch, drafting starts

@@ -277,11 +277,7 @@ class RoundRunner:
         caps = self.caps if drafting else None
         if caps is not None:
             cap = caps.choose(target, len(live), cap, self._outlook(live, cap))
-        # A round says something about its cap unless a session prefills on the target,
-        # or (for a cap above 0) would draft from a cold or warming draft cache.
-        measurable = caps is not None and not any(
-            self._prefilling(s) or (cap > 0 and (s.draft_warming or self._cold(s))) for s in live
-        )
+        measurable = caps is not None and self._timeable(live, cap)
         if drafting:
             self.stats.k_caps[cap] += 1
         declined = self.stats.draft_warmups_declined
@@ -451,14 +447,30 @@ class RoundRunner:
     def _outlook(live: list[LiveSession], limit: int) -> Outlook:
         """cap (up to ``limit``) -> (the tokens the round's sessions expect to commit
         under it, the most drafts any of them would make), each from its policy and
-        running acceptance as if its draft cache were warm (a cold session drafts once a
-        cap above 0 lets it warm). One table for every cap, built once a round."""
+        running acceptance. A session whose draft warm-up is under way commits one token
+        under any cap (it verifies at k = 0 until warm, whatever the cap); a cold one
+        not yet warming counts as warm (it drafts once a cap above 0 lets it warm, so a
+        round of new sessions does not hold them at k = 0). One table for every cap,
+        built once a round."""
         limit = max(limit, 0)
-        each = [s.state.outlook(limit) for s in live]
+        warming = [(1.0, 0)] * (limit + 1)
+        each = [warming if s.draft_warming else s.state.outlook(limit) for s in live]
         table = [
             (sum(o[cap][0] for o in each), max(o[cap][1] for o in each)) for cap in range(limit + 1)
         ]
         return lambda cap: table[min(cap, limit)]
+
+    @staticmethod
+    def _timeable(live: list[LiveSession], cap: int) -> bool:
+        """Whether a round's wall time says something about its cap: not when a session
+        prefills on the target, nor when a session's draft warm-up runs beside it (at
+        any cap: where draft and target share cores the warm-up slows the round, and a
+        plain round timed so would flatter drafting), nor (for a cap above 0) when a
+        session would draft from a cold draft cache."""
+        return not any(
+            RoundRunner._prefilling(s) or s.draft_warming or (cap > 0 and RoundRunner._cold(s))
+            for s in live
+        )
 
     def _target_backlog(self, sid: str) -> int:
         """Tokens of a session's history its target has not seen (its prefill)."""

@@ -293,6 +293,26 @@ def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() 
     assert not runner._may_warm(s)  # already warming
 
 
+def test_a_warm_up_under_way_drafts_nothing_in_the_outlook_and_leaves_rounds_untimed() -> None:
+    """A session whose draft cache is warming verifies at k = 0 whatever the cap, so the
+    caps are weighed with one token from it; a cold one not yet warming counts as warm
+    (a cap above 0 lets it warm). A round beside a warm-up is not timed at any cap."""
+    warm, cold = live("a", [1, 2, 3]), live("b", list(range(100)))
+    warm.state.target_start = warm.state.draft_start = 2
+    cold.state.target_start = 99  # the target has it; the draft has none of it
+    for x in (warm, cold):
+        x.state.k_policy.alpha = 1.0  # every draft accepted: 5 tokens at cap 4
+    assert RoundRunner._outlook([warm, cold], 4)(4) == (pytest.approx(10.0), 4)
+    assert RoundRunner._outlook([warm, cold], 4)(0) == (pytest.approx(2.0), 0)
+    assert RoundRunner._timeable([warm, cold], 0)  # the cold one verifies at k = 0 too
+    assert not RoundRunner._timeable([warm, cold], 4)  # it would draft from a cold cache
+    cast(Any, cold).draft_warming = True
+    assert RoundRunner._outlook([warm, cold], 4)(4) == (pytest.approx(6.0), 4)
+    assert RoundRunner._outlook([cold], 4)(4) == (pytest.approx(1.0), 0)
+    assert not RoundRunner._timeable([warm, cold], 0)  # its warm-up shares the cores
+    assert RoundRunner._timeable([warm], 4)
+
+
 def test_a_round_of_only_cold_sessions_warms_them_inside_it_and_drafts() -> None:
     """A lone new session drafts in its first round after the target's prefill (its
     draft prefill inside that round); a cold session beside a warm one is warmed
