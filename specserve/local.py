@@ -33,7 +33,7 @@ class LocalConfig:
     target: str
     draft: str | None = None
     target_dtype: str = "float32"
-    draft_dtype: str = "float32"
+    draft_dtype: str = "bfloat16"  # as the draft server: the output does not depend on it
     kv_budget_bytes: int = 2 << 30
     draft_kv_budget_bytes: int = 1 << 30
     threads: int | None = None

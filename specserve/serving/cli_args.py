@@ -15,7 +15,7 @@ flag                      environment                     default
 ``--grace-s``             ``SPECSERVE_GRACE_S``           10
 ``--replica-id``          ``SPECSERVE_REPLICA_ID``        host:port
 ``--threads``             ``SPECSERVE_THREADS``           torch's default
-``--dtype``               ``SPECSERVE_DTYPE``             float32
+``--dtype``               ``SPECSERVE_DTYPE``             float32; draft: bfloat16
 ``--kv-budget``           ``SPECSERVE_KV_BUDGET``         per server
 ========================  ==============================  =========================
 
@@ -64,9 +64,14 @@ def _env(env: Mapping[str, str], name: str, default: object) -> object:
 
 
 def add_server_arguments(
-    parser: argparse.ArgumentParser, *, kv_budget: str, env: Mapping[str, str] | None = None
+    parser: argparse.ArgumentParser,
+    *,
+    kv_budget: str,
+    dtype: str = "float32",
+    env: Mapping[str, str] | None = None,
 ) -> None:
-    """Add the shared flags; ``kv_budget`` is this server's default KV budget (e.g. "2GiB")."""
+    """Add the shared flags; ``kv_budget`` is this server's default KV budget (e.g. "2GiB")
+    and ``dtype`` its default weight dtype."""
     env = os.environ if env is None else env
     g = parser.add_argument_group("serving")
     g.add_argument(
@@ -122,7 +127,11 @@ def add_server_arguments(
         help="torch intra-op threads (tests use 1)",
     )
     g.add_argument(
-        "--dtype", choices=DTYPES, default=_env(env, "DTYPE", "float32"), help="weight dtype"
+        "--dtype",
+        choices=DTYPES,
+        default=_env(env, "DTYPE", dtype),
+        help=f"weight dtype (default {dtype}; bfloat16 on a CPU with the engine's kernels: "
+        "bfloat16 weights, float32 compute and KV)",
     )
     g.add_argument(
         "--kv-budget",

@@ -19,7 +19,9 @@ from specserve.v1 import draft_pb2_grpc, target_pb2_grpc
 
 TARGET = "tiny:3"
 DRAFT = "tiny:3:noise=0.3"
-COMMON = ["--threads", "1", "--kv-budget", "8MiB"]
+# float32 for the draft too (its server's default is bfloat16): sampled rounds are
+# compared draw for draw with an in-process engine on the float32 tiny models.
+COMMON = ["--threads", "1", "--kv-budget", "8MiB", "--dtype", "float32"]
 
 T = TypeVar("T")
 

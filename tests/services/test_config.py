@@ -67,6 +67,16 @@ def test_target_server_flags_and_aliases() -> None:
     cfg = target_config.from_args(parse(["target-server", "--target", "tiny:2", "--port", "7001"]))
     assert cfg.model == "tiny:2" and cfg.server.port == 7001
     assert cfg.kv_budget_bytes == 2 << 30  # the target's default
+    assert cfg.dtype == "float32"  # the target's default: exact greedy output
+
+
+def test_the_draft_serves_bfloat16_weights_by_default() -> None:
+    """Half the bytes of a draft step; SPECSERVE_DTYPE and --dtype still choose."""
+    cfg = draft_config.from_args(parse(["draft-server", "--model", "tiny:1"]))
+    assert cfg.dtype == "bfloat16" and draft_config.DraftServerConfig(model=None).dtype == cfg.dtype
+    parser = argparse.ArgumentParser()
+    draft_config.add_arguments(parser, {"SPECSERVE_DTYPE": "float32"})
+    assert draft_config.from_args(parser.parse_args([])).dtype == "float32"
 
 
 def test_environment_defaults() -> None:
