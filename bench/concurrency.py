@@ -50,6 +50,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench import concurrency_report as report
@@ -261,6 +262,12 @@ def stack(args: argparse.Namespace, settings: Sequence[str]) -> Iterator[StackUn
     finally:
         for p in (*orchestrators.values(), *servers):
             p.stop()
+        if args.logs is not None:  # each process's output (with SPECSERVE_LOG_LEVEL=DEBUG:
+            args.logs.mkdir(parents=True, exist_ok=True)  # every round and cap decision)
+            for s in servers:
+                (args.logs / f"{s.role}.log").write_text(s.output())
+            for setting, o in orchestrators.items():
+                (args.logs / f"orchestrator-{setting}.log").write_text(o.output())
 
 
 def orchestrator_counts(port: int) -> tuple[dict[str, float], dict[int, float]]:
@@ -392,6 +399,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--no-local", action="store_true", help="skip the local single-session loop")
     p.add_argument("--name", default="concurrency", help="results file stem")
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        help="write each server's and orchestrator's output here when the stack stops "
+        "(run with SPECSERVE_LOG_LEVEL=DEBUG for the per-round log)",
+    )
     args = p.parse_args(argv)
     args.concurrency = sorted(set(args.concurrency))
     chosen = ["plain", *(v for v in args.variants.split(",") if v and v != "plain")]
