@@ -447,14 +447,16 @@ class RoundRunner:
     def _outlook(live: list[LiveSession], limit: int) -> Outlook:
         """cap (up to ``limit``) -> (the tokens the round's sessions expect to commit
         under it, the most drafts any of them would make), each from its policy and
-        running acceptance. A session whose draft warm-up is under way commits one token
-        under any cap (it verifies at k = 0 until warm, whatever the cap); a cold one
-        not yet warming counts as warm (it drafts once a cap above 0 lets it warm, so a
-        round of new sessions does not hold them at k = 0). One table for every cap,
-        built once a round."""
+        running acceptance. A session whose draft warm-up is under way, or was declined
+        at this batch size, commits one token under any cap (it verifies at k = 0
+        whatever the cap); another cold one counts as warm (it drafts once a cap above 0
+        lets it warm, so a round of new sessions does not hold them at k = 0). One table
+        for every cap, built once a round."""
         limit = max(limit, 0)
-        warming = [(1.0, 0)] * (limit + 1)
-        each = [warming if s.draft_warming else s.state.outlook(limit) for s in live]
+        plain = [(1.0, 0)] * (limit + 1)
+        each = [
+            plain if RoundRunner._not_drafting(s, live) else s.state.outlook(limit) for s in live
+        ]
         table = [
             (sum(o[cap][0] for o in each), max(o[cap][1] for o in each)) for cap in range(limit + 1)
         ]
@@ -466,11 +468,26 @@ class RoundRunner:
         prefills on the target, nor when a session's draft warm-up runs beside it (at
         any cap: where draft and target share cores the warm-up slows the round, and a
         plain round timed so would flatter drafting), nor (for a cap above 0) when a
-        session would draft from a cold draft cache."""
+        cold session may warm in it. A cold session whose warm-up was declined at this
+        batch size only verifies at k = 0: its rounds are timed."""
         return not any(
-            RoundRunner._prefilling(s) or s.draft_warming or (cap > 0 and RoundRunner._cold(s))
+            RoundRunner._prefilling(s)
+            or s.draft_warming
+            or (cap > 0 and RoundRunner._cold(s) and not RoundRunner._declined(s, live))
             for s in live
         )
+
+    @staticmethod
+    def _declined(s: LiveSession, live: list[LiveSession]) -> bool:
+        """Whether the session's draft warm-up was declined at this round's batch size (a
+        batch of another size weighs it again: the gain it would repay differs)."""
+        return s.warm_declined_at == len(live)
+
+    @staticmethod
+    def _not_drafting(s: LiveSession, live: list[LiveSession]) -> bool:
+        """Whether the session verifies at k = 0 this round whatever the cap: its draft
+        cache warms beside the rounds, or is cold with its warm-up declined."""
+        return s.draft_warming or (RoundRunner._declined(s, live) and RoundRunner._cold(s))
 
     def _target_backlog(self, sid: str) -> int:
         """Tokens of a session's history its target has not seen (its prefill)."""
@@ -505,6 +522,8 @@ class RoundRunner:
         """
         if self.caps is None:  # a pinned curve: no measured gain to weigh
             return True
+        for s in sessions:  # weighed as if they warm: what would they gain?
+            s.warm_declined_at = None
         limit = self.scheduler.k_cap(target)
         repays = self.payback.repays(
             draft,
@@ -514,6 +533,8 @@ class RoundRunner:
         )
         if not repays:
             self.stats.draft_warmups_declined += len(sessions)
+            for s in sessions:
+                s.warm_declined_at = len(live)
         return repays
 
     @staticmethod
