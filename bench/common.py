@@ -252,7 +252,13 @@ def parse_range(text: str) -> list[int]:
 def reproduce_command(module: str, argv: list[str] | None = None) -> str:
     """The command that re-runs this benchmark from the repository root, with the
     ``SPECSERVE_*`` variables it ran under (the servers it starts read them too)."""
-    args = sys.argv[1:] if argv is None else argv
+    args = list(sys.argv[1:] if argv is None else argv)
+    for i, a in enumerate(args):  # a path of this machine: its last part only
+        if i > 0 and args[i - 1] in _PATH_FLAGS:
+            args[i] = shlex.quote(Path(a).name)
+        elif a.split("=", 1)[0] in _PATH_FLAGS and "=" in a:
+            flag, value = a.split("=", 1)
+            args[i] = f"{flag}={shlex.quote(Path(value).name)}"
     settings = [
         f"{k}={shlex.quote(v)}"
         for k, v in sorted(os.environ.items())
@@ -263,6 +269,8 @@ def reproduce_command(module: str, argv: list[str] | None = None) -> str:
 
 # Variables that name paths of the machine or carry secrets: never in a results file.
 _PRIVATE = ("HOME", "PASSWORD", "URL", "TLS", "FILE")
+# Flags whose value is a path of the machine: the reproduce line keeps its last part.
+_PATH_FLAGS = ("--logs", "--replay")
 
 
 def _jsonable(obj: Any) -> Any:

@@ -21,3 +21,12 @@ def test_settings_from_the_environment_lead_the_command(monkeypatch: pytest.Monk
     assert reproduce_command("bench.concurrency", ["--reps", "2"]) == (
         "SPECSERVE_K_CAP=curve SPECSERVE_K_ZERO_AT=2 .venv/bin/python -m bench.concurrency --reps 2"
     )
+
+
+def test_paths_of_the_machine_keep_only_their_last_part() -> None:
+    assert reproduce_command(
+        "bench.concurrency", ["--logs", "/some/where/run-logs", "--reps", "1"]
+    ).endswith(".venv/bin/python -m bench.concurrency --logs run-logs --reps 1")
+    assert reproduce_command("bench.k_policy_replay", ["--replay=/some/where/a b.json"]).endswith(
+        "-m bench.k_policy_replay --replay='a b.json'"
+    )
