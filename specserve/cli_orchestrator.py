@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from specserve.serving.cli_args import DTYPES
+
 DEMO_TINY_PROMPT = [7, 21, 3, 7, 21, 3, 7, 21, 3, 9]
 
 
@@ -40,12 +42,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--target", default=None, help="target model (default: the demo target)")
     p.add_argument("--draft", default=None, help="draft model (default: the demo draft)")
     p.add_argument("--tiny", action="store_true", help="tiny random models (no download)")
-    dtypes = ["float32", "bfloat16", "float16"]
-    p.add_argument("--dtype", default="float32", choices=dtypes, help="the target's dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the target's dtype")
     p.add_argument(
         "--draft-dtype",
         default="bfloat16",
-        choices=dtypes,
+        choices=DTYPES,
         help="the draft's dtype (default bfloat16: on a CPU with the engine's kernels, "
         "bfloat16 weights under float32 compute, half the bytes of a draft step; the draft's "
         "precision never changes the output)",
