@@ -331,6 +331,22 @@ def test_a_warm_up_under_way_or_declined_drafts_nothing_in_the_outlook() -> None
     assert not RoundRunner._timeable([warm, cold, third], 4)  # another batch: weighed again
 
 
+def test_a_round_in_which_the_target_prefills_a_session_is_not_timed() -> None:
+    """A new turn's first round prefills its prompt on the target (and a short one on the
+    draft too): timed as drafting, the demo's first round (0.95 s against 0.28 s for a
+    plain one) held its lone session at cap 0. A round leaves the target one token
+    behind; more means a prefill, however short."""
+    s = live("a", list(range(20)))  # a short prompt: not cold, drafts in its first round
+    assert not RoundRunner._cold(s)
+    assert not RoundRunner._timeable([s], 4)
+    assert not RoundRunner._timeable([s], 0)
+    s.state.target_start = 18  # two tokens behind: a restart's resend, say
+    assert not RoundRunner._timeable([s], 4)
+    s.state.target_start = s.state.draft_start = 19  # one behind, as after every round
+    assert RoundRunner._timeable([s], 4)
+    assert RoundRunner._timeable([s], 0)
+
+
 def test_a_round_of_only_cold_sessions_warms_them_inside_it_and_drafts() -> None:
     """A lone new session drafts in its first round after the target's prefill (its
     draft prefill inside that round); a cold session beside a warm one is warmed
