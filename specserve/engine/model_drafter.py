@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.engine import ops
 from specserve.engine.drafter import DraftInput, DraftOutcome
 from specserve.engine.kv_cache import KVStats
 from specserve.engine.model import CausalLM, SeqInput
@@ -61,8 +62,17 @@ class ModelDrafter:
         max_support: int = 64,
         min_confidence: float = 0.0,
         vocab_limit: int | None = None,
+        bfloat16_prefill: bool | None = None,
     ) -> None:
         self.model = model
+        if bfloat16_prefill is None:  # where bfloat16 products are fast and the weights are
+            bfloat16_prefill = (
+                model.dtype == torch.bfloat16
+                and model.activation_dtype == torch.float32
+                and model.device.type == "cpu"
+                and ops.native_bfloat16()
+            )
+        self.bfloat16_prefill = bfloat16_prefill  # see ops.bfloat16_products
         self.kv = model.new_kv_pool(kv_budget_bytes)
         self.max_support = max_support
         self.min_confidence = min_confidence
@@ -138,7 +148,8 @@ class ModelDrafter:
     def _draft(self, active: list[_Active]) -> None:
         running = list(active)
         while running:
-            logits = self.model([SeqInput(a.sid, a.feed) for a in running], self.kv)
+            with ops.bfloat16_products(self.bfloat16_prefill):  # only a prefill's many rows
+                logits = self.model([SeqInput(a.sid, a.feed) for a in running], self.kv)
             if self.vocab_limit is not None:
                 logits = logits[:, : self.vocab_limit]
             for a in running:

@@ -104,6 +104,31 @@ def test_bfloat16_weights_give_the_bits_of_their_float32_copies(rows: int) -> No
         )
 
 
+def test_bfloat16_products_round_only_a_prefills_products() -> None:
+    """Inside ``bfloat16_products`` a many-row product of a bfloat16 weight multiplies in
+    bfloat16 (close to the float32 product, not its bits); a product of few rows, or of a
+    float32 weight, is unchanged, and outside the block nothing changes."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 300, generator=gen).bfloat16()
+    b = torch.randn(48, generator=gen)
+    many = torch.randn(ops.MAX_KERNEL_ROWS + 8, 300, generator=gen)
+    wide = F.linear(many, w.float(), b)
+    with ops.bfloat16_products():
+        got = ops.linear(many, w, b)
+        few = ops.linear(many[:3], w, b)
+        gate_up = ops.gate_up_silu(many, w, w.flip(0))
+        wide_w = ops.linear(many, w.float(), b)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, F.linear(many.bfloat16(), w).float() + b)
+    assert not torch.equal(got, wide)
+    assert _rel_err(got, wide) < 2e-2
+    assert _rel_err(gate_up, ops.gate_up_silu(many, w.float(), w.flip(0).float())) < 5e-2
+    if cpu_kernels.kernels() is not None:  # few rows: the kernels', as outside the block
+        assert torch.equal(few, ops.linear(many[:3], w, b))
+    assert torch.equal(wide_w, F.linear(many, w.float(), b))  # a float32 weight: float32
+    assert torch.equal(ops.linear(many, w, b), wide)  # outside: the weight is widened
+
+
 @needs_kernel
 def test_thread_count_does_not_change_bits() -> None:
     gen = torch.Generator().manual_seed(1)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.engine import cpu_kernels
+from specserve.engine import cpu_kernels, ops
 from specserve.engine.decode_state import DecodeState, StopCriteria
+from specserve.engine.drafter import DraftInput
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.model import SeqInput
 from specserve.engine.model_drafter import ModelDrafter
@@ -45,9 +46,10 @@ def test_bf16_divergence_only_at_near_ties(seed: int) -> None:
     target = tiny_model(seed).to(torch.bfloat16)
     draft = noisy_copy(tiny_model(seed), 0.3, seed).to(torch.bfloat16)
     engine = SpeculativeEngine(
-        TargetVerifier(target, BUDGET), {"model": ModelDrafter(draft, BUDGET)}
+        TargetVerifier(target, BUDGET),
+        {"model": ModelDrafter(draft, BUDGET, bfloat16_prefill=seed % 2 == 0)},
     )
-    prompt = [(seed * 37 + i * 11) % 256 for i in range(12)]
+    prompt = [(seed * 37 + i * 11) % 256 for i in range(ops.MAX_KERNEL_ROWS + 8)]
 
     def run(drafter: str, k: int) -> DecodeState:
         s = DecodeState(
@@ -78,6 +80,9 @@ def test_bf16_divergence_only_at_near_ties(seed: int) -> None:
 @pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no CPU kernels (AVX-512 / AVX2)")
 @pytest.mark.parametrize("seed", range(4))
 def test_bf16_weights_computed_in_float32_are_exact(seed: int) -> None:
+    """Greedy output with a bfloat16 target and draft (float32 compute) equals the
+    target's alone; the draft's prefill multiplies in bfloat16 on even seeds (the prompt
+    is longer than the kernels' rows), which changes its guesses, not the output."""
     arch = "qwen2" if seed % 2 else "llama"
     target = tiny_model(seed, arch).to(torch.bfloat16)
     draft = noisy_copy(tiny_model(seed, arch), 0.3, seed).to(torch.bfloat16)
@@ -97,3 +102,21 @@ def test_bf16_weights_computed_in_float32_are_exact(seed: int) -> None:
         runs[drafter] = s
     assert runs["model"].stats.drafted > 0 and runs["model"].stats.accepted > 0
     assert runs["model"].completion == runs["none"].completion
+
+
+def test_a_bfloat16_draft_prefills_in_bfloat16_where_the_cpu_multiplies_it_natively() -> None:
+    """By default a draft with bfloat16 weights computing in float32 on a CPU prefills in
+    bfloat16 products where the CPU has AMX or AVX512-BF16; its prefill then writes other
+    K/V bits than the float32 products do, and its few-row draft steps do not change."""
+    draft = tiny_model(3, "qwen2").to(torch.bfloat16)
+    draft.compute_in_float32()
+    assert ModelDrafter(draft, BUDGET).bfloat16_prefill == ops.native_bfloat16()
+    assert not ModelDrafter(tiny_model(3, "qwen2"), BUDGET).bfloat16_prefill  # float32
+    history = [(i * 7) % 256 for i in range(ops.MAX_KERNEL_ROWS + 8)]
+    caches = []
+    for flag in (False, True):
+        drafter = ModelDrafter(draft, BUDGET, bfloat16_prefill=flag)
+        drafter.propose([DraftInput("s", 0, history, 3, SamplingParams(), 0)])
+        caches.append(drafter.kv.k[0].clone())  # a fresh pool: the same slots each time
+    assert not torch.equal(caches[0], caches[1])
+    assert torch.allclose(caches[0], caches[1], rtol=0.05, atol=0.05)
