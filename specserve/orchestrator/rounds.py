@@ -87,6 +87,15 @@ class RoundTimeouts:
 
 
 @dataclass
+class _LostTime:
+    """What the rounds lost while one draft warm-up ran beside them (the payback rule's
+    cost of warming beside the rounds)."""
+
+    seconds: float = 0.0
+    unpredicted: bool = False  # a round's time could not be predicted: charge the wall time
+
+
+@dataclass
 class RunnerStats:
     """Plain counts the metrics collector reads (:mod:`specserve.orchestrator.metrics`).
 
@@ -148,6 +157,7 @@ class RoundRunner:
         # The k cap under the load curve, from measured round times (None: the curve alone).
         self.caps = GoodputCaps() if scheduler.config.measured_k_cap else None
         self.payback = WarmPayback()  # weighs draft warm-ups against the measured gain
+        self._beside: list[_LostTime] = []  # one per draft warm-up under way beside the rounds
         self.prior = AcceptancePrior()  # where a new session's acceptance estimate starts
         self.sessions: dict[str, LiveSession] = {}
         self.stats = RunnerStats()
@@ -325,9 +335,11 @@ class RoundRunner:
             spans.verdict(s, drafted, verdict.accepted)
             committed.append((s, s.state.commit(plan.proposal, verdict)))
         self._move(target, moved)
-        if caps is not None and measurable and not (moved or outcome.errors or outcome.expired):
-            depth = max((len(p.proposal.tokens) for p in plans.values()), default=0)
-            caps.observe(target, len(live), depth, seconds)
+        depth = max((len(p.proposal.tokens) for p in plans.values()), default=0)
+        if not (moved or outcome.errors or outcome.expired):
+            if caps is not None and measurable:
+                caps.observe(target, len(live), depth, seconds)
+            self._charge_warm_ups(target, live, depth, seconds)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "round on %s: %d sessions, k cap %d, drafts %s, accepted %s, %.3f s%s",
@@ -407,9 +419,12 @@ class RoundRunner:
         # No draft replica, a failed or slow one, or a refusal: these verify at k = 0.
         self.stats.draft_fallbacks += sum(1 for sid in wanted if sid not in plans)
         for ep, sessions in cold.items():  # after this round's Propose: never in its way
-            if not self._warm_repays(target, ep, sessions, live):
+            # A lone session holds nobody else's round back; a batch's round waits only
+            # where warming inside a round was measured to cost less than beside them.
+            inside = len(live) == 1 or self.payback.cheaper_inside(ep)
+            if not self._warm_repays(target, ep, sessions, live, inside=inside):
                 continue
-            if len(live) == 1:  # a lone session: nobody else's round waits for it
+            if inside:
                 plans.update(await self._warm_now(ep, [(s, k_of[s.sid]) for s in sessions], live))
             else:
                 self._warm_later(ep, sessions)
@@ -418,15 +433,17 @@ class RoundRunner:
     async def _warm_now(
         self, endpoint: str, items: list[tuple[LiveSession, int]], live: list[LiveSession]
     ) -> dict[str, Plan]:
-        """Prefill a lone session on its draft replica inside this round, and draft.
+        """Prefill cold sessions on their draft replica inside this round, and draft.
 
-        No other session's round waits for the prefill, and the session drafts this
-        round instead of verifying at k = 0 beside a warm-up (where draft and target
-        share cores, both of them slowed by the other: a lone session's first rounds
-        at k = 0 took 0.5-1.0 s instead of 0.21 s). Not for a round of several cold
-        sessions: with their draft prefills inside the round, 4 new prompts ran
-        0.80x plain decoding (``bench.concurrency``, median of 3). The
-        call is timed as a warm-up (its drafts included) for the payback rule.
+        For a lone session: no other session's round waits for the prefill, and the
+        session drafts this round instead of verifying at k = 0 beside a warm-up (where
+        draft and target share cores, both of them slowed by the other: a lone
+        session's first rounds at k = 0 took 0.5-1.0 s instead of 0.21 s). For the cold
+        sessions of a batch only where warm-ups inside a round were measured to cost
+        less than beside the rounds (:meth:`WarmPayback.cheaper_inside`): on 2 shared
+        cores 4 sessions' rounds took 1.4 s instead of 0.26 s for 5 rounds beside a
+        warm-up that takes 0.6 s alone. The call is timed as a warm-up inside a round
+        (its drafts included) for the payback rule.
         """
         sessions = [s for s, _ in items]
         behind = self._draft_backlog(sessions)
@@ -434,7 +451,7 @@ class RoundRunner:
         started = time.perf_counter()
         plans = await calls.propose(self.drafts, endpoint, items, timeout, resend_up_to=None)
         if len(plans) == len(items):
-            self.payback.observe(endpoint, behind, time.perf_counter() - started)
+            self.payback.observe(endpoint, behind, time.perf_counter() - started, inside=True)
         self.stats.draft_warmups += len(sessions)
         if endpoint not in self.drafts.usable():  # the replica failed: move its sessions
             self.payback.forget(endpoint)
@@ -492,6 +509,22 @@ class RoundRunner:
         cache warms beside the rounds, or is cold with its warm-up declined."""
         return s.draft_warming or (RoundRunner._declined(s, live) and RoundRunner._cold(s))
 
+    def _charge_warm_ups(
+        self, target: str, live: list[LiveSession], depth: int, seconds: float
+    ) -> None:
+        """Charge the draft warm-ups under way beside the rounds with what this round lost
+        to them: its wall time over the time predicted for it (shared equally where
+        several run). A round that prefills on the target is not charged (its time is
+        the prefill's); one that cannot be predicted makes them charge their wall time."""
+        if not self._beside or any(self._backlog(s) > 1 for s in live):
+            return
+        expected = None if self.caps is None else self.caps.seconds(target, len(live), depth)
+        for lost in self._beside:
+            if expected is None:
+                lost.unpredicted = True
+            else:
+                lost.seconds += max(0.0, seconds - expected) / len(self._beside)
+
     def _target_backlog(self, sid: str) -> int:
         """Tokens of a session's history its target has not seen (its prefill)."""
         return self._backlog(self.sessions[sid])
@@ -514,14 +547,21 @@ class RoundRunner:
         return not s.draft_warming and not self._prefilling(s)
 
     def _warm_repays(
-        self, target: str, draft: str, sessions: list[LiveSession], live: list[LiveSession]
+        self,
+        target: str,
+        draft: str,
+        sessions: list[LiveSession],
+        live: list[LiveSession],
+        *,
+        inside: bool,
     ) -> bool:
         """Whether warming a round's cold ``sessions`` on ``draft`` repays itself.
 
         They are weighed together: one warm-up call prefills them all, and the rounds
         of the batch move together, so the batch's time saved (over its
         longest remaining turn) must exceed the whole warm-up. Eight sessions that would
-        each repay their own warm-up need not repay eight.
+        each repay their own warm-up need not repay eight. ``inside``: warmed inside
+        this round rather than beside the rounds (each way has its measured cost).
         """
         if self.caps is None:  # a pinned curve: no measured gain to weigh
             return True
@@ -533,6 +573,7 @@ class RoundRunner:
             behind=self._draft_backlog(sessions),
             remaining=max(s.state.stop.max_new_tokens - len(s.state.completion) for s in sessions),
             rates=self.caps.rates(target, len(live), limit, self._outlook(live, limit)),
+            inside=inside,
         )
         if not repays:
             self.stats.draft_warmups_declined += len(sessions)
@@ -558,13 +599,19 @@ class RoundRunner:
 
         behind = self._draft_backlog(sessions)
 
+        slowed = _LostTime()  # what the rounds lose to this warm-up
+        self._beside.append(slowed)
+
         async def run() -> None:
             try:
                 started = time.perf_counter()
                 warm = await calls.warm(self.drafts, endpoint, sessions, self.timeouts.draft_warm_s)
+                wall = time.perf_counter() - started
                 if len(warm) == len(sessions):
-                    self.payback.observe(endpoint, behind, time.perf_counter() - started)
+                    cost = wall if slowed.unpredicted else slowed.seconds
+                    self.payback.observe(endpoint, behind, cost, inside=False)
             finally:
+                self._beside.remove(slowed)
                 lost = endpoint not in self.drafts.usable()
                 for s in sessions:
                     s.draft_warming = False

@@ -1,9 +1,10 @@
 """Whether a cold session's draft warm-up will pay for itself.
 
 A warm-up prefills a session's history on its draft replica beside the rounds
-(:func:`~specserve.orchestrator.calls.warm`). It buys the session drafting for the
-rest of its turn; it costs draft compute, and where draft and target share a
-device (one CPU, one GPU) every second of it slows the target's rounds as well.
+(:func:`~specserve.orchestrator.calls.warm`; a lone session's inside its round). It
+buys the session drafting for the rest of its turn; it costs draft compute, and
+where draft and target share a device (one CPU, one GPU) it slows the target's
+rounds as well.
 A session with a long history and a few tokens left (the last of a batch, which
 drafts once it is alone) can lose more to its warm-up than speculation gains it.
 So a warm-up starts only when what speculation is measured to save exceeds what
@@ -22,12 +23,26 @@ saves it.
 ``rate_0`` and ``rate_best`` are the goodput (tokens/s per session) at cap 0 and
 at the best cap above it for the round's batch: the round's sessions' expected
 tokens over the round time predicted for the drafts that cap allows
-(:class:`~specserve.orchestrator.goodput.GoodputCaps`); ``warm_seconds_per_token``
-is this draft replica's recent warm-ups (seconds per history token, smoothed).
-Until both are measured a warm-up goes ahead: the figures come from drafting.
-The whole warm-up is charged, as if the devices were shared; on separate devices
-that declines a few late warm-ups that would have been free (those sessions
-verify at k = 0 to the end), which costs little where warm-ups are fast anyway.
+(:class:`~specserve.orchestrator.goodput.GoodputCaps`). ``warm_seconds_per_token`` is
+what this draft replica's recent warm-ups cost the batch (seconds per history token,
+smoothed), measured for each of the two ways a warm-up runs:
+
+* *inside* a round (a lone session, :meth:`RoundRunner._warm_now`): the round waits
+  for it, so it costs its wall time;
+* *beside* the rounds (:func:`~specserve.orchestrator.calls.warm`): it costs what the
+  rounds run meanwhile lose, each round's wall time over the time predicted for it
+  from timed rounds, summed while the warm-up runs. On separate devices that is about
+  nothing and warm-ups go ahead; where draft and target share cores it is what the
+  contention costs (2 cores: rounds of 4 sessions took 1.05-1.39 s beside a warm-up
+  against 0.26 s, and a warm-up's own wall time, charged before, said nothing of it).
+  Where a round beside it cannot be predicted, the warm-up's wall time is charged.
+
+A way not measured yet borrows the other's figure; until either is measured a
+warm-up goes ahead: the figures come from warming. The two figures also choose the
+way: a batch's cold sessions warm beside the rounds unless warming inside a round
+was measured to cost less (:meth:`WarmPayback.cheaper_inside`): on 2 shared cores a
+warm-up of 3 prompts took about 7 s beside the rounds, each round 1.4 s instead of
+0.26 s, against about 0.6 s alone.
 
 Pure Python, no clock: the round runner passes in what it measured.
 """
@@ -38,39 +53,58 @@ from collections.abc import Mapping
 
 
 class WarmPayback:
-    """Per draft replica warm-up cost, and the rule that weighs it against the gain."""
+    """Per draft replica warm-up cost, inside and beside the rounds, and the rule that
+    weighs it against the gain."""
 
     def __init__(self, *, smoothing: float = 0.3) -> None:
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.smoothing = smoothing
-        self._cost: dict[str, float] = {}  # draft endpoint -> seconds per history token
+        # (draft endpoint, inside a round) -> seconds the batch loses per history token
+        self._cost: dict[tuple[str, bool], float] = {}
 
-    def observe(self, endpoint: str, tokens: int, seconds: float) -> None:
-        """A warm-up on ``endpoint`` prefilled ``tokens`` history tokens in ``seconds``."""
-        if tokens <= 0 or seconds <= 0:
+    def observe(self, endpoint: str, tokens: int, seconds: float, *, inside: bool) -> None:
+        """A warm-up of ``tokens`` history tokens on ``endpoint`` cost the batch ``seconds``
+        (``inside`` a round: its wall time; beside the rounds: their lost time)."""
+        if tokens <= 0 or seconds < 0:
             return
         per_token = seconds / tokens
-        old = self._cost.get(endpoint)
-        w = 1.0 if old is None else self.smoothing
-        self._cost[endpoint] = per_token if old is None else (1 - w) * old + w * per_token
+        old = self._cost.get((endpoint, inside))
+        w = self.smoothing
+        self._cost[endpoint, inside] = per_token if old is None else (1 - w) * old + w * per_token
 
-    def cost(self, endpoint: str) -> float | None:
-        """Seconds per history token of ``endpoint``'s warm-ups (None: none measured)."""
-        return self._cost.get(endpoint)
+    def cost(self, endpoint: str, *, inside: bool) -> float | None:
+        """Seconds per history token a warm-up that way costs on ``endpoint`` (the other
+        way's figure where this one is not measured; None: neither is)."""
+        own = self._cost.get((endpoint, inside))
+        return own if own is not None else self._cost.get((endpoint, not inside))
+
+    def cheaper_inside(self, endpoint: str) -> bool:
+        """Whether warm-ups on ``endpoint`` were measured to cost the batch less inside a
+        round than beside the rounds (both measured: until then they run beside, which
+        is free where draft and target have their own devices)."""
+        inside, beside = self._cost.get((endpoint, True)), self._cost.get((endpoint, False))
+        return inside is not None and beside is not None and inside < beside
 
     def forget(self, endpoint: str) -> None:
-        """Drop a draft replica's figure (it left the pool; a new one may differ)."""
-        self._cost.pop(endpoint, None)
+        """Drop a draft replica's figures (it left the pool; a new one may differ)."""
+        for inside in (True, False):
+            self._cost.pop((endpoint, inside), None)
 
     def repays(
-        self, endpoint: str, *, behind: int, remaining: int, rates: Mapping[int, float]
+        self,
+        endpoint: str,
+        *,
+        behind: int,
+        remaining: int,
+        rates: Mapping[int, float],
+        inside: bool,
     ) -> bool:
         """Whether warming ``behind`` history tokens (of the sessions warmed together) on
-        ``endpoint``, for a batch whose longest turn has ``remaining`` tokens to go, saves
-        more time than it takes, by the goodput ``rates`` (tokens/s per session
-        by cap) of that batch."""
-        per_token = self._cost.get(endpoint)
+        ``endpoint``, ``inside`` a round or beside the rounds, for a batch whose longest
+        turn has ``remaining`` tokens to go, saves more time than it costs, by the goodput
+        ``rates`` (tokens/s per session by cap) of that batch."""
+        per_token = self.cost(endpoint, inside=inside)
         plain = rates.get(0)
         drafting = [r for cap, r in rates.items() if cap > 0]
         if per_token is None or plain is None or not drafting:

@@ -30,7 +30,7 @@ from specserve.orchestrator import calls
 from specserve.orchestrator.calls import Plan
 from specserve.orchestrator.redis_settings import embedded_client
 from specserve.orchestrator.replicas import EndpointSpec, ReplicaPool
-from specserve.orchestrator.rounds import RoundRunner, RoundTimeouts
+from specserve.orchestrator.rounds import RoundRunner, RoundTimeouts, _LostTime
 from specserve.orchestrator.scheduler import Placement, Scheduler
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.session_store import SessionStore
@@ -270,32 +270,70 @@ def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() 
     assert not runner._may_warm(s)  # the target still prefills 100 tokens
     s.state.target_start = other.state.target_start = 99  # prefilled: one new token
     assert runner._may_warm(s)
-    assert runner._warm_repays("t", "d", [s], [s])  # nothing measured yet: warm, and measure
+    assert runner._warm_repays(
+        "t", "d", [s], [s], inside=False
+    )  # nothing measured yet: warm, and measure
     batch = [s, other]
     for x in batch:
         x.state.k_policy.alpha = 1.0  # every draft accepted: 5 tokens a round at cap 4
     runner.caps.choose("t", 2, 4, runner._outlook(batch, 4))
     runner.caps.observe("t", 2, 0, 0.5)  # cap 0: 2 tokens/s per session
     runner.caps.observe("t", 2, 4, 1.25)  # 4 drafts: 4 tokens/s, 0.25 s saved a token
-    runner.payback.observe("d", 100, 1.0)  # 0.01 s a history token: 2 s < 16 s saved
-    assert runner._warm_repays("t", "d", batch, batch)
+    runner.payback.observe("d", 100, 1.0, inside=False)  # 0.01 s a history token: 2 s < 16 s saved
+    assert runner._warm_repays("t", "d", batch, batch, inside=False)
     runner.payback.forget("d")
-    runner.payback.observe("d", 100, 50.0)  # 0.5 s a history token: 50 s > 16 s saved
-    assert not runner._warm_repays("t", "d", [s], batch)  # a lone session is weighed too
+    runner.payback.observe("d", 100, 50.0, inside=False)  # 0.5 s a history token: 50 s > 16 s saved
+    assert not runner._warm_repays(
+        "t", "d", [s], batch, inside=False
+    )  # a lone session is weighed too
     assert runner.stats.draft_warmups_declined == 1
     assert s.warm_declined_at == 2  # declined at this batch size: k = 0 in the outlook
     runner.payback.forget("d")
-    runner.payback.observe("d", 100, 10.0)  # 0.1 s a token: 10 s each, 20 s together
-    assert runner._warm_repays("t", "d", [s], batch)
+    runner.payback.observe("d", 100, 10.0, inside=False)  # 0.1 s a token: 10 s each, 20 s together
+    assert runner._warm_repays("t", "d", [s], batch, inside=False)
     assert s.warm_declined_at is None  # weighed again, and it repays now
-    assert not runner._warm_repays("t", "d", batch, batch)
+    assert not runner._warm_repays("t", "d", batch, batch, inside=False)
     assert runner.stats.draft_warmups_declined == 3  # in session rounds
     for x in batch:
         x.state.k_policy.alpha = 0.0  # every draft rejected: drafting gains nothing
-    assert not runner._warm_repays("t", "d", [s], batch)  # nothing to repay it with
+    assert not runner._warm_repays("t", "d", [s], batch, inside=False)  # nothing to repay it with
     runner.payback.forget("d")
     cast(Any, s).draft_warming = True
     assert not runner._may_warm(s)  # already warming
+
+
+def test_a_warm_up_beside_the_rounds_is_charged_what_they_lost_to_it() -> None:
+    """Each round beside a warm-up adds its wall time over the time predicted for it (shared
+    among the warm-ups under way); a round that prefills on the target adds nothing, and
+    one that cannot be predicted makes the warm-up charge its own wall time."""
+    spec = EndpointSpec.parse("127.0.0.1:1", "draft")
+    runner = RoundRunner(
+        Scheduler(),
+        ReplicaPool("draft", spec, draft_pb2_grpc.DraftServiceStub),  # never started
+        ReplicaPool("target", spec, target_pb2_grpc.TargetServiceStub),
+        SessionStore(embedded_client()),
+    )
+    assert runner.caps is not None
+    a, b = live("a", [1, 2, 3]), live("b", [4, 5, 6])
+    for x in (a, b):
+        x.state.target_start = 2  # one token behind, as after every round
+    runner.caps.choose("t", 2, 4, runner._outlook([a, b], 4))
+    runner.caps.observe("t", 2, 0, 0.25)  # a plain round of 2: 0.25 s
+    runner._charge_warm_ups("t", [a, b], 0, 1.0)  # no warm-up under way: nobody to charge
+    lost = _LostTime()
+    runner._beside.append(lost)
+    runner._charge_warm_ups("t", [a, b], 0, 1.0)  # 0.75 s lost to it
+    runner._charge_warm_ups("t", [a, b], 0, 0.2)  # faster than predicted: nothing lost
+    assert lost.seconds == pytest.approx(0.75) and not lost.unpredicted
+    second = _LostTime()
+    runner._beside.append(second)
+    runner._charge_warm_ups("t", [a, b], 0, 0.75)  # 0.5 s lost to the two of them
+    assert lost.seconds == pytest.approx(1.0) and second.seconds == pytest.approx(0.25)
+    new = live("c", list(range(20)))  # its prompt prefills on the target in this round
+    runner._charge_warm_ups("t", [a, b, new], 0, 5.0)
+    assert lost.seconds == pytest.approx(1.0)
+    runner._charge_warm_ups("t", [a, b], 3, 1.0)  # drafting never timed: no prediction
+    assert lost.unpredicted and second.unpredicted
 
 
 def test_a_warm_up_under_way_or_declined_drafts_nothing_in_the_outlook() -> None:
@@ -372,7 +410,7 @@ def test_a_round_of_only_cold_sessions_warms_them_inside_it_and_drafts() -> None
             assert plans["a"].proposal.tokens == [7]  # drafts this round
             assert lone.state.draft_start == 100 and not lone.draft_warming
             assert runner.stats.draft_warmups == 1
-            assert runner.payback.cost(endpoint) is not None  # timed as a warm-up
+            assert runner.payback.cost(endpoint, inside=True) is not None  # timed, inside
 
             warm, cold = live("b", [1, 2, 3]), live("c", list(range(100)))
             warm.state.target_start = warm.state.draft_start = 2
@@ -386,6 +424,19 @@ def test_a_round_of_only_cold_sessions_warms_them_inside_it_and_drafts() -> None
             while cold.draft_warming:
                 await asyncio.sleep(0.01)
             assert cold.state.draft_start == 100 and runner.stats.draft_warmups == 2
+            # No round ran beside it: it cost the batch nothing (its wall time is not charged).
+            assert runner.payback.cost(endpoint, inside=False) == 0.0
+            # Measured cheaper inside a round than beside the rounds (draft and target on
+            # shared cores): a batch's cold session warms inside this round and drafts.
+            runner.payback.observe(endpoint, 100, 1.0, inside=True)
+            runner.payback.observe(endpoint, 100, 5.0, inside=False)
+            assert runner.payback.cheaper_inside(endpoint)
+            later = live("d", list(range(100)))
+            later.state.target_start = 99
+            runner.scheduler.join("d", Placement("t", 0, endpoint))
+            plans = await runner._propose("t", [warm, later], spans, 4)
+            assert plans["d"].proposal.tokens == [7] and not later.draft_warming
+            assert later.state.draft_start == 100 and runner.stats.draft_warmups == 3
         finally:
             await runner.close()
             await drafts.close()
