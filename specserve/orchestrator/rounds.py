@@ -514,8 +514,10 @@ class RoundRunner:
     ) -> None:
         """Charge the draft warm-ups under way beside the rounds with what this round lost
         to them: its wall time over the time predicted for it (shared equally where
-        several run). A round that prefills on the target is not charged (its time is
-        the prefill's); one that cannot be predicted makes them charge their wall time."""
+        several run; signed, so a round's noise either way cancels over the warm-up,
+        whose total is taken as at least 0). A round that prefills on the target is not
+        charged (its time is the prefill's); one that cannot be predicted makes them
+        charge their wall time."""
         if not self._beside or any(self._backlog(s) > 1 for s in live):
             return
         expected = None if self.caps is None else self.caps.seconds(target, len(live), depth)
@@ -523,7 +525,7 @@ class RoundRunner:
             if expected is None:
                 lost.unpredicted = True
             else:
-                lost.seconds += max(0.0, seconds - expected) / len(self._beside)
+                lost.seconds += (seconds - expected) / len(self._beside)
 
     def _target_backlog(self, sid: str) -> int:
         """Tokens of a session's history its target has not seen (its prefill)."""
@@ -608,7 +610,7 @@ class RoundRunner:
                 warm = await calls.warm(self.drafts, endpoint, sessions, self.timeouts.draft_warm_s)
                 wall = time.perf_counter() - started
                 if len(warm) == len(sessions):
-                    cost = wall if slowed.unpredicted else slowed.seconds
+                    cost = wall if slowed.unpredicted else max(0.0, slowed.seconds)
                     self.payback.observe(endpoint, behind, cost, inside=False)
             finally:
                 self._beside.remove(slowed)
