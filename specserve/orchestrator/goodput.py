@@ -16,12 +16,20 @@ running per-token acceptance ``a`` (Leviathan et al., eq. 1; the figure SmartSpe
 goodput uses), and the most drafts any session would make (the draft's sequential
 steps; the verify's width grows with it). ``seconds(depth)`` is *measured*: per
 target and batch size (in power-of-two buckets), the smoothed wall time (propose
-and verify) of rounds without drafts, ``t0``, and of rounds with drafts together
-with their mean depth, which give the line ``t0 + slope * depth`` through both.
-The two halves have different noise: a round's time at a given depth and batch is
-steady, while the tokens one round commits swing with every rejection (judging a
-cap by the tokens its last rounds happened to commit let one unlucky round at a
-good cap send it into back-off). And the time is modelled by depth, not by cap: a
+and verify) of rounds without drafts, ``t0``, and of rounds with drafts by their
+depth, which give the line ``t0 + fixed + slope * depth``: ``fixed`` is what
+drafting costs at any depth (the Propose call, the draft's step setup, the wider
+verify's overhead), ``slope`` what each draft adds. Both are fitted once the drafting
+rounds span depths (their smoothed moments); from rounds at one depth they cannot be
+told apart, and the line runs through ``t0`` (``fixed`` 0). Charging all of it per
+draft makes deeper caps look dearer than they are and shallower ones cheaper: on the
+Xeon 8 sessions' rounds took 0.55 s at depth 1, 0.76 s at 2 and 0.93 s at 3 against
+0.30 s plain (a fixed 0.06 s and 0.19 s a draft), and the line through ``t0`` and the
+depth-2 rounds predicted depth 1 at 0.45 s. The two halves have
+different noise: a round's time at a given depth and batch is steady, while the
+tokens one round commits swing with every rejection (judging a cap by the tokens
+its last rounds happened to commit let one unlucky round at a good cap send it into
+back-off). And the time is modelled by depth, not by cap: a
 cap's rounds are as deep as their sessions' policies make them, so a fresh session
 that drafts 1 token is not charged the time of the 4-token rounds a warmed-up one
 ran at the same cap. Every cap under the bound is weighed each round, and a change
@@ -56,7 +64,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 Outlook = Callable[[int], tuple[float, int]]
 """cap -> (the tokens a round of the batch is expected to commit under that cap, the
@@ -67,13 +75,28 @@ log = logging.getLogger(__name__)
 PLAIN, DRAFTING = False, True  # the two things timed: rounds without drafts, with them
 
 
+# The spread of the drafting rounds' depths (their variance, EMA) from which the
+# drafting time is fitted as a fixed cost plus a slope rather than a slope alone.
+MIN_DEPTH_VARIANCE = 0.25
+
+
 @dataclass
 class _Arm:
     seconds: float = 0.0  # a round's wall time (EMA)
     depth: float = 0.0  # the most drafts per session in those rounds (EMA; 0 for plain)
+    depth_sq: float = 0.0  # depth ** 2 (EMA), for the fit of the drafting line
+    depth_seconds: float = 0.0  # depth * seconds (EMA), likewise
     samples: int = 0
     last: int = 0  # the bucket's round count when this arm was last chosen
     wait: int = 0  # rounds from ``last`` until it is due to be re-timed (0: the base)
+
+    def add(self, depth: int, seconds: float, weight: float) -> None:
+        keep = 1 - weight
+        self.seconds = keep * self.seconds + weight * seconds
+        self.depth = keep * self.depth + weight * depth
+        self.depth_sq = keep * self.depth_sq + weight * depth * depth
+        self.depth_seconds = keep * self.depth_seconds + weight * depth * seconds
+        self.samples += 1
 
 
 @dataclass
@@ -86,15 +109,34 @@ class _Bucket:
 
     def seconds(self, depth: int) -> float | None:
         """Predicted wall time of a round whose deepest session drafts ``depth``."""
-        plain, drafting = self.arms[PLAIN], self.arms[DRAFTING]
+        plain = self.arms[PLAIN]
         if not plain.samples:
             return None
         if depth == 0:
             return plain.seconds
-        if not drafting.samples or drafting.depth <= 0:
+        line = self.drafting_line()
+        if line is None:
             return None
-        slope = max(0.0, (drafting.seconds - plain.seconds) / drafting.depth)
-        return plain.seconds + slope * depth
+        fixed, slope = line
+        return plain.seconds + fixed + slope * depth
+
+    def drafting_line(self) -> tuple[float, float] | None:
+        """(fixed, slope): a drafting round's time over a plain one's, ``fixed + slope *
+        depth``. Fitted (least squares on the smoothed moments) once the drafting rounds
+        span depths; a fit that puts drafting below plain decoding or makes depth free
+        is noise, and with one depth the two cannot be told apart: then the line runs
+        through the plain time, all of the difference per draft (deeper rounds look
+        dearer than they are, shallower ones cheaper, until other depths are timed)."""
+        plain, drafting = self.arms[PLAIN], self.arms[DRAFTING]
+        if not plain.samples or not drafting.samples or drafting.depth <= 0:
+            return None
+        spread = drafting.depth_sq - drafting.depth**2
+        if spread >= MIN_DEPTH_VARIANCE:
+            slope = (drafting.depth_seconds - drafting.depth * drafting.seconds) / spread
+            fixed = drafting.seconds - slope * drafting.depth - plain.seconds
+            if slope > 0 and fixed >= 0:
+                return fixed, slope
+        return 0.0, max(0.0, (drafting.seconds - plain.seconds) / drafting.depth)
 
 
 def bucket_of(batch: int) -> int:
@@ -131,11 +173,12 @@ class GoodputCaps:
         best = _best(rate)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "k caps on %s, batch %d: t0 %s, drafting %s, tokens/s by cap %s",
+                "k caps on %s, batch %d: t0 %s, drafting %s, line %s, tokens/s by cap %s",
                 target,
                 batch,
                 _arm_text(b.arms[PLAIN]),
                 _arm_text(b.arms[DRAFTING]),
+                _line_text(b.drafting_line()),
                 {c: round(r, 2) for c, r in rate.items()},
             )
         drafting = _best({c: r for c, r in rate.items() if c > 0}) or limit
@@ -177,10 +220,7 @@ class GoodputCaps:
         if b is None:
             return  # never chosen for this batch (the cap came from the curve alone)
         arm = b.arms[depth > 0]
-        w = 1.0 if arm.samples == 0 else self.smoothing
-        arm.seconds = (1 - w) * arm.seconds + w * seconds
-        arm.depth = (1 - w) * arm.depth + w * depth
-        arm.samples += 1
+        arm.add(depth, seconds, 1.0 if arm.samples == 0 else self.smoothing)
         if b.pending is not None and (b.pending > 0) == (depth > 0):
             b.pending, b.judge = None, depth > 0  # judged with the next round's sessions
 
@@ -227,7 +267,7 @@ class GoodputCaps:
                 for side, arm in self._buckets[src_key].arms.items():
                     if side is DRAFTING and key[1] < src_key[1]:
                         continue  # a smaller batch times drafting first (see the module doc)
-                    b.arms[side] = _Arm(arm.seconds, arm.depth, min(arm.samples, 1))
+                    b.arms[side] = replace(arm, samples=min(arm.samples, 1), last=0, wait=0)
         return b
 
 
@@ -247,6 +287,10 @@ def _arm_text(arm: _Arm) -> str:
     if not arm.samples:
         return "untimed"
     return f"{arm.seconds:.3f} s at depth {arm.depth:.1f} ({arm.samples} rounds)"
+
+
+def _line_text(line: tuple[float, float] | None) -> str:
+    return "none" if line is None else f"+{line[0]:.3f} s + {line[1]:.3f} s/draft"
 
 
 def _best(rate: dict[int, float]) -> int | None:

@@ -177,3 +177,37 @@ def test_bad_settings_are_refused() -> None:
         GoodputCaps(smoothing=0)
     with pytest.raises(ValueError, match="max_backoff"):
         GoodputCaps(max_backoff=0)
+
+
+def test_drafting_rounds_at_several_depths_give_a_fixed_cost_and_a_slope() -> None:
+    """A drafting round costs a fixed amount over a plain one (the Propose call, the
+    draft's step setup) plus each draft. Timed at one depth the two are one slope
+    through the plain time; once rounds at other depths are timed both are fitted, and
+    deep rounds are no longer charged the fixed cost once per draft."""
+    t0, fixed, per_draft = 0.30, 0.20, 0.05
+    caps = GoodputCaps(explore_every=100, smoothing=0.3)
+    world = World(alpha=0.9, k=1)
+    caps.choose(T, 8, 8, world.outlook)
+    caps.observe(T, 8, 0, t0)
+    caps.observe(T, 8, 1, t0 + fixed + per_draft)  # one depth: all of it per draft
+    assert caps.seconds(T, 8, 8) == pytest.approx(t0 + 8 * (fixed + per_draft))
+    for depth in (4, 1, 4, 2, 4, 1, 3, 4):
+        caps.observe(T, 8, depth, t0 + fixed + per_draft * depth)
+    assert caps.seconds(T, 8, 8) == pytest.approx(t0 + fixed + 8 * per_draft)
+    assert caps.seconds(T, 8, 1) == pytest.approx(t0 + fixed + per_draft)
+    assert caps.seconds(T, 8, 0) == pytest.approx(t0)
+    # With the fit, cap 4 (k = 4 drafts, 4.1 tokens a session) beats cap 1 at alpha 0.9;
+    # the one-depth line would have charged 4 drafts 1.0 s and kept cap 1.
+    deep = World(alpha=0.9, k=4)
+    rates = caps.rates(T, 8, 8, deep.outlook)
+    assert max(rates, key=lambda c: rates[c]) == 4
+
+
+def test_a_fit_that_puts_drafting_below_plain_falls_back_to_the_line_through_it() -> None:
+    caps = GoodputCaps(explore_every=100)
+    caps.choose(T, 8, 8, CODE.outlook)
+    caps.observe(T, 8, 0, 1.0)
+    for depth, seconds in ((1, 1.0), (4, 2.0), (1, 1.0), (4, 2.0)):  # intercept < t0
+        caps.observe(T, 8, depth, seconds)
+    line = caps.seconds(T, 8, 1)
+    assert line is not None and line > 1.0  # drafting never predicted at or below plain
