@@ -19,9 +19,10 @@ target and batch size (in power-of-two buckets), the smoothed wall time (propose
 and verify) of rounds without drafts, ``t0``, and of rounds with drafts by their
 depth, which give the line ``t0 + fixed + slope * depth``: ``fixed`` is what
 drafting costs at any depth (the Propose call, the draft's step setup, the wider
-verify's overhead), ``slope`` what each draft adds. Both are fitted once the drafting
-rounds span depths (their smoothed moments); from rounds at one depth they cannot be
-told apart, and the line runs through ``t0`` (``fixed`` 0). Charging all of it per
+verify's overhead), ``slope`` what each draft adds. Both are fitted once the
+drafting rounds span depths (their moments, over a longer window than plain rounds:
+a running mean, then a third of the smoothing); from rounds at one depth they
+cannot be told apart, and the line runs through ``t0`` (``fixed`` 0). Charging all of it per
 draft makes deeper caps look dearer than they are and shallower ones cheaper: on the
 Xeon 8 sessions' rounds took 0.55 s at depth 1, 0.76 s at 2 and 0.93 s at 3 against
 0.30 s plain (a fixed 0.06 s and 0.19 s a draft), and the line through ``t0`` and the
@@ -220,7 +221,10 @@ class GoodputCaps:
         if b is None:
             return  # never chosen for this batch (the cap came from the curve alone)
         arm = b.arms[depth > 0]
-        arm.add(depth, seconds, 1.0 if arm.samples == 0 else self.smoothing)
+        # Drafting rounds are averaged over a longer window (a running mean, then at
+        # most a third of the smoothing): their fit needs rounds at several depths in it.
+        weight = self.smoothing if depth == 0 else max(1 / (arm.samples + 1), self.smoothing / 3)
+        arm.add(depth, seconds, 1.0 if arm.samples == 0 else weight)
         if b.pending is not None and (b.pending > 0) == (depth > 0):
             b.pending, b.judge = None, depth > 0  # judged with the next round's sessions
 
