@@ -15,7 +15,9 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    batch's remaining tokens repays the measured warm-up of the round's cold sessions
    (:mod:`~specserve.orchestrator.warm_payback`), and verifies at k = 0 until then
    (a lone session holds no other back: it is prefilled inside its round and
-   drafts in it, :meth:`RoundRunner._warm_now`). The
+   drafts in it, :meth:`RoundRunner._warm_now`; so are a batch's cold sessions
+   where warming inside a round was measured to cost the batch less than beside
+   the rounds, as on shared cores). The
    round's k cap is the load curve's bound, or under it the cap with the best
    predicted goodput: tokens the sessions' acceptance expects over the round time
    measured for that many drafts (:mod:`specserve.orchestrator.goodput`);
