@@ -6,7 +6,9 @@ coalescing ``key`` (all ``Verify`` and ``Prefill`` calls; all ``Propose`` calls)
 arrive within ``window_s`` of the first one run as ONE batched call — one forward —
 as long as they name disjoint sessions and stay under ``max_batch_sessions``. Jobs
 that queued up while the thread was busy join the next batch at once; the window
-only delays a batch whose first job has waited less than ``window_s``.
+only delays a batch whose first job has waited less than ``window_s``, and only
+while waiting has brought company (:mod:`specserve.serving.batch_window`: one
+caller alone does not wait, bar a probe now and then).
 
 On :meth:`ModelExecutor.close` the queued jobs finish, then the backend's
 ``close()`` (if it has one) runs on the model thread: a tensor-parallel target
@@ -50,6 +52,7 @@ from opentelemetry import trace
 
 from specserve.engine.errors import EngineError
 from specserve.serving.batch_stats import BatchStats
+from specserve.serving.batch_window import WindowGate
 from specserve.serving.errors import Unavailable
 from specserve.telemetry import attributes as attr
 
@@ -115,9 +118,11 @@ class ModelExecutor(Generic[B]):
         *,
         window_s: float = 0.002,
         max_batch_sessions: int = 256,
+        gate: Callable[[], WindowGate] = WindowGate,
     ) -> None:
         self.name = name
         self.window_s = window_s
+        self._new_gate = gate
         self.max_batch_sessions = max_batch_sessions
         self._on_state: Callable[[State], None] | None = None
         self._cv = threading.Condition()
@@ -130,6 +135,7 @@ class ModelExecutor(Generic[B]):
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()  # set once loading ended, either way
         self.stats = BatchStats()
+        self._gates: dict[str, WindowGate] = {}  # per coalescing key (model thread only)
 
     # -- life cycle (event loop side) -------------------------------------------------
 
@@ -261,14 +267,21 @@ class ModelExecutor(Generic[B]):
             batch = [first]
             if first.key is None:
                 return batch
-            deadline = first.enqueued + self.window_s
             sessions = set(first.sessions)
-            while True:
-                self._take_matching(batch, sessions)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or len(sessions) >= self.max_batch_sessions or self._closing:
-                    return batch
-                self._cv.wait(remaining)
+            self._take_matching(batch, sessions)  # queued while the thread was busy
+            deadline = first.enqueued + self.window_s
+            gate = self._gates.get(first.key) or self._gates.setdefault(first.key, self._new_gate())
+            if self._wants_company(sessions, deadline) and gate.should_wait():
+                while self._wants_company(sessions, deadline):
+                    self._cv.wait(max(0.0, deadline - time.monotonic()))
+                    self._take_matching(batch, sessions)
+            gate.saw(len(batch) > 1)
+            return batch
+
+    def _wants_company(self, sessions: set[str], deadline: float) -> bool:
+        """Whether the batch may still wait for calls to join it (caller holds the lock)."""
+        full = len(sessions) >= self.max_batch_sessions
+        return not full and not self._closing and time.monotonic() < deadline
 
     def _take_matching(self, batch: list[_Job], sessions: set[str]) -> None:
         """Move queued jobs that can join ``batch`` into it (caller holds the lock).
