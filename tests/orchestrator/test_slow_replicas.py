@@ -120,6 +120,17 @@ def live(sid: str, tokens: list[int]) -> LiveSession:
     )
 
 
+def offline_runner() -> RoundRunner:
+    """A runner whose replica pools are never started (for its decisions, not its calls)."""
+    spec = EndpointSpec.parse("127.0.0.1:1", "draft")
+    return RoundRunner(
+        Scheduler(),
+        ReplicaPool("draft", spec, draft_pb2_grpc.DraftServiceStub),
+        ReplicaPool("target", spec, target_pb2_grpc.TargetServiceStub),
+        SessionStore(embedded_client()),
+    )
+
+
 async def pool_for(endpoint: str, role: str = "draft") -> ReplicaPool:
     stub = draft_pb2_grpc.DraftServiceStub if role == "draft" else target_pb2_grpc.TargetServiceStub
     pool = ReplicaPool(role, EndpointSpec.parse(endpoint, role), stub)
@@ -258,13 +269,7 @@ def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() 
     """Not during the target's prefill, not twice, and only when the gain over the batch's
     remaining tokens (64 here; the sessions' expected tokens over the measured round
     times) exceeds the measured warm-up of the round's cold sessions, weighed together."""
-    spec = EndpointSpec.parse("127.0.0.1:1", "draft")
-    runner = RoundRunner(
-        Scheduler(),
-        ReplicaPool("draft", spec, draft_pb2_grpc.DraftServiceStub),  # never started
-        ReplicaPool("target", spec, target_pb2_grpc.TargetServiceStub),
-        SessionStore(embedded_client()),
-    )
+    runner = offline_runner()
     assert runner.caps is not None  # the default measured cap
     s, other = live("a", list(range(100))), live("b", list(range(100)))
     assert not runner._may_warm(s)  # the target still prefills 100 tokens
@@ -306,13 +311,7 @@ def test_a_warm_up_beside_the_rounds_is_charged_what_they_lost_to_it() -> None:
     """Each round beside a warm-up adds its wall time over the time predicted for it (shared
     among the warm-ups under way); a round that prefills on the target adds nothing, and
     one that cannot be predicted makes the warm-up charge its own wall time."""
-    spec = EndpointSpec.parse("127.0.0.1:1", "draft")
-    runner = RoundRunner(
-        Scheduler(),
-        ReplicaPool("draft", spec, draft_pb2_grpc.DraftServiceStub),  # never started
-        ReplicaPool("target", spec, target_pb2_grpc.TargetServiceStub),
-        SessionStore(embedded_client()),
-    )
+    runner = offline_runner()
     assert runner.caps is not None
     a, b = live("a", [1, 2, 3]), live("b", [4, 5, 6])
     for x in (a, b):
