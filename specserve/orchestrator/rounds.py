@@ -493,7 +493,7 @@ class RoundRunner:
         in it. A cold session whose warm-up was declined at this batch size only
         verifies at k = 0: its rounds are timed."""
         return not any(
-            RoundRunner._backlog(s) > 1
+            RoundRunner._target_prefills(s)
             or s.draft_warming
             or (cap > 0 and RoundRunner._cold(s) and not RoundRunner._declined(s, live))
             for s in live
@@ -520,7 +520,7 @@ class RoundRunner:
         whose total is taken as at least 0). A round that prefills on the target is not
         charged (its time is the prefill's); one that cannot be predicted makes them
         charge their wall time."""
-        if not self._beside or any(self._backlog(s) > 1 for s in live):
+        if not self._beside or any(self._target_prefills(s) for s in live):
             return
         expected = None if self.caps is None else self.caps.seconds(target, len(live), depth)
         for lost in self._beside:
@@ -589,6 +589,12 @@ class RoundRunner:
     def _draft_backlog(sessions: list[LiveSession]) -> int:
         """History tokens of these sessions their draft replica has not seen (a warm-up)."""
         return sum(len(s.state.tokens) - s.state.draft_start for s in sessions)
+
+    @staticmethod
+    def _target_prefills(s: LiveSession) -> bool:
+        """Whether the target prefills the session in this round, however short: it is
+        more than the one token behind that a round leaves it (a new turn, a restart)."""
+        return RoundRunner._backlog(s) > 1
 
     @staticmethod
     def _prefilling(s: LiveSession) -> bool:

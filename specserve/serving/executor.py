@@ -270,7 +270,9 @@ class ModelExecutor(Generic[B]):
             sessions = set(first.sessions)
             self._take_matching(batch, sessions)  # queued while the thread was busy
             deadline = first.enqueued + self.window_s
-            gate = self._gates.get(first.key) or self._gates.setdefault(first.key, self._new_gate())
+            gate = self._gates.get(first.key)
+            if gate is None:
+                gate = self._gates[first.key] = self._new_gate()
             if self._wants_company(sessions, deadline) and gate.should_wait():
                 while self._wants_company(sessions, deadline):
                     self._cv.wait(max(0.0, deadline - time.monotonic()))
