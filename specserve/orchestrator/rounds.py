@@ -14,10 +14,10 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    round after its target prefilled it and only if the measured gain over the
    batch's remaining tokens repays the measured warm-up of the round's cold sessions
    (:mod:`~specserve.orchestrator.warm_payback`), and verifies at k = 0 until then
-   (a lone session holds no other back: it is prefilled inside its round and
-   drafts in it, :meth:`RoundRunner._warm_now`; so are a batch's cold sessions
-   where warming inside a round was measured to cost the batch less than beside
-   the rounds, as on shared cores). The
+   (a lone session holds no other back: it is prefilled inside its round, its
+   first one included, and drafts in it, :meth:`RoundRunner._warm_now`; so are a
+   batch's cold sessions where warming inside a round was measured to cost the
+   batch less than beside the rounds, as on shared cores). The
    round's k cap is the load curve's bound, or under it the cap with the best
    predicted goodput: tokens the sessions' acceptance expects over the round time
    measured for that many drafts (:mod:`specserve.orchestrator.goodput`);
@@ -390,7 +390,7 @@ class RoundRunner:
             k = s.state.next_k(cap)
             spans.asked(s, k)
             if k > 0 and placement.draft is not None and (s.draft_warming or self._cold(s)):
-                if self._may_warm(s):
+                if self._may_warm(s, alone=len(live) == 1):
                     cold[placement.draft].append(s)
                     k_of[s.sid] = k
                 continue  # verifies at k = 0 until its draft cache is warm
@@ -543,12 +543,17 @@ class RoundRunner:
         (n-gram drafters index any history cheaply)."""
         return s.state.drafter == "model" and RoundRunner._draft_backlog([s]) > WARM_ABOVE_TOKENS
 
-    def _may_warm(self, s: LiveSession) -> bool:
+    def _may_warm(self, s: LiveSession, *, alone: bool) -> bool:
         """Whether a cold session's draft cache may start warming: not twice, and not
         while its target still prefills it (the round after is soon enough, the draft's
         prefill does not take the target's cores when they share them, and a burst of
-        sessions that will verify together at k = 0 never warms at all)."""
-        return not s.draft_warming and not self._prefilling(s)
+        sessions that will verify together at k = 0 never warms at all) unless the
+        session is ``alone`` in its round. A lone session warms inside its round, so its
+        draft's prefill and drafts and then the target's prefill of the history with
+        them run one after another, as the local loop's first round does; held back, its
+        prefill round committed one token and the next round paid the draft's prefill
+        (one round more a turn: 5% of a 64-token turn of the Qwen pair on 2 cores)."""
+        return not s.draft_warming and (alone or not self._prefilling(s))
 
     def _warm_repays(
         self,

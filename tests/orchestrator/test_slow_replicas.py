@@ -272,9 +272,10 @@ def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() 
     runner = offline_runner()
     assert runner.caps is not None  # the default measured cap
     s, other = live("a", list(range(100))), live("b", list(range(100)))
-    assert not runner._may_warm(s)  # the target still prefills 100 tokens
+    assert not runner._may_warm(s, alone=False)  # the target still prefills 100 tokens
+    assert runner._may_warm(s, alone=True)  # ... but alone: prefilled inside its round
     s.state.target_start = other.state.target_start = 99  # prefilled: one new token
-    assert runner._may_warm(s)
+    assert runner._may_warm(s, alone=False)
     assert runner._warm_repays(
         "t", "d", [s], [s], inside=False
     )  # nothing measured yet: warm, and measure
@@ -304,7 +305,7 @@ def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() 
     assert not runner._warm_repays("t", "d", [s], batch, inside=False)  # nothing to repay it with
     runner.payback.forget("d")
     cast(Any, s).draft_warming = True
-    assert not runner._may_warm(s)  # already warming
+    assert not runner._may_warm(s, alone=True)  # already warming
 
 
 def test_a_warm_up_beside_the_rounds_is_charged_what_they_lost_to_it() -> None:
@@ -385,9 +386,10 @@ def test_a_round_in_which_the_target_prefills_a_session_is_not_timed() -> None:
 
 
 def test_a_round_of_only_cold_sessions_warms_them_inside_it_and_drafts() -> None:
-    """A lone new session drafts in its first round after the target's prefill (its
-    draft prefill inside that round); a cold session beside a warm one is warmed
-    beside the rounds, so the warm one's round does not wait for it."""
+    """A lone new session drafts in its first round, the target's prefill round (its
+    draft prefill inside that round, before the Verify that prefills the target); a cold
+    session beside a warm one is warmed beside the rounds, so the warm one's round does
+    not wait for it."""
 
     async def body() -> None:
         draft = SlowDraft(delay_s=0.0)
@@ -403,7 +405,7 @@ def test_a_round_of_only_cold_sessions_warms_them_inside_it_and_drafts() -> None
         spans = cast(Any, SimpleNamespace(asked=lambda s, k: None))
         try:
             lone = live("a", list(range(100)))
-            lone.state.target_start = 99  # the target has prefilled it: one new token
+            assert lone.state.target_start == 0  # the target prefills it in this round
             runner.scheduler.join("a", Placement("t", 0, endpoint))
             plans = await runner._propose("t", [lone], spans, 4)
             assert plans["a"].proposal.tokens == [7]  # drafts this round
