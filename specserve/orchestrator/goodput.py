@@ -9,24 +9,35 @@ orchestrator runs the cap with the best predicted goodput::
 
     rate(cap) = expected(cap) / seconds(depth(cap))
 
-``expected(cap)`` and ``depth(cap)`` are *predicted* from the round's sessions when
-the cap is chosen: the tokens the batch is expected to commit, each session's
-``(1 - a**(k + 1)) / (1 - a)`` at the k its policy would draft under the cap and its
-running per-token acceptance ``a`` (Leviathan et al., eq. 1; the figure SmartSpec's
-goodput uses), and the most drafts any session would make (the draft's sequential
-steps; the verify's width grows with it). ``seconds(depth)`` is *measured*: per
-target and batch size (in power-of-two buckets), the smoothed wall time (propose
-and verify) of rounds without drafts, ``t0``, and of rounds with drafts by their
-depth, which give the line ``t0 + fixed + slope * depth``: ``fixed`` is what
-drafting costs at any depth (the Propose call, the draft's step setup, the wider
-verify's overhead), ``slope`` what each draft adds. Both are fitted once the
-drafting rounds span depths (their moments, over a longer window than plain rounds:
-a running mean, then a third of the smoothing); from rounds at one depth they
-cannot be told apart, and the line runs through ``t0`` (``fixed`` 0). Charging all of it per
-draft makes deeper caps look dearer than they are and shallower ones cheaper: on the
-Xeon 8 sessions' rounds took 0.55 s at depth 1, 0.76 s at 2 and 0.93 s at 3 against
-0.30 s plain (a fixed 0.06 s and 0.19 s a draft), and the line through ``t0`` and the
-depth-2 rounds predicted depth 1 at 0.45 s. The two halves have
+``expected(cap)``, ``depth(cap)`` and ``drafts(cap)`` are *predicted* from the round's
+sessions when the cap is chosen: the tokens the batch is expected to commit, each
+session's ``(1 - a**(k + 1)) / (1 - a)`` at the k its policy would draft under the cap
+and its running per-token acceptance ``a`` (Leviathan et al., eq. 1; the figure
+SmartSpec's goodput uses), the most drafts any session would make (the draft's
+sequential steps) and the drafts of all of them together (the tokens the verify adds).
+``seconds(depth, drafts)`` is *measured*: per target and batch size (in power-of-two
+buckets) the smoothed wall time (propose and verify) of rounds without drafts,
+``t0``, and per target what drafting adds to it::
+
+    seconds(depth, drafts) = t0 + fixed + per_step * depth + per_token * drafts
+
+``fixed`` is what drafting costs at any depth (the Propose call, the step setup),
+``per_step`` what each of the draft's sequential steps adds (on a GPU most of it: a
+verify a few tokens wider costs about nothing), ``per_token`` what each drafted token
+adds to the verify (on a compute-bound CPU most of it). They are fitted by
+non-negative least squares to the drafting rounds of every batch size of the target
+(each batch size's smoothed moments over a longer window than plain rounds: a
+running mean, then a third of the smoothing; its rounds taken over its own ``t0``),
+so rounds of 1 session (drafts = depth) and of 8 (drafts = 8 * depth) tell the two
+slopes apart, and a batch size not timed yet is predicted from the others. Where the
+rounds cannot tell them apart (one batch size, one depth) the cost goes per drafted
+token, the dearer reading for a larger batch. Measured on the Xeon (2 shared cores;
+run 7 of ``bench.concurrency``, 1-8 sessions): a round's time over ``t0`` was
+0.039 s a step plus 0.019 s a drafted token, within 0.012 s on average of every timed
+drafting round; a line in depth alone, fitted per bucket, was off by 0.06-0.08 s, and
+at 8 sessions predicted a depth-1 round at 0.40 s against 0.44 s measured, which
+made drafting look 20% faster than plain decoding where it was 5% faster. The two
+halves have
 different noise: a round's time at a given depth and batch is steady, while the
 tokens one round commits swing with every rejection (judging a cap by the tokens
 its last rounds happened to commit let one unlucky round at a good cap send it into
@@ -36,9 +47,11 @@ that drafts 1 token is not charged the time of the 4-token rounds a warmed-up on
 ran at the same cap. Every cap under the bound is weighed each round, and a change
 in acceptance (prose after code) moves every prediction at once.
 
-Two things are timed, rounds without drafts and rounds with them, and each is timed
-once when a bucket is new (drafting first, at the bound: most sessions start out
-drafting well). After that the one the predictions do not choose is re-timed every
+Two things are timed, rounds without drafts and rounds with them. While nothing
+says what drafting costs on the target, a bucket times drafting first, at the bound
+(most sessions start out drafting well), then plain rounds; a bucket with no ``t0``
+(its own or carried) times plain rounds first.
+After that the one the predictions do not choose is re-timed every
 ``explore_every``-th round of the bucket once it is due: ``explore_every`` rounds
 after it last ran, and each time it is re-timed and still loses, twice as long (up
 to ``max_backoff`` times that), so a settled choice costs fewer and fewer rounds.
@@ -52,92 +65,161 @@ cold draft caches, which warm meanwhile), for at most ``4 * explore_every`` roun
 an exploration is not spent on a round that says nothing about it. A cache that will
 not warm (its warm-up would not repay itself) ends the exploration at once.
 
-A new bucket starts from the nearest timed one's figures, so growing and shrinking
-batches do not explore from scratch. Starting from a larger batch, drafting starts
-untimed and is timed first: its slope at the larger batch is steeper (wider verifies)
-and would hold a smaller batch at plain decoding until re-timed. Any figure carried
-over corrects itself: a stale figure makes its side look better than it is, so that
-side runs and is re-timed. Pure Python, no clock: the round runner passes in what it
-measured and what its sessions expect.
+A new bucket starts from the nearest timed one's ``t0``, so growing and shrinking
+batches do not explore from scratch (what drafting adds is the target's fit). A
+carried ``t0`` is not the bucket's own: the bucket's drafting rounds join the fit once
+its plain rounds are timed. It corrects itself: from a smaller batch it is too
+small, plain decoding looks better than it is, so it runs and is timed. Pure Python,
+no clock: the round runner passes in what it measured and what its sessions expect.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-Outlook = Callable[[int], tuple[float, int]]
+Outlook = Callable[[int], tuple[float, int, int]]
 """cap -> (the tokens a round of the batch is expected to commit under that cap, the
-most drafts any of its sessions would make)."""
+most drafts any of its sessions would make, the drafts of all of them)."""
 
 log = logging.getLogger(__name__)
 
 PLAIN, DRAFTING = False, True  # the two things timed: rounds without drafts, with them
 
+# The fit's unknowns, in the order of its regressors (1, depth, drafts).
+FIXED, PER_STEP, PER_TOKEN = 0, 1, 2
+# Subsets of them the fit tries (non-negative least squares by enumeration), in the
+# order it prefers where the rounds fit several equally well: the cost per drafted
+# token first (the dearer reading for a larger batch), fewer unknowns first, the
+# fixed cost last.
+_SUBSETS: tuple[tuple[int, ...], ...] = tuple(
+    sorted(
+        (c for n in (1, 2, 3) for c in itertools.combinations((FIXED, PER_STEP, PER_TOKEN), n)),
+        key=lambda c: (PER_TOKEN not in c, len(c), FIXED in c),
+    )
+)
 
-# The spread of the drafting rounds' depths (their variance, EMA) from which the
-# drafting time is fitted as a fixed cost plus a slope rather than a slope alone.
-MIN_DEPTH_VARIANCE = 0.25
+
+@dataclass(frozen=True)
+class DraftingCost:
+    """What drafting adds to a round of a target over its plain time."""
+
+    fixed: float = 0.0
+    per_step: float = 0.0  # seconds per draft step (the round's depth)
+    per_token: float = 0.0  # seconds per drafted token of the whole batch
+
+    def extra(self, depth: int, drafts: int) -> float:
+        if depth <= 0:
+            return 0.0
+        return self.fixed + self.per_step * depth + self.per_token * drafts
+
+    def __str__(self) -> str:
+        return f"+{self.fixed:.3f} s + {self.per_step:.3f} s/step + {self.per_token:.4f} s/draft"
 
 
 @dataclass
 class _Arm:
-    seconds: float = 0.0  # a round's wall time (EMA)
-    depth: float = 0.0  # the most drafts per session in those rounds (EMA; 0 for plain)
-    depth_sq: float = 0.0  # depth ** 2 (EMA), for the fit of the drafting line
-    depth_seconds: float = 0.0  # depth * seconds (EMA), likewise
+    """Rounds of one kind in one bucket: the smoothed moments of (1, depth, drafts,
+    seconds), so the mean of each and the sums of products the fit needs."""
+
+    moments: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
     samples: int = 0
     last: int = 0  # the bucket's round count when this arm was last chosen
     wait: int = 0  # rounds from ``last`` until it is due to be re-timed (0: the base)
 
-    def add(self, depth: int, seconds: float, weight: float) -> None:
+    @property
+    def seconds(self) -> float:
+        return self.moments[0][3]
+
+    @property
+    def depth(self) -> float:
+        return self.moments[0][1]
+
+    def add(self, depth: int, drafts: int, seconds: float, weight: float) -> None:
+        v = (1.0, float(depth), float(drafts), seconds)
         keep = 1 - weight
-        self.seconds = keep * self.seconds + weight * seconds
-        self.depth = keep * self.depth + weight * depth
-        self.depth_sq = keep * self.depth_sq + weight * depth * depth
-        self.depth_seconds = keep * self.depth_seconds + weight * depth * seconds
+        for i in range(4):
+            for j in range(4):
+                self.moments[i][j] = keep * self.moments[i][j] + weight * v[i] * v[j]
         self.samples += 1
 
 
 @dataclass
 class _Bucket:
     arms: dict[bool, _Arm] = field(default_factory=lambda: {PLAIN: _Arm(), DRAFTING: _Arm()})
+    carried_t0: float | None = None  # the nearest bucket's t0, until this one has its own
     rounds: int = 0
     pending: int | None = None  # the cap of an exploration not timed yet
     pending_since: int = 0
     judge: bool | None = None  # an exploration just timed: back it off if it lost
 
-    def seconds(self, depth: int) -> float | None:
-        """Predicted wall time of a round whose deepest session drafts ``depth``."""
+    @property
+    def t0(self) -> float | None:
         plain = self.arms[PLAIN]
-        if not plain.samples:
-            return None
-        if depth == 0:
-            return plain.seconds
-        line = self.drafting_line()
-        if line is None:
-            return None
-        fixed, slope = line
-        return plain.seconds + fixed + slope * depth
+        return plain.seconds if plain.samples else self.carried_t0
 
-    def drafting_line(self) -> tuple[float, float] | None:
-        """(fixed, slope): a drafting round's time over a plain one's, ``fixed + slope *
-        depth``. Fitted (least squares on the smoothed moments) once the drafting rounds
-        span depths; a fit that puts drafting below plain decoding or makes depth free
-        is noise, and with one depth the two cannot be told apart: then the line runs
-        through the plain time, all of the difference per draft (deeper rounds look
-        dearer than they are, shallower ones cheaper, until other depths are timed)."""
-        plain, drafting = self.arms[PLAIN], self.arms[DRAFTING]
-        if not plain.samples or not drafting.samples or drafting.depth <= 0:
+    def seconds(self, depth: int, drafts: int, cost: DraftingCost | None) -> float | None:
+        """Predicted wall time of a round whose deepest session drafts ``depth`` and
+        whose sessions draft ``drafts`` together."""
+        t0 = self.t0
+        if t0 is None:
             return None
-        spread = drafting.depth_sq - drafting.depth**2
-        if spread >= MIN_DEPTH_VARIANCE:
-            slope = (drafting.depth_seconds - drafting.depth * drafting.seconds) / spread
-            fixed = drafting.seconds - slope * drafting.depth - plain.seconds
-            if slope > 0 and fixed >= 0:
-                return fixed, slope
-        return 0.0, max(0.0, (drafting.seconds - plain.seconds) / drafting.depth)
+        if depth <= 0:
+            return t0
+        return None if cost is None else t0 + cost.extra(depth, drafts)
+
+
+def fit_drafting_cost(buckets: Sequence[_Bucket], window: float) -> DraftingCost | None:
+    """Non-negative least squares of the drafting rounds' time over their bucket's own
+    ``t0`` on (1, depth, drafts), pooled over the buckets (each weighted by its rounds,
+    up to ``window``); None without such rounds."""
+    a = [[0.0] * 3 for _ in range(3)]  # sum of w * E[x x^T], x = (1, depth, drafts)
+    c = [0.0] * 3  # sum of w * E[x y], y = seconds - t0
+    yy = 0.0
+    for b in buckets:
+        plain, drafting = b.arms[PLAIN], b.arms[DRAFTING]
+        if not plain.samples or not drafting.samples:
+            continue
+        t0, m, w = plain.seconds, drafting.moments, min(float(drafting.samples), window)
+        for i in range(3):
+            for j in range(3):
+                a[i][j] += w * m[i][j]
+            c[i] += w * (m[i][3] - t0 * m[i][0])
+        yy += w * (m[3][3] - 2 * t0 * m[0][3] + t0 * t0)
+    if a[0][0] <= 0:
+        return None
+    best: tuple[float, dict[int, float]] | None = None
+    tolerance = 1e-9 * max(yy, 1e-12)  # residuals this close are one fit said twice
+    for subset in _SUBSETS:
+        beta = _solve([[a[i][j] for j in subset] for i in subset], [c[i] for i in subset])
+        if beta is None or any(x < 0 for x in beta):
+            continue
+        residual = yy - sum(x * c[i] for x, i in zip(beta, subset, strict=True))
+        if best is None or residual < best[0] - tolerance:
+            best = (residual, dict(zip(subset, beta, strict=True)))
+    if best is None:
+        return DraftingCost()  # drafting never measured dearer than plain decoding
+    coef = best[1]
+    return DraftingCost(coef.get(FIXED, 0.0), coef.get(PER_STEP, 0.0), coef.get(PER_TOKEN, 0.0))
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """``m x = v`` by Gaussian elimination with partial pivoting; None if singular."""
+    n = len(v)
+    rows = [[*m[i], v[i]] for i in range(n)]
+    scale = max((abs(x) for row in m for x in row), default=0.0)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) <= 1e-9 * scale:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(n):
+            if r != col:
+                f = rows[r][col] / rows[col][col]
+                rows[r] = [x - f * y for x, y in zip(rows[r], rows[col], strict=True)]
+    return [rows[i][n] / rows[i][i] for i in range(n)]
 
 
 def bucket_of(batch: int) -> int:
@@ -162,6 +244,7 @@ class GoodputCaps:
         self.max_wait = explore_every * max_backoff
         self.patience = 4 * explore_every  # rounds an exploration waits to be timed
         self._buckets: dict[tuple[str, int], _Bucket] = {}
+        self._cost: dict[str, DraftingCost | None] = {}  # per target, refitted on observe
 
     def choose(self, target: str, batch: int, limit: int, outlook: Outlook) -> int:
         """The cap for a round of ``batch`` sessions on ``target``, at most ``limit``,
@@ -170,16 +253,17 @@ class GoodputCaps:
             return 0
         b = self._bucket(target, batch)
         b.rounds += 1
-        rate = _rates(b, limit, outlook)
+        cost = self._cost.get(target)
+        rate = _rates(b, cost, limit, outlook)
         best = _best(rate)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "k caps on %s, batch %d: t0 %s, drafting %s, line %s, tokens/s by cap %s",
+                "k caps on %s, batch %d: t0 %s, drafting %s, cost %s, tokens/s by cap %s",
                 target,
                 batch,
-                _arm_text(b.arms[PLAIN]),
+                _t0_text(b),
                 _arm_text(b.arms[DRAFTING]),
-                _line_text(b.drafting_line()),
+                cost or "untimed",
                 {c: round(r, 2) for c, r in rate.items()},
             )
         drafting = _best({c: r for c, r in rate.items() if c > 0}) or limit
@@ -196,12 +280,12 @@ class GoodputCaps:
             self._back_off(b.arms[b.pending > 0])  # never timed: try again later, not next
             gave_up = True
         b.pending = None
-        if not b.arms[DRAFTING].samples:
+        if cost is None and not b.arms[DRAFTING].samples:
             pick = limit  # drafting first, at the bound: most sessions start out drafting well
-        elif not b.arms[PLAIN].samples:
-            pick = 0
+        elif cost is None or b.t0 is None:
+            pick = 0  # then plain: the fit needs the drafting rounds' own t0
         else:
-            assert best is not None  # both timed: every cap has a prediction
+            assert best is not None  # t0 and the cost: every cap has a prediction
             other = b.arms[best == 0]
             due = b.rounds - other.last >= max(other.wait, self.explore_every)
             if not (due and not gave_up and b.rounds % self.explore_every == 0):
@@ -212,19 +296,21 @@ class GoodputCaps:
         b.pending, b.pending_since = pick, b.rounds
         return pick
 
-    def observe(self, target: str, batch: int, depth: int, seconds: float) -> None:
-        """A round of ``batch`` sessions whose deepest session drafted ``depth`` tokens
-        took ``seconds`` (propose and verify)."""
-        if batch <= 0 or seconds <= 0 or depth < 0:
+    def observe(self, target: str, batch: int, depth: int, drafts: int, seconds: float) -> None:
+        """A round of ``batch`` sessions whose deepest session drafted ``depth`` tokens,
+        ``drafts`` tokens drafted by all of them, took ``seconds`` (propose and verify)."""
+        if batch <= 0 or seconds <= 0 or depth < 0 or drafts < depth:
             return
         b = self._buckets.get((target, bucket_of(batch)))
         if b is None:
             return  # never chosen for this batch (the cap came from the curve alone)
         arm = b.arms[depth > 0]
         # Drafting rounds are averaged over a longer window (a running mean, then at
-        # most a third of the smoothing): their fit needs rounds at several depths in it.
+        # most a third of the smoothing): the fit needs rounds at several depths in it.
         weight = self.smoothing if depth == 0 else max(1 / (arm.samples + 1), self.smoothing / 3)
-        arm.add(depth, seconds, 1.0 if arm.samples == 0 else weight)
+        arm.add(depth, drafts, seconds, 1.0 if arm.samples == 0 else weight)
+        buckets = [v for k, v in self._buckets.items() if k[0] == target]
+        self._cost[target] = fit_drafting_cost(buckets, 3 / self.smoothing)
         if b.pending is not None and (b.pending > 0) == (depth > 0):
             b.pending, b.judge = None, depth > 0  # judged with the next round's sessions
 
@@ -248,53 +334,58 @@ class GoodputCaps:
         b = self._buckets.get((target, bucket_of(batch)))
         if b is None:
             return {}
-        return {c: r / batch for c, r in _rates(b, limit, outlook).items()}
+        rates = _rates(b, self._cost.get(target), limit, outlook)
+        return {c: r / batch for c, r in rates.items()}
 
-    def seconds(self, target: str, batch: int, depth: int) -> float | None:
-        """A round's predicted seconds at ``depth`` (for tests and debugging)."""
+    def seconds(self, target: str, batch: int, depth: int, drafts: int) -> float | None:
+        """A round's predicted seconds at ``depth`` with ``drafts`` drafted tokens."""
         b = self._buckets.get((target, bucket_of(batch)))
-        return None if b is None else b.seconds(depth)
+        return None if b is None else b.seconds(depth, drafts, self._cost.get(target))
+
+    def cost(self, target: str) -> DraftingCost | None:
+        """What drafting is fitted to add to a round of ``target`` (None: not timed)."""
+        return self._cost.get(target)
 
     def forget(self, target: str) -> None:
         """Drop a target's figures (it left the pool; a new replica may differ)."""
         for key in [k for k in self._buckets if k[0] == target]:
             del self._buckets[key]
+        self._cost.pop(target, None)
 
     def _bucket(self, target: str, batch: int) -> _Bucket:
         key = (target, bucket_of(batch))
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = _Bucket()
-            near = [k for k in self._buckets if k[0] == target and k != key]
-            if near:  # start from the nearest timed batch size's figures
-                src_key = min(near, key=lambda k: abs(k[1] - key[1]))
-                for side, arm in self._buckets[src_key].arms.items():
-                    if side is DRAFTING and key[1] < src_key[1]:
-                        continue  # a smaller batch times drafting first (see the module doc)
-                    b.arms[side] = replace(arm, samples=min(arm.samples, 1), last=0, wait=0)
+            near = [k for k, v in self._buckets.items() if k[0] == target and v.t0 is not None]
+            if near:  # start from the nearest timed batch size's plain time
+                b.carried_t0 = self._buckets[min(near, key=lambda k: abs(k[1] - key[1]))].t0
         return b
 
 
-def _rates(b: _Bucket, limit: int, outlook: Outlook) -> dict[int, float]:
+def _rates(b: _Bucket, cost: DraftingCost | None, limit: int, outlook: Outlook) -> dict[int, float]:
     """Predicted tokens per second of the whole batch, by cap up to ``limit`` (the caps
     whose round time can be predicted)."""
     rate = {}
     for cap in range(limit + 1):
-        tokens, depth = outlook(cap)
-        seconds = b.seconds(depth)
+        tokens, depth, drafts = outlook(cap)
+        seconds = b.seconds(depth, drafts, cost)
         if seconds is not None and seconds > 0:
             rate[cap] = tokens / seconds
     return rate
+
+
+def _t0_text(b: _Bucket) -> str:
+    plain = b.arms[PLAIN]
+    if plain.samples:
+        return f"{plain.seconds:.3f} s ({plain.samples} rounds)"
+    return "untimed" if b.carried_t0 is None else f"{b.carried_t0:.3f} s (carried)"
 
 
 def _arm_text(arm: _Arm) -> str:
     if not arm.samples:
         return "untimed"
     return f"{arm.seconds:.3f} s at depth {arm.depth:.1f} ({arm.samples} rounds)"
-
-
-def _line_text(line: tuple[float, float] | None) -> str:
-    return "none" if line is None else f"+{line[0]:.3f} s + {line[1]:.3f} s/draft"
 
 
 def _best(rate: dict[int, float]) -> int | None:

@@ -17,10 +17,10 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    (a lone session holds no other back: it is prefilled inside its round, its
    first one included, and drafts in it, :meth:`RoundRunner._warm_now`; so are a
    batch's cold sessions where warming inside a round was measured to cost the
-   batch less than beside the rounds, as on shared cores). The
-   round's k cap is the load curve's bound, or under it the cap with the best
-   predicted goodput: tokens the sessions' acceptance expects over the round time
-   measured for that many drafts (:mod:`specserve.orchestrator.goodput`);
+   batch less than beside the rounds, as on shared cores). The round's k cap is
+   the load curve's bound, or under it the cap with the best predicted goodput:
+   tokens the sessions' acceptance expects over the round time predicted for
+   their drafts from the measured rounds (:mod:`specserve.orchestrator.goodput`);
 3. one ``Verify`` on the lane's target. If the target is lost, the sessions'
    committed tokens are re-read from the store and the same round — same drafts,
    same (seed, round index, position) draws — is replayed on another target with
@@ -338,10 +338,11 @@ class RoundRunner:
             committed.append((s, s.state.commit(plan.proposal, verdict)))
         self._move(target, moved)
         depth = max((len(p.proposal.tokens) for p in plans.values()), default=0)
+        drafts = sum(len(p.proposal.tokens) for p in plans.values())
         if not (moved or outcome.errors or outcome.expired):
             if caps is not None and measurable:
-                caps.observe(target, len(live), depth, seconds)
-            self._charge_warm_ups(target, live, depth, seconds)
+                caps.observe(target, len(live), depth, drafts, seconds)
+            self._charge_warm_ups(target, live, depth, drafts, seconds)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "round on %s: %d sessions, k cap %d, drafts %s, accepted %s, %.3f s%s",
@@ -465,19 +466,24 @@ class RoundRunner:
     @staticmethod
     def _outlook(live: list[LiveSession], limit: int) -> Outlook:
         """cap (up to ``limit``) -> (the tokens the round's sessions expect to commit
-        under it, the most drafts any of them would make), each from its policy and
-        running acceptance. A session whose draft warm-up is under way, or was declined
-        at this batch size, commits one token under any cap (it verifies at k = 0
-        whatever the cap); another cold one counts as warm (it drafts once a cap above 0
-        lets it warm, so a round of new sessions does not hold them at k = 0). One table
-        for every cap, built once a round."""
+        under it, the most drafts any of them would make, their drafts together), each
+        from its policy and running acceptance. A session whose draft warm-up is under
+        way, or was declined at this batch size, commits one token under any cap (it
+        verifies at k = 0 whatever the cap); another cold one counts as warm (it drafts
+        once a cap above 0 lets it warm, so a round of new sessions does not hold them
+        at k = 0). One table for every cap, built once a round."""
         limit = max(limit, 0)
         plain = [(1.0, 0)] * (limit + 1)
         each = [
             plain if RoundRunner._not_drafting(s, live) else s.state.outlook(limit) for s in live
         ]
         table = [
-            (sum(o[cap][0] for o in each), max(o[cap][1] for o in each)) for cap in range(limit + 1)
+            (
+                sum(o[cap][0] for o in each),
+                max(o[cap][1] for o in each),
+                sum(o[cap][1] for o in each),
+            )
+            for cap in range(limit + 1)
         ]
         return lambda cap: table[min(cap, limit)]
 
@@ -512,7 +518,7 @@ class RoundRunner:
         return s.draft_warming or (RoundRunner._declined(s, live) and RoundRunner._cold(s))
 
     def _charge_warm_ups(
-        self, target: str, live: list[LiveSession], depth: int, seconds: float
+        self, target: str, live: list[LiveSession], depth: int, drafts: int, seconds: float
     ) -> None:
         """Charge the draft warm-ups under way beside the rounds with what this round lost
         to them: its wall time over the time predicted for it (shared equally where
@@ -522,7 +528,9 @@ class RoundRunner:
         charge their wall time."""
         if not self._beside or any(self._target_prefills(s) for s in live):
             return
-        expected = None if self.caps is None else self.caps.seconds(target, len(live), depth)
+        expected = (
+            None if self.caps is None else self.caps.seconds(target, len(live), depth, drafts)
+        )
         for lost in self._beside:
             if expected is None:
                 lost.unpredicted = True

@@ -283,8 +283,8 @@ def test_a_draft_cache_warms_once_the_target_has_the_history_and_if_it_repays() 
     for x in batch:
         x.state.k_policy.alpha = 1.0  # every draft accepted: 5 tokens a round at cap 4
     runner.caps.choose("t", 2, 4, runner._outlook(batch, 4))
-    runner.caps.observe("t", 2, 0, 0.5)  # cap 0: 2 tokens/s per session
-    runner.caps.observe("t", 2, 4, 1.25)  # 4 drafts: 4 tokens/s, 0.25 s saved a token
+    runner.caps.observe("t", 2, 0, 0, 0.5)  # cap 0: 2 tokens/s per session
+    runner.caps.observe("t", 2, 4, 8, 1.25)  # 4 drafts each: 4 tokens/s, 0.25 s saved a token
     runner.payback.observe("d", 100, 1.0, inside=False)  # 0.01 s a history token: 2 s < 16 s saved
     assert runner._warm_repays("t", "d", batch, batch, inside=False)
     runner.payback.forget("d")
@@ -318,21 +318,21 @@ def test_a_warm_up_beside_the_rounds_is_charged_what_they_lost_to_it() -> None:
     for x in (a, b):
         x.state.target_start = 2  # one token behind, as after every round
     runner.caps.choose("t", 2, 4, runner._outlook([a, b], 4))
-    runner.caps.observe("t", 2, 0, 0.25)  # a plain round of 2: 0.25 s
-    runner._charge_warm_ups("t", [a, b], 0, 1.0)  # no warm-up under way: nobody to charge
+    runner.caps.observe("t", 2, 0, 0, 0.25)  # a plain round of 2: 0.25 s
+    runner._charge_warm_ups("t", [a, b], 0, 0, 1.0)  # no warm-up under way: nobody to charge
     lost = _LostTime()
     runner._beside.append(lost)
-    runner._charge_warm_ups("t", [a, b], 0, 1.0)  # 0.75 s lost to it
-    runner._charge_warm_ups("t", [a, b], 0, 0.2)  # faster than predicted: noise cancels
+    runner._charge_warm_ups("t", [a, b], 0, 0, 1.0)  # 0.75 s lost to it
+    runner._charge_warm_ups("t", [a, b], 0, 0, 0.2)  # faster than predicted: noise cancels
     assert lost.seconds == pytest.approx(0.70) and not lost.unpredicted
     second = _LostTime()
     runner._beside.append(second)
-    runner._charge_warm_ups("t", [a, b], 0, 0.75)  # 0.5 s lost to the two of them
+    runner._charge_warm_ups("t", [a, b], 0, 0, 0.75)  # 0.5 s lost to the two of them
     assert lost.seconds == pytest.approx(0.95) and second.seconds == pytest.approx(0.25)
     new = live("c", list(range(20)))  # its prompt prefills on the target in this round
-    runner._charge_warm_ups("t", [a, b, new], 0, 5.0)
+    runner._charge_warm_ups("t", [a, b, new], 0, 0, 5.0)
     assert lost.seconds == pytest.approx(0.95)
-    runner._charge_warm_ups("t", [a, b], 3, 1.0)  # drafting never timed: no prediction
+    runner._charge_warm_ups("t", [a, b], 3, 6, 1.0)  # drafting never timed: no prediction
     assert lost.unpredicted and second.unpredicted
 
 
@@ -346,13 +346,13 @@ def test_a_warm_up_under_way_or_declined_drafts_nothing_in_the_outlook() -> None
     cold.state.target_start = 99  # the target has it; the draft has none of it
     for x in (warm, cold):
         x.state.k_policy.alpha = 1.0  # every draft accepted: 5 tokens at cap 4
-    assert RoundRunner._outlook([warm, cold], 4)(4) == (pytest.approx(10.0), 4)
-    assert RoundRunner._outlook([warm, cold], 4)(0) == (pytest.approx(2.0), 0)
+    assert RoundRunner._outlook([warm, cold], 4)(4) == (pytest.approx(10.0), 4, 8)
+    assert RoundRunner._outlook([warm, cold], 4)(0) == (pytest.approx(2.0), 0, 0)
     assert RoundRunner._timeable([warm, cold], 0)  # the cold one verifies at k = 0 too
     assert not RoundRunner._timeable([warm, cold], 4)  # it would draft from a cold cache
     cast(Any, cold).draft_warming = True
-    assert RoundRunner._outlook([warm, cold], 4)(4) == (pytest.approx(6.0), 4)
-    assert RoundRunner._outlook([cold], 4)(4) == (pytest.approx(1.0), 0)
+    assert RoundRunner._outlook([warm, cold], 4)(4) == (pytest.approx(6.0), 4, 4)
+    assert RoundRunner._outlook([cold], 4)(4) == (pytest.approx(1.0), 0, 0)
     assert not RoundRunner._timeable([warm, cold], 0)  # its warm-up shares the cores
     assert RoundRunner._timeable([warm], 4)
     # Its warm-up declined at this batch size (it would not repay itself): it verifies at
@@ -360,12 +360,12 @@ def test_a_warm_up_under_way_or_declined_drafts_nothing_in_the_outlook() -> None
     # counted as warm held cap 3 for one drafting session, every round 0.47 s, not 0.27.
     cast(Any, cold).draft_warming = False
     cast(Any, cold).warm_declined_at = 2
-    assert RoundRunner._outlook([warm, cold], 4)(4) == (pytest.approx(6.0), 4)
+    assert RoundRunner._outlook([warm, cold], 4)(4) == (pytest.approx(6.0), 4, 4)
     assert RoundRunner._timeable([warm, cold], 4)
     third = live("c", [4, 5, 6])
     third.state.target_start = third.state.draft_start = 2
     third.state.k_policy.alpha = 1.0
-    assert RoundRunner._outlook([warm, cold, third], 4)(4) == (pytest.approx(15.0), 4)
+    assert RoundRunner._outlook([warm, cold, third], 4)(4) == (pytest.approx(15.0), 4, 12)
     assert not RoundRunner._timeable([warm, cold, third], 4)  # another batch: weighed again
 
 
