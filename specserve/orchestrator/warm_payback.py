@@ -49,7 +49,10 @@ Pure Python, no clock: the round runner passes in what it measured.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+
+log = logging.getLogger(__name__)
 
 
 class WarmPayback:
@@ -111,6 +114,21 @@ class WarmPayback:
             return True  # not measured yet: warm, and measure
         best = max(drafting)
         if best <= plain or plain <= 0:
+            log.debug("warm-up of %d tokens on %s: drafting gains nothing here", behind, endpoint)
             return False  # speculation does not pay at this batch: nothing to repay with
         saved = remaining * (1 / plain - 1 / best)
-        return saved > behind * per_token
+        cost = behind * per_token
+        log.debug(
+            "warm-up of %d tokens on %s (%s): saves %.2f s over %d tokens (%.2f -> %.2f "
+            "tokens/s a session), costs %.2f s: %s",
+            behind,
+            endpoint,
+            "inside a round" if inside else "beside the rounds",
+            saved,
+            remaining,
+            plain,
+            best,
+            cost,
+            "repays" if saved > cost else "declined",
+        )
+        return saved > cost

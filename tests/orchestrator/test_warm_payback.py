@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from specserve.orchestrator.warm_payback import WarmPayback
@@ -29,6 +31,14 @@ def test_the_remaining_tokens_must_save_more_than_the_warm_up_costs() -> None:
     assert not p.repays("d", behind=200, remaining=32, rates=RATES, inside=False)  # 3.2 s saved
     assert not p.repays("d", behind=200, remaining=39, rates=RATES, inside=False)  # 3.9 s saved
     assert p.repays("d", behind=100, remaining=32, rates=RATES, inside=False)  # 2 s to warm
+
+
+def test_each_decision_is_logged_with_its_figures(caplog: pytest.LogCaptureFixture) -> None:
+    p = measured(0.02)
+    with caplog.at_level(logging.DEBUG, logger="specserve.orchestrator.warm_payback"):
+        assert not p.repays("d", behind=200, remaining=32, rates=RATES, inside=True)
+    assert "warm-up of 200 tokens on d (inside a round): saves 3.20 s over 32 tokens" in caplog.text
+    assert "(2.00 -> 2.50 tokens/s a session), costs 4.00 s: declined" in caplog.text
 
 
 def test_no_warm_up_where_speculation_is_measured_not_to_pay() -> None:
