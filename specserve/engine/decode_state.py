@@ -49,6 +49,7 @@ class SessionStats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0  # rounds whose drafts were not all accepted (a failed trial each)
     accepted_per_position: list[int] = field(default_factory=list)
 
     @property
@@ -142,6 +143,7 @@ class DecodeState:
         self.stats.rounds += 1
         self.stats.drafted += drafted
         self.stats.accepted += verdict.accepted
+        self.stats.rejections += verdict.accepted < drafted
         per_pos = self.stats.accepted_per_position
         per_pos.extend([0] * (verdict.accepted - len(per_pos)))
         for i in range(verdict.accepted):

@@ -5,19 +5,35 @@ by the target's batch, but where speculation stops paying depends on the
 hardware: on a GPU a 5-token verify of 8 sessions costs about what a 1-token one
 does, on a CPU it is compute-bound, and where draft and target share cores every
 drafted token slows verification too. So under the curve's bound the
-orchestrator runs the cap with the best predicted goodput::
+orchestrator runs the cap whose predicted time to finish the batch's slowest turn
+is least::
 
-    rate(cap) = expected(cap) / seconds(depth(cap))
+    finish(cap) = rounds(cap) * seconds(depth(cap), drafts(cap))
+    rounds(cap) = max over sessions of remaining / expected(cap)
+
+A batch's rounds move together, so its sessions finish no sooner than its slowest
+one: the goodput of the whole batch (expected tokens / round time, SmartSpec's
+figure) can rise while its slowest session, one the draft guesses badly for, makes
+one token a round at the longer round time of the others' drafts. Seen at 8
+sessions on the Xeon: drafting rounds raised the batch's tokens/s 17% while its
+last session (acceptance 0.6) made a token a round at 0.6-1.2 s instead of 0.27 s,
+so the batch finished no sooner than plain decoding (17.3 s both) and its draft
+warm-ups made it 0.92x. For one session, or sessions alike, it is the goodput.
+``remaining`` is a turn's ``max_new_tokens`` left (a stop or EOS can end it sooner).
 
 ``expected(cap)``, ``depth(cap)`` and ``drafts(cap)`` are *predicted* from the round's
-sessions when the cap is chosen: the tokens the batch is expected to commit, each
-session's ``(1 - a**(k + 1)) / (1 - a)`` at the k its policy would draft under the cap
-and its running per-token acceptance ``a`` (Leviathan et al., eq. 1; the figure
-SmartSpec's goodput uses), the most drafts any session would make (the draft's
-sequential steps) and the drafts of all of them together (the tokens the verify adds).
+sessions when the cap is chosen: the tokens each session is expected to commit,
+``(1 - a**(k + 1)) / (1 - a)`` at the k its policy would draft under the cap and its
+running per-token acceptance ``a`` (Leviathan et al., eq. 1), the most drafts any
+session would make (the draft's sequential steps) and the drafts of all of them
+together (the tokens the verify adds); a session that has judged no drafts yet this
+turn is counted at the low end of the pool's spread of acceptance
+(:meth:`~specserve.orchestrator.acceptance_prior.AcceptancePrior.shortfall`).
 ``seconds(depth, drafts)`` is *measured*: per target and batch size (in power-of-two
-buckets) the smoothed wall time (propose and verify) of rounds without drafts,
-``t0``, and per target what drafting adds to it::
+buckets) the median wall time (propose and verify) of the last rounds without
+drafts, ``t0`` (a median: a few rounds slowed by something else on shared cores
+moved a smoothed ``t0`` from 0.27 s to 0.33 s, plain decoding looked 20% slower than
+it was, and a batch's warm-ups went ahead), and per target what drafting adds to it::
 
     seconds(depth, drafts) = t0 + fixed + per_step * depth + per_token * drafts
 
@@ -75,14 +91,26 @@ no clock: the round runner passes in what it measured and what its sessions expe
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-Outlook = Callable[[int], tuple[float, int, int]]
-"""cap -> (the tokens a round of the batch is expected to commit under that cap, the
-most drafts any of its sessions would make, the drafts of all of them)."""
+
+class Prospect(NamedTuple):
+    """A round of the batch under one cap, as its sessions expect it."""
+
+    tokens: float  # the tokens the batch is expected to commit
+    depth: int  # the most drafts any session would make
+    drafts: int  # the drafts of all of them
+    rounds: float  # the rounds its slowest turn needs: max of remaining / expected tokens
+
+
+Outlook = Callable[[int], Prospect]
+"""cap -> the round the batch's sessions expect under that cap."""
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +174,16 @@ class _Arm:
         self.samples += 1
 
 
+# Plain rounds whose median is a bucket's t0.
+T0_ROUNDS = 9
+
+
 @dataclass
 class _Bucket:
     arms: dict[bool, _Arm] = field(default_factory=lambda: {PLAIN: _Arm(), DRAFTING: _Arm()})
+    plain: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=T0_ROUNDS)
+    )  # the last plain rounds' seconds
     carried_t0: float | None = None  # the nearest bucket's t0, until this one has its own
     rounds: int = 0
     pending: int | None = None  # the cap of an exploration not timed yet
@@ -156,9 +191,13 @@ class _Bucket:
     judge: bool | None = None  # an exploration just timed: back it off if it lost
 
     @property
+    def own_t0(self) -> float | None:
+        return statistics.median(self.plain) if self.plain else None
+
+    @property
     def t0(self) -> float | None:
-        plain = self.arms[PLAIN]
-        return plain.seconds if plain.samples else self.carried_t0
+        own = self.own_t0
+        return own if own is not None else self.carried_t0
 
     def seconds(self, depth: int, drafts: int, cost: DraftingCost | None) -> float | None:
         """Predicted wall time of a round whose deepest session drafts ``depth`` and
@@ -179,10 +218,10 @@ def fit_drafting_cost(buckets: Sequence[_Bucket], window: float) -> DraftingCost
     c = [0.0] * 3  # sum of w * E[x y], y = seconds - t0
     yy = 0.0
     for b in buckets:
-        plain, drafting = b.arms[PLAIN], b.arms[DRAFTING]
-        if not plain.samples or not drafting.samples:
+        t0, drafting = b.own_t0, b.arms[DRAFTING]
+        if t0 is None or not drafting.samples:
             continue
-        t0, m, w = plain.seconds, drafting.moments, min(float(drafting.samples), window)
+        m, w = drafting.moments, min(float(drafting.samples), window)
         for i in range(3):
             for j in range(3):
                 a[i][j] += w * m[i][j]
@@ -254,19 +293,19 @@ class GoodputCaps:
         b = self._bucket(target, batch)
         b.rounds += 1
         cost = self._cost.get(target)
-        rate = _rates(b, cost, limit, outlook)
-        best = _best(rate)
+        finish = _finish(b, cost, limit, outlook)
+        best = _best(finish)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "k caps on %s, batch %d: t0 %s, drafting %s, cost %s, tokens/s by cap %s",
+                "k caps on %s, batch %d: t0 %s, drafting %s, cost %s, seconds to finish by cap %s",
                 target,
                 batch,
                 _t0_text(b),
                 _arm_text(b.arms[DRAFTING]),
                 cost or "untimed",
-                {c: round(r, 2) for c, r in rate.items()},
+                {c: round(f, 2) for c, f in finish.items()},
             )
-        drafting = _best({c: r for c, r in rate.items() if c > 0}) or limit
+        drafting = _best({c: f for c, f in finish.items() if c > 0}) or limit
         if b.judge is not None:  # an exploration timed last round: did it lose again?
             judged, b.judge = b.arms[b.judge], None
             if best is not None and (best > 0) != (judged is b.arms[DRAFTING]):
@@ -309,6 +348,8 @@ class GoodputCaps:
         # most a third of the smoothing): the fit needs rounds at several depths in it.
         weight = self.smoothing if depth == 0 else max(1 / (arm.samples + 1), self.smoothing / 3)
         arm.add(depth, drafts, seconds, 1.0 if arm.samples == 0 else weight)
+        if depth == 0:
+            b.plain.append(seconds)
         buckets = [v for k, v in self._buckets.items() if k[0] == target]
         self._cost[target] = fit_drafting_cost(buckets, 3 / self.smoothing)
         if b.pending is not None and (b.pending > 0) == (depth > 0):
@@ -328,14 +369,14 @@ class GoodputCaps:
         """Double the rounds before ``arm`` is due again (from the base, up to the most)."""
         arm.wait = min(2 * max(arm.wait, self.explore_every), self.max_wait)
 
-    def rates(self, target: str, batch: int, limit: int, outlook: Outlook) -> dict[int, float]:
-        """Predicted tokens/s per session by cap up to ``limit``, for a batch of
-        ``batch`` sessions that expect ``outlook(cap)`` (for the warm-up rule and tests)."""
+    def finish_times(
+        self, target: str, batch: int, limit: int, outlook: Outlook
+    ) -> dict[int, float]:
+        """Predicted seconds to finish the slowest turn by cap up to ``limit``, for a
+        batch of ``batch`` sessions that expect ``outlook(cap)`` (for the warm-up rule
+        and tests)."""
         b = self._buckets.get((target, bucket_of(batch)))
-        if b is None:
-            return {}
-        rates = _rates(b, self._cost.get(target), limit, outlook)
-        return {c: r / batch for c, r in rates.items()}
+        return {} if b is None else _finish(b, self._cost.get(target), limit, outlook)
 
     def seconds(self, target: str, batch: int, depth: int, drafts: int) -> float | None:
         """A round's predicted seconds at ``depth`` with ``drafts`` drafted tokens."""
@@ -363,22 +404,24 @@ class GoodputCaps:
         return b
 
 
-def _rates(b: _Bucket, cost: DraftingCost | None, limit: int, outlook: Outlook) -> dict[int, float]:
-    """Predicted tokens per second of the whole batch, by cap up to ``limit`` (the caps
-    whose round time can be predicted)."""
-    rate = {}
+def _finish(
+    b: _Bucket, cost: DraftingCost | None, limit: int, outlook: Outlook
+) -> dict[int, float]:
+    """Predicted seconds to finish the batch's slowest turn, by cap up to ``limit`` (the
+    caps whose round time can be predicted)."""
+    finish = {}
     for cap in range(limit + 1):
-        tokens, depth, drafts = outlook(cap)
-        seconds = b.seconds(depth, drafts, cost)
+        p = outlook(cap)
+        seconds = b.seconds(p.depth, p.drafts, cost)
         if seconds is not None and seconds > 0:
-            rate[cap] = tokens / seconds
-    return rate
+            finish[cap] = p.rounds * seconds
+    return finish
 
 
 def _t0_text(b: _Bucket) -> str:
-    plain = b.arms[PLAIN]
-    if plain.samples:
-        return f"{plain.seconds:.3f} s ({plain.samples} rounds)"
+    own = b.own_t0
+    if own is not None:
+        return f"{own:.3f} s (median of {len(b.plain)} rounds)"
     return "untimed" if b.carried_t0 is None else f"{b.carried_t0:.3f} s (carried)"
 
 
@@ -388,7 +431,7 @@ def _arm_text(arm: _Arm) -> str:
     return f"{arm.seconds:.3f} s at depth {arm.depth:.1f} ({arm.samples} rounds)"
 
 
-def _best(rate: dict[int, float]) -> int | None:
-    """The cap with the best predicted goodput (the smaller cap of a tie: fewer drafts
-    for the same tokens); None when none is predicted."""
-    return max(rate, key=lambda a: (rate[a], -a)) if rate else None
+def _best(finish: dict[int, float]) -> int | None:
+    """The cap predicted to finish soonest (the smaller cap of a tie: fewer drafts for
+    the same time); None when none is predicted."""
+    return min(finish, key=lambda c: (finish[c], c)) if finish else None

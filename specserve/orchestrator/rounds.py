@@ -57,13 +57,14 @@ from opentelemetry import trace
 
 from specserve.engine.decode_state import FinishReason
 from specserve.engine.errors import EngineError
+from specserve.engine.k_policy import expected_tokens as expected
 from specserve.orchestrator import calls, draft_ahead
 from specserve.orchestrator.acceptance_prior import AcceptancePrior
 from specserve.orchestrator.bets import BetBook
 from specserve.orchestrator.calls import WARM_ABOVE_TOKENS, Plan
 from specserve.orchestrator.draft_ahead import Outcome
 from specserve.orchestrator.errors import VersionConflict
-from specserve.orchestrator.goodput import GoodputCaps, Outlook
+from specserve.orchestrator.goodput import GoodputCaps, Outlook, Prospect
 from specserve.orchestrator.kv_snapshots import KvSnapshots
 from specserve.orchestrator.ledger import Ending, Ledger
 from specserve.orchestrator.replicas import ReplicaPool
@@ -288,7 +289,7 @@ class RoundRunner:
         drafting = any(s.state.drafter != "none" for s in live)
         caps = self.caps if drafting else None
         if caps is not None:
-            cap = caps.choose(target, len(live), cap, self._outlook(live, cap))
+            cap = caps.choose(target, len(live), cap, self._outlook(live, cap, self.prior))
         measurable = caps is not None and self._timeable(live, cap)
         if drafting:
             self.stats.k_caps[cap] += 1
@@ -358,9 +359,18 @@ class RoundRunner:
             if cspan.is_recording():
                 cspan.set_attribute(attr.BATCH_SIZE, len(committed))
             ending += await self.ledger.commit(committed)
+        self._learn_turns(ending)
         if self.snapshots is not None:  # in the background, from where each session is now
             self.snapshots.after_commit([(moved.get(s.sid, target), s) for s, _ in committed])
         return ending
+
+    def _learn_turns(self, ending: list[Ending]) -> None:
+        """Turns that end: their acceptance (accepted drafts over draft trials) joins
+        the spread the prior expects of new turns."""
+        for s, _, _ in ending:
+            st = s.state.stats
+            trials = st.accepted + st.rejections
+            self.prior.observe_turn(s.state.drafter, s.state.params.greedy, st.accepted, trials)
 
     def _move(self, old: str, moved: dict[str, str]) -> None:
         """Sessions replayed on another target live there from now on."""
@@ -464,24 +474,50 @@ class RoundRunner:
         return plans
 
     @staticmethod
-    def _outlook(live: list[LiveSession], limit: int) -> Outlook:
-        """cap (up to ``limit``) -> (the tokens the round's sessions expect to commit
-        under it, the most drafts any of them would make, their drafts together), each
-        from its policy and running acceptance. A session whose draft warm-up is under
-        way, or was declined at this batch size, commits one token under any cap (it
-        verifies at k = 0 whatever the cap); another cold one counts as warm (it drafts
-        once a cap above 0 lets it warm, so a round of new sessions does not hold them
-        at k = 0). One table for every cap, built once a round."""
+    def _outlook(
+        live: list[LiveSession], limit: int, prior: AcceptancePrior | None = None
+    ) -> Outlook:
+        """cap (up to ``limit``) -> the round its sessions expect under it
+        (:class:`~specserve.orchestrator.goodput.Prospect`): the tokens they expect to
+        commit, the most drafts any of them would make, their drafts together, and the
+        rounds the slowest of their turns needs, each from its policy and running
+        acceptance. A session whose draft warm-up is under way, or was declined at this
+        batch size, commits one token under any cap (it verifies at k = 0 whatever the
+        cap); another cold one counts as warm (it drafts once a cap above 0 lets it
+        warm, so a round of new sessions does not hold them at k = 0). Of the sessions
+        that have judged no drafts yet this turn, the one with the most to go is taken
+        at its acceptance less the shortfall the ``prior`` expects of the lowest of that
+        many new turns. One table for every cap, built once a round."""
         limit = max(limit, 0)
+        idle = [RoundRunner._not_drafting(s, live) for s in live]
         plain = [(1.0, 0)] * (limit + 1)
-        each = [
-            plain if RoundRunner._not_drafting(s, live) else s.state.outlook(limit) for s in live
+        each = [plain if idle[i] else s.state.outlook(limit) for i, s in enumerate(live)]
+        left = [max(1, s.state.stop.max_new_tokens - len(s.state.completion)) for s in live]
+        fresh = [
+            i
+            for i, s in enumerate(live)
+            if not idle[i] and s.state.drafter != "none" and not s.state.stats.drafted
         ]
+        low: tuple[int, float] | None = None  # (session index, its acceptance)
+        if prior is not None and len(fresh) > 1:
+            i = max(fresh, key=lambda j: left[j])
+            st = live[i].state
+            short = prior.shortfall(st.drafter, st.params.greedy, len(fresh))
+            low = (i, max(0.0, st.k_policy.alpha - short))
+
+        def rounds(cap: int) -> float:
+            worst = 0.0
+            for i, o in enumerate(each):
+                tokens = o[cap][0] if low is None or i != low[0] else expected(low[1], o[cap][1])
+                worst = max(worst, left[i] / tokens)
+            return worst
+
         table = [
-            (
+            Prospect(
                 sum(o[cap][0] for o in each),
                 max(o[cap][1] for o in each),
                 sum(o[cap][1] for o in each),
+                rounds(cap),
             )
             for cap in range(limit + 1)
         ]
@@ -585,11 +621,11 @@ class RoundRunner:
         for s in sessions:  # weighed as if they warm: what would they gain?
             s.warm_declined_at = None
         limit = self.scheduler.k_cap(target)
+        outlook = self._outlook(live, limit, self.prior)
         repays = self.payback.repays(
             draft,
             behind=self._draft_backlog(sessions),
-            remaining=max(s.state.stop.max_new_tokens - len(s.state.completion) for s in sessions),
-            rates=self.caps.rates(target, len(live), limit, self._outlook(live, limit)),
+            finish=self.caps.finish_times(target, len(live), limit, outlook),
             inside=inside,
         )
         if not repays:

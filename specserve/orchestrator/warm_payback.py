@@ -10,20 +10,21 @@ drafts once it is alone) can lose more to its warm-up than speculation gains it.
 So a warm-up starts only when what speculation is measured to save exceeds what
 the warm-up is measured to cost::
 
-    remaining * (1 / rate_0 - 1 / rate_best) > behind * warm_seconds_per_token
+    finish_0 - finish_best > behind * warm_seconds_per_token
 
 The sessions of one round that are cold on one draft replica are weighed
 together: one warm-up call prefills them all (a prefill's cost grows with the
-tokens it takes), and a batch's rounds move together, so ``remaining`` is the
-longest remaining turn among them (what the batch's wall time can gain) and
-``behind`` their histories summed (what the warm-up takes). Eight fresh sessions
-that would each repay their own warm-up can cost the batch more than drafting
-saves it.
+tokens it takes), and a batch's rounds move together, so what drafting saves is
+what it saves the batch's slowest turn, and ``behind`` is their histories summed
+(what the warm-up takes). Eight fresh sessions that would each repay their own
+warm-up can cost the batch more than drafting saves it.
 
-``rate_0`` and ``rate_best`` are the goodput (tokens/s per session) at cap 0 and
-at the best cap above it for the round's batch: the round's sessions' expected
-tokens over the round time predicted for the drafts that cap allows
-(:class:`~specserve.orchestrator.goodput.GoodputCaps`). ``warm_seconds_per_token`` is
+``finish_0`` and ``finish_best`` are the predicted seconds to finish the batch's
+slowest turn at cap 0 and at the best cap above it, with the weighed sessions
+drafting (:class:`~specserve.orchestrator.goodput.GoodputCaps`): the rounds its
+slowest turn needs (its tokens left over the tokens it expects a round; of new
+sessions, one at the low end of the pool's acceptance) times the round time
+predicted for the drafts that cap allows. ``warm_seconds_per_token`` is
 what this draft replica's recent warm-ups cost the batch (seconds per history token,
 smoothed), measured for each of the two ways a warm-up runs:
 
@@ -99,35 +100,29 @@ class WarmPayback:
         endpoint: str,
         *,
         behind: int,
-        remaining: int,
-        rates: Mapping[int, float],
+        finish: Mapping[int, float],
         inside: bool,
     ) -> bool:
         """Whether warming ``behind`` history tokens (of the sessions warmed together) on
-        ``endpoint``, ``inside`` a round or beside the rounds, for a batch whose longest
-        turn has ``remaining`` tokens to go, saves more time than it costs, by the goodput
-        ``rates`` (tokens/s per session by cap) of that batch."""
+        ``endpoint``, ``inside`` a round or beside the rounds, saves the batch more time
+        than it costs, by the predicted seconds to finish its slowest turn by cap
+        (``finish``, :meth:`GoodputCaps.finish_times`, with these sessions drafting)."""
         per_token = self.cost(endpoint, inside=inside)
-        plain = rates.get(0)
-        drafting = [r for cap, r in rates.items() if cap > 0]
+        plain = finish.get(0)
+        drafting = [f for cap, f in finish.items() if cap > 0]
         if per_token is None or plain is None or not drafting:
             return True  # not measured yet: warm, and measure
-        best = max(drafting)
-        if best <= plain or plain <= 0:
-            log.debug("warm-up of %d tokens on %s: drafting gains nothing here", behind, endpoint)
-            return False  # speculation does not pay at this batch: nothing to repay with
-        saved = remaining * (1 / plain - 1 / best)
+        saved = plain - min(drafting)
         cost = behind * per_token
         log.debug(
-            "warm-up of %d tokens on %s (%s): saves %.2f s over %d tokens (%.2f -> %.2f "
-            "tokens/s a session), costs %.2f s: %s",
+            "warm-up of %d tokens on %s (%s): saves %.2f s (the batch finishes in %.2f s "
+            "instead of %.2f s), costs %.2f s: %s",
             behind,
             endpoint,
             "inside a round" if inside else "beside the rounds",
             saved,
-            remaining,
+            min(drafting),
             plain,
-            best,
             cost,
             "repays" if saved > cost else "declined",
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from specserve.engine.k_policy import KPolicy, updated_alpha
@@ -47,6 +49,8 @@ def test_the_prior_forgets_old_traffic() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="decay"):
         AcceptancePrior(decay=1.0)
+    with pytest.raises(ValueError, match="turn_decay"):
+        AcceptancePrior(turn_decay=0.0)
 
 
 def test_each_judged_draft_is_one_trial_in_order() -> None:
@@ -70,3 +74,22 @@ def test_one_rejection_after_a_run_of_acceptances_does_not_reset_k() -> None:
     policy.observe(4, 0)
     assert policy.alpha > 0.6
     assert policy.plan() >= 2
+
+
+def test_the_lowest_of_n_new_turns_is_expected_below_the_pool() -> None:
+    """Turns of 0.62-1.0 around 0.85 (the Qwen pair's HumanEval turns): of 8 new turns
+    the lowest is expected 1.43 standard deviations down, of 2 turns 0.59."""
+    prior = AcceptancePrior(turn_decay=0.999)
+    assert prior.shortfall("model", True, 8) == 0.0  # no turns seen: no spread known
+    prior.observe_turn("model", True, 3, 5)  # too few trials to say anything
+    turns = (0.62, 0.78, 0.82, 0.85, 0.87, 0.9, 0.92, 1.0)
+    for a in turns[:2]:
+        prior.observe_turn("model", True, round(a * 100), 100)
+    assert prior.shortfall("model", True, 8) == 0.0  # 2 turns: not yet
+    for a in turns[2:]:
+        prior.observe_turn("model", True, round(a * 100), 100)
+    sd = statistics.pstdev(turns)
+    assert prior.shortfall("model", True, 8) == pytest.approx(1.43 * sd, rel=0.01)
+    assert prior.shortfall("model", True, 2) == pytest.approx(0.59 * sd, rel=0.01)
+    assert prior.shortfall("model", True, 1) == 0.0  # one turn is the mean's
+    assert prior.shortfall("ngram", True, 8) == 0.0  # per drafter

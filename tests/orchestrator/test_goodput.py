@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from specserve.engine.k_policy import expected_tokens
-from specserve.orchestrator.goodput import GoodputCaps, bucket_of
+from specserve.orchestrator.goodput import GoodputCaps, Prospect, bucket_of
 
 T = "t:1"
 
@@ -27,17 +27,21 @@ class World:
     per_draft: float = 0.15  # per draft step (the round's depth)
     batch: int = 8
     per_token: float = 0.0  # per drafted token of the batch
+    remaining: int = 64  # tokens each session has to go
 
-    def outlook(self, cap: int) -> tuple[float, int, int]:
+    def outlook(self, cap: int) -> Prospect:
         depth = min(self.k, cap)
-        return self.batch * expected_tokens(self.alpha, depth), depth, self.batch * depth
+        each = expected_tokens(self.alpha, depth)
+        return Prospect(self.batch * each, depth, self.batch * depth, self.remaining / each)
 
     def seconds(self, depth: int) -> float:
         return self.t0 + self.per_draft * depth + self.per_token * self.batch * depth
 
     def best(self, limit: int = 8) -> int:
-        rate = {c: self.outlook(c)[0] / self.seconds(self.outlook(c)[1]) for c in range(limit + 1)}
-        return max(rate, key=lambda c: (rate[c], -c))
+        finish = {
+            c: self.outlook(c).rounds * self.seconds(min(self.k, c)) for c in range(limit + 1)
+        }
+        return min(finish, key=lambda c: (finish[c], c))
 
 
 def play(caps: GoodputCaps, world: World, rounds: int, limit: int = 8) -> list[int]:
@@ -45,8 +49,8 @@ def play(caps: GoodputCaps, world: World, rounds: int, limit: int = 8) -> list[i
     for _ in range(rounds):
         cap = caps.choose(T, world.batch, limit, world.outlook)
         chosen.append(cap)
-        _, depth, drafts = world.outlook(cap)
-        caps.observe(T, world.batch, depth, drafts, world.seconds(depth))
+        p = world.outlook(cap)
+        caps.observe(T, world.batch, p.depth, p.drafts, world.seconds(p.depth))
     return chosen
 
 
@@ -67,9 +71,9 @@ def test_drafting_is_timed_first_then_plain_then_the_best_predicted_cap_runs() -
     assert set(exploit) == {4}  # cap 4: 8 would predict the same time and tokens
     assert caps.seconds(T, 8, 0, 0) == pytest.approx(1.0)
     assert caps.seconds(T, 8, 2, 16) == pytest.approx(1.3)  # the line through both figures
-    rates = caps.rates(T, 8, 8, CODE.outlook)
-    assert rates[0] == pytest.approx(1.0)  # tokens/s per session
-    assert rates[4] == pytest.approx(expected_tokens(0.9, 4) / 1.6)
+    finish = caps.finish_times(T, 8, 8, CODE.outlook)
+    assert finish[0] == pytest.approx(64 * 1.0)  # 64 rounds of 1 s
+    assert finish[4] == pytest.approx(64 / expected_tokens(0.9, 4) * 1.6)
 
 
 def test_a_predicted_loss_turns_speculation_off_and_exploration_keeps_checking() -> None:
@@ -229,8 +233,8 @@ def test_drafting_rounds_at_several_depths_give_a_fixed_cost_and_a_slope() -> No
     # With the fit, cap 4 (k = 4 drafts, 4.1 tokens a session) beats cap 1 at alpha 0.9;
     # the one-depth line would have charged 4 drafts 1.0 s and kept cap 1.
     deep = World(alpha=0.9, k=4)
-    rates = caps.rates(T, 8, 8, deep.outlook)
-    assert max(rates, key=lambda c: rates[c]) == 4
+    finish = caps.finish_times(T, 8, 8, deep.outlook)
+    assert min(finish, key=lambda c: finish[c]) == 4
 
 
 def test_a_fit_that_puts_drafting_below_plain_falls_back_to_the_line_through_it() -> None:
@@ -241,3 +245,33 @@ def test_a_fit_that_puts_drafting_below_plain_falls_back_to_the_line_through_it(
         caps.observe(T, 8, depth, 8 * depth, seconds)
     line = caps.seconds(T, 8, 1, 8)
     assert line is not None and line > 1.0  # drafting never predicted at or below plain
+
+
+def test_the_batch_finishes_with_its_slowest_turn() -> None:
+    """Seven sessions the draft guesses well and one it does not (its policy drafts
+    nothing): drafting raises the batch's tokens per second, but the eighth session
+    makes one token a round at the drafting rounds' time, so the batch would finish
+    later; plain decoding runs. Without it, drafting runs."""
+    caps = GoodputCaps(explore_every=100)
+    world = World(alpha=0.9, t0=0.27, per_draft=0.04, per_token=0.019)
+    play(caps, world, rounds=3)  # drafting, then plain, timed
+    good, bad = world.outlook, World(alpha=0.9, k=0).outlook
+
+    def mixed(cap: int) -> Prospect:
+        g, b = good(cap), bad(cap)
+        tokens = g.tokens * 7 / 8 + b.tokens / 8
+        return Prospect(tokens, g.depth, g.drafts * 7 // 8, max(g.rounds, b.rounds))
+
+    two = mixed(2)
+    seconds = 0.27 + 0.04 * 2 + 0.019 * two.drafts
+    assert two.tokens / seconds > 1.08 * 8 / 0.27  # the batch's tokens/s rise 8% at cap 2
+    assert caps.choose(T, 8, 8, mixed) == 0
+    assert caps.choose(T, 8, 8, good) == 2  # deeper drafts cost 8 tokens a step here
+
+
+def test_plain_time_is_a_median_a_few_slow_rounds_do_not_move() -> None:
+    caps = GoodputCaps(explore_every=100)
+    play(caps, CODE, rounds=2)
+    for seconds in (1.0, 1.0, 1.0, 1.0, 1.0, 1.5, 1.6, 1.7):  # something else ran
+        caps.observe(T, 8, 0, 0, seconds)
+    assert caps.seconds(T, 8, 0, 0) == pytest.approx(1.0)

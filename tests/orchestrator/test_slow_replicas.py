@@ -23,10 +23,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from specserve.engine.decode_state import DecodeState, StopCriteria
+from specserve.engine.decode_state import DecodeState, FinishReason, StopCriteria
 from specserve.engine.k_policy import KPolicy
+from specserve.engine.k_policy import expected_tokens as expected
+from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.sampling import SamplingParams
 from specserve.orchestrator import calls
+from specserve.orchestrator.acceptance_prior import AcceptancePrior
 from specserve.orchestrator.calls import Plan
 from specserve.orchestrator.redis_settings import embedded_client
 from specserve.orchestrator.replicas import EndpointSpec, ReplicaPool
@@ -346,13 +349,15 @@ def test_a_warm_up_under_way_or_declined_drafts_nothing_in_the_outlook() -> None
     cold.state.target_start = 99  # the target has it; the draft has none of it
     for x in (warm, cold):
         x.state.k_policy.alpha = 1.0  # every draft accepted: 5 tokens at cap 4
-    assert RoundRunner._outlook([warm, cold], 4)(4) == (pytest.approx(10.0), 4, 8)
-    assert RoundRunner._outlook([warm, cold], 4)(0) == (pytest.approx(2.0), 0, 0)
+    assert RoundRunner._outlook([warm, cold], 4)(4)[:3] == (pytest.approx(10.0), 4, 8)
+    assert RoundRunner._outlook([warm, cold], 4)(0)[:3] == (pytest.approx(2.0), 0, 0)
     assert RoundRunner._timeable([warm, cold], 0)  # the cold one verifies at k = 0 too
     assert not RoundRunner._timeable([warm, cold], 4)  # it would draft from a cold cache
+    assert RoundRunner._outlook([warm, cold], 4)(4).rounds == pytest.approx(64 / 5)
     cast(Any, cold).draft_warming = True
-    assert RoundRunner._outlook([warm, cold], 4)(4) == (pytest.approx(6.0), 4, 4)
-    assert RoundRunner._outlook([cold], 4)(4) == (pytest.approx(1.0), 0, 0)
+    assert RoundRunner._outlook([warm, cold], 4)(4)[:3] == (pytest.approx(6.0), 4, 4)
+    assert RoundRunner._outlook([warm, cold], 4)(4).rounds == pytest.approx(64)  # cold: 1 a round
+    assert RoundRunner._outlook([cold], 4)(4)[:3] == (pytest.approx(1.0), 0, 0)
     assert not RoundRunner._timeable([warm, cold], 0)  # its warm-up shares the cores
     assert RoundRunner._timeable([warm], 4)
     # Its warm-up declined at this batch size (it would not repay itself): it verifies at
@@ -360,12 +365,12 @@ def test_a_warm_up_under_way_or_declined_drafts_nothing_in_the_outlook() -> None
     # counted as warm held cap 3 for one drafting session, every round 0.47 s, not 0.27.
     cast(Any, cold).draft_warming = False
     cast(Any, cold).warm_declined_at = 2
-    assert RoundRunner._outlook([warm, cold], 4)(4) == (pytest.approx(6.0), 4, 4)
+    assert RoundRunner._outlook([warm, cold], 4)(4)[:3] == (pytest.approx(6.0), 4, 4)
     assert RoundRunner._timeable([warm, cold], 4)
     third = live("c", [4, 5, 6])
     third.state.target_start = third.state.draft_start = 2
     third.state.k_policy.alpha = 1.0
-    assert RoundRunner._outlook([warm, cold, third], 4)(4) == (pytest.approx(15.0), 4, 12)
+    assert RoundRunner._outlook([warm, cold, third], 4)(4)[:3] == (pytest.approx(15.0), 4, 12)
     assert not RoundRunner._timeable([warm, cold, third], 4)  # another batch: weighed again
 
 
@@ -383,6 +388,39 @@ def test_a_round_in_which_the_target_prefills_a_session_is_not_timed() -> None:
     s.state.target_start = s.state.draft_start = 19  # one behind, as after every round
     assert RoundRunner._timeable([s], 4)
     assert RoundRunner._timeable([s], 0)
+
+
+def test_of_new_turns_one_is_counted_at_the_low_end_of_the_pools_acceptance() -> None:
+    """The batch finishes with its slowest turn; of two sessions that have judged no
+    drafts yet, one is expected below the pool's acceptance (the spread of the turns
+    seen), so the round's slowest turn needs more rounds than either's mean says; once
+    one has judged drafts its own estimate stands, and a lone new turn is the mean's."""
+    prior = AcceptancePrior(turn_decay=0.999)
+    for a in (0.6, 0.8, 1.0):
+        prior.observe_turn("model", True, round(a * 100), 100)
+    short = prior.shortfall("model", True, 2)
+    assert short > 0.05
+    a, b = live("a", [1, 2, 3]), live("b", [4, 5, 6])
+    for x in (a, b):
+        x.state.target_start = x.state.draft_start = 2
+        x.state.k_policy.alpha = 0.9
+    assert RoundRunner._outlook([a, b], 4)(4).rounds == pytest.approx(64 / expected(0.9, 4))
+    low = RoundRunner._outlook([a, b], 4, prior)(4)
+    assert low.rounds == pytest.approx(64 / expected(0.9 - short, 4))
+    assert low.tokens == pytest.approx(2 * expected(0.9, 4))  # the batch's mean is the mean
+    a.state.stats.drafted = 4  # a has drafted: its own estimate, and b is the only new one
+    assert RoundRunner._outlook([a, b], 4, prior)(4).rounds == pytest.approx(64 / expected(0.9, 4))
+
+
+def test_turns_that_end_tell_the_prior_their_acceptance() -> None:
+    runner = offline_runner()
+    for i, accepted in enumerate((2, 4, 1)):
+        s = live(str(i), [1, 2, 3])
+        for _ in range(4):  # 4 drafts a round: 4 accepted, or a rejection after some
+            s.state.commit(Proposal([5, 6, 7, 8]), Verdict(accepted=accepted, next_token=9))
+        runner._learn_turns([(s, FinishReason.LENGTH, None)])
+    assert (s.state.stats.accepted, s.state.stats.rejections) == (4, 4)  # 4 of 8 trials
+    assert runner.prior.shortfall("model", True, 2) > 0.1  # turns at 2/3, 4/5 and 1/2
 
 
 def test_a_round_of_only_cold_sessions_warms_them_inside_it_and_drafts() -> None:
