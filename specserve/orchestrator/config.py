@@ -171,8 +171,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         "--k-cap",
         choices=["measured", "curve"],
         default=str(e("K_CAP", "measured")),
-        help="under the load curve, run the cap with the best goodput, expected tokens "
-        "over measured round time (measured), or the curve's bound itself (curve)",
+        help="under the load curve, run the cap predicted to finish the batch's slowest "
+        "turn soonest, from measured round times (measured), or the curve's bound itself "
+        "(curve)",
     )
     g.add_argument("--draft-timeout-s", type=float, default=float(str(e("DRAFT_TIMEOUT_S", 2.0))))
     g.add_argument(

@@ -126,7 +126,7 @@ class RunnerCollector(Collector):
         caps = CounterMetricFamily(
             f"{P}_k_cap_rounds",
             "Batch rounds by the k cap they ran under (the load curve's bound, or below "
-            "it the cap with the best goodput, expected tokens over measured round time; "
+            "it the cap predicted to finish the batch's slowest turn soonest; "
             "0 = no speculation)",
             labels=["cap"],
         )

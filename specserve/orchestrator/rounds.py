@@ -18,9 +18,10 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
    first one included, and drafts in it, :meth:`RoundRunner._warm_now`; so are a
    batch's cold sessions where warming inside a round was measured to cost the
    batch less than beside the rounds, as on shared cores). The round's k cap is
-   the load curve's bound, or under it the cap with the best predicted goodput:
-   tokens the sessions' acceptance expects over the round time predicted for
-   their drafts from the measured rounds (:mod:`specserve.orchestrator.goodput`);
+   the load curve's bound, or under it the cap predicted to finish the batch's
+   slowest turn soonest: the rounds its sessions' acceptance says it needs times
+   the round time predicted for their drafts from the measured rounds
+   (:mod:`specserve.orchestrator.goodput`);
 3. one ``Verify`` on the lane's target. If the target is lost, the sessions'
    committed tokens are re-read from the store and the same round — same drafts,
    same (seed, round index, position) draws — is replayed on another target with
@@ -95,7 +96,13 @@ class _LostTime:
     cost of warming beside the rounds)."""
 
     seconds: float = 0.0
+    rounds: int = 0  # rounds charged
     unpredicted: bool = False  # a round's time could not be predicted: charge the wall time
+
+    def cost(self, wall: float) -> float:
+        """The warm-up's cost: what the rounds beside it lost, or its wall time where one
+        of them could not be predicted or none ended beside it (nothing said it was free)."""
+        return wall if self.unpredicted or not self.rounds else max(0.0, self.seconds)
 
 
 @dataclass
@@ -559,19 +566,22 @@ class RoundRunner:
         """Charge the draft warm-ups under way beside the rounds with what this round lost
         to them: its wall time over the time predicted for it (shared equally where
         several run; signed, so a round's noise either way cancels over the warm-up,
-        whose total is taken as at least 0). A round that prefills on the target is not
-        charged (its time is the prefill's); one that cannot be predicted makes them
-        charge their wall time."""
-        if not self._beside or any(self._target_prefills(s) for s in live):
+        whose total is taken as at least 0). A round that cannot be predicted, one that
+        prefills on the target among them, makes them charge their wall time: a warm-up
+        that ran beside prefill rounds only was charged nothing, so warm-ups beside the
+        rounds were taken as free on shared cores, and the next one slowed 5 rounds of
+        4 sessions from 0.25 s to 1.27 s."""
+        if not self._beside:
             return
-        expected = (
-            None if self.caps is None else self.caps.seconds(target, len(live), depth, drafts)
-        )
+        expected = None
+        if self.caps is not None and not any(self._target_prefills(s) for s in live):
+            expected = self.caps.seconds(target, len(live), depth, drafts)
         for lost in self._beside:
             if expected is None:
                 lost.unpredicted = True
             else:
                 lost.seconds += (seconds - expected) / len(self._beside)
+                lost.rounds += 1
 
     def _target_backlog(self, sid: str) -> int:
         """Tokens of a session's history its target has not seen (its prefill)."""
@@ -667,8 +677,7 @@ class RoundRunner:
                 warm = await calls.warm(self.drafts, endpoint, sessions, self.timeouts.draft_warm_s)
                 wall = time.perf_counter() - started
                 if len(warm) == len(sessions):
-                    cost = wall if slowed.unpredicted else max(0.0, slowed.seconds)
-                    self.payback.observe(endpoint, behind, cost, inside=False)
+                    self.payback.observe(endpoint, behind, slowed.cost(wall), inside=False)
             finally:
                 self._beside.remove(slowed)
                 lost = endpoint not in self.drafts.usable()

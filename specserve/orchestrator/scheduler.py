@@ -100,7 +100,7 @@ class SchedulerConfig:
     max_batch: int = 64  # sessions per Verify call
     k_curve: KCapCurve = field(default_factory=KCapCurve)
     draft_ahead: bool = False  # greedy sessions draft round r + 1 while round r verifies
-    measured_k_cap: bool = True  # under the curve, the cap with the best predicted goodput
+    measured_k_cap: bool = True  # under the curve, the cap predicted to finish soonest
     max_prefill_tokens: int = 512  # new history a round prefills on its target (>= one session)
 
     def __post_init__(self) -> None:

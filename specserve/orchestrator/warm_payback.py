@@ -36,7 +36,8 @@ smoothed), measured for each of the two ways a warm-up runs:
   nothing and warm-ups go ahead; where draft and target share cores it is what the
   contention costs (2 cores: rounds of 4 sessions took 1.05-1.39 s beside a warm-up
   against 0.26 s, and a warm-up's own wall time, charged before, said nothing of it).
-  Where a round beside it cannot be predicted, the warm-up's wall time is charged.
+  Where a round beside it cannot be predicted (one that prefills on the target), or
+  no round ended beside it, the warm-up's wall time is charged.
 
 A way not measured yet borrows the other's figure; until either is measured a
 warm-up goes ahead: the figures come from warming. The two figures also choose the

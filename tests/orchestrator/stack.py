@@ -34,7 +34,7 @@ TARGET = "tiny:3"
 DRAFT = "tiny:3:noise=0.3"
 SERVER_ARGS = ["--threads", "1", "--kv-budget", "8MiB"]
 # Tests that assert speculation happened pin the k cap to the load curve: the default,
-# measured goodput, may rightly turn drafting off on a noisy machine with tiny models
+# the measured cap, may rightly turn drafting off on a noisy machine with tiny models
 # (its own tests pass ``--k-cap measured``).
 ENV = {"OMP_NUM_THREADS": "1", "SPECSERVE_K_CAP": "curve"}
 

@@ -52,7 +52,7 @@ def test_unary_greedy_equals_target_only(
 
 @pytest.fixture(scope="module")
 def measured(redis_url: str) -> Iterator[Stack]:
-    """A stack on the default k cap: measured goodput (the shared one pins the curve)."""
+    """A stack on the default k cap: measured (the shared one pins the curve)."""
     s = Stack(redis_url, orchestrator_args=["--k-cap", "measured"])
     try:
         yield s.start()
