@@ -20,7 +20,8 @@ flag                            environment                      default
 ==============================  ===============================  ======================
 
 the scheduling knobs below (``--k-max``, ``--k-full-below``, ``--k-zero-at``,
-``--pipeline-groups``, ``--max-batch``, ``--max-prefill-tokens``, ``--draft-ahead``,
+``--pipeline-groups``, ``--max-batch``, ``--max-prefill-tokens``,
+``--admission-window-ms``, ``--draft-ahead``,
 ``--draft-timeout-s``, ...), the KV
 snapshot ones (``--kv-snapshot-chunk-tokens``, ``--kv-snapshot-every``,
 ``--kv-snapshot-ttl-s``; see :mod:`specserve.orchestrator.kv_snapshots`), and the
@@ -162,6 +163,13 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         "sessions whose prompt does not fit wait for the next round",
     )
     g.add_argument(
+        "--admission-window-ms",
+        type=float,
+        default=float(str(e("ADMISSION_WINDOW_MS", 10.0))),
+        help="an idle lane waits this long before its first round, so requests that "
+        "arrive together are prefilled together (0: start at once)",
+    )
+    g.add_argument(
         "--draft-ahead",
         choices=["on", "off"],
         default=str(e("DRAFT_AHEAD", "off")),
@@ -265,6 +273,7 @@ def _from_args(args: argparse.Namespace) -> OrchestratorConfig:
             pipeline_groups=args.pipeline_groups,
             max_batch=args.max_batch,
             max_prefill_tokens=args.max_prefill_tokens,
+            admission_window_s=args.admission_window_ms / 1000,
             k_curve=KCapCurve(args.k_max, args.k_full_below, args.k_zero_at),
             draft_ahead=args.draft_ahead == "on",
             measured_k_cap=args.k_cap == "measured",

@@ -234,6 +234,11 @@ class RoundRunner:
             self._lanes[lane] = asyncio.get_running_loop().create_task(self._lane(lane))
 
     async def _lane(self, lane: LaneKey) -> None:
+        # An idle lane's first round waits for company: requests sent together arrive
+        # a few ms apart, and a round that starts with the first alone prefills it
+        # alone (and, alone, warms its draft) while the others wait a whole prefill
+        # round for theirs (8 requests at once: a round of 1, then of 6, then of 1).
+        await asyncio.sleep(self.scheduler.config.admission_window_s)
         while True:
             ids = self.scheduler.begin_round(lane, self._target_backlog)
             if not ids:

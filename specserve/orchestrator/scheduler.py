@@ -102,6 +102,7 @@ class SchedulerConfig:
     draft_ahead: bool = False  # greedy sessions draft round r + 1 while round r verifies
     measured_k_cap: bool = True  # under the curve, the cap predicted to finish soonest
     max_prefill_tokens: int = 512  # new history a round prefills on its target (>= one session)
+    admission_window_s: float = 0.01  # an idle lane waits this long for company
 
     def __post_init__(self) -> None:
         if not 1 <= self.pipeline_groups <= 8:
@@ -110,6 +111,8 @@ class SchedulerConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if not 0 <= self.admission_window_s <= 1:
+            raise ValueError(f"admission_window_s must be in 0..1 s, got {self.admission_window_s}")
 
 
 @dataclass
