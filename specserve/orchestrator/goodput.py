@@ -41,7 +41,8 @@ it was, and a batch's warm-ups went ahead), and per target what drafting adds to
 ``per_step`` what each of the draft's sequential steps adds (on a GPU most of it: a
 verify a few tokens wider costs about nothing), ``per_token`` what each drafted token
 adds to the verify (on a compute-bound CPU most of it). They are fitted by
-non-negative least squares to the drafting rounds of every batch size of the target
+non-negative least squares (:mod:`~specserve.orchestrator.drafting_cost`) to the
+drafting rounds of every batch size of the target
 (each batch size's smoothed moments over a longer window than plain rounds: a
 running mean, then a third of the smoothing; its rounds taken over its own ``t0``),
 so rounds of 1 session (drafts = depth) and of 8 (drafts = 8 * depth) tell the two
@@ -92,12 +93,13 @@ no clock: the round runner passes in what it measured and what its sessions expe
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from specserve.orchestrator.drafting_cost import DraftingCost, fit_drafting_cost
 
 
 class Prospect(NamedTuple):
@@ -115,36 +117,6 @@ Outlook = Callable[[int], Prospect]
 log = logging.getLogger(__name__)
 
 PLAIN, DRAFTING = False, True  # the two things timed: rounds without drafts, with them
-
-# The fit's unknowns, in the order of its regressors (1, depth, drafts).
-FIXED, PER_STEP, PER_TOKEN = 0, 1, 2
-# Subsets of them the fit tries (non-negative least squares by enumeration), in the
-# order it prefers where the rounds fit several equally well: the cost per drafted
-# token first (the dearer reading for a larger batch), fewer unknowns first, the
-# fixed cost last.
-_SUBSETS: tuple[tuple[int, ...], ...] = tuple(
-    sorted(
-        (c for n in (1, 2, 3) for c in itertools.combinations((FIXED, PER_STEP, PER_TOKEN), n)),
-        key=lambda c: (PER_TOKEN not in c, len(c), FIXED in c),
-    )
-)
-
-
-@dataclass(frozen=True)
-class DraftingCost:
-    """What drafting adds to a round of a target over its plain time."""
-
-    fixed: float = 0.0
-    per_step: float = 0.0  # seconds per draft step (the round's depth)
-    per_token: float = 0.0  # seconds per drafted token of the whole batch
-
-    def extra(self, depth: int, drafts: int) -> float:
-        if depth <= 0:
-            return 0.0
-        return self.fixed + self.per_step * depth + self.per_token * drafts
-
-    def __str__(self) -> str:
-        return f"+{self.fixed:.3f} s + {self.per_step:.3f} s/step + {self.per_token:.4f} s/draft"
 
 
 @dataclass
@@ -210,55 +182,16 @@ class _Bucket:
         return None if cost is None else t0 + cost.extra(depth, drafts)
 
 
-def fit_drafting_cost(buckets: Sequence[_Bucket], window: float) -> DraftingCost | None:
-    """Non-negative least squares of the drafting rounds' time over their bucket's own
-    ``t0`` on (1, depth, drafts), pooled over the buckets (each weighted by its rounds,
-    up to ``window``); None without such rounds."""
-    a = [[0.0] * 3 for _ in range(3)]  # sum of w * E[x x^T], x = (1, depth, drafts)
-    c = [0.0] * 3  # sum of w * E[x y], y = seconds - t0
-    yy = 0.0
-    for b in buckets:
-        t0, drafting = b.own_t0, b.arms[DRAFTING]
-        if t0 is None or not drafting.samples:
-            continue
-        m, w = drafting.moments, min(float(drafting.samples), window)
-        for i in range(3):
-            for j in range(3):
-                a[i][j] += w * m[i][j]
-            c[i] += w * (m[i][3] - t0 * m[i][0])
-        yy += w * (m[3][3] - 2 * t0 * m[0][3] + t0 * t0)
-    if a[0][0] <= 0:
-        return None
-    best: tuple[float, dict[int, float]] | None = None
-    tolerance = 1e-9 * max(yy, 1e-12)  # residuals this close are one fit said twice
-    for subset in _SUBSETS:
-        beta = _solve([[a[i][j] for j in subset] for i in subset], [c[i] for i in subset])
-        if beta is None or any(x < 0 for x in beta):
-            continue
-        residual = yy - sum(x * c[i] for x, i in zip(beta, subset, strict=True))
-        if best is None or residual < best[0] - tolerance:
-            best = (residual, dict(zip(subset, beta, strict=True)))
-    if best is None:
-        return DraftingCost()  # drafting never measured dearer than plain decoding
-    coef = best[1]
-    return DraftingCost(coef.get(FIXED, 0.0), coef.get(PER_STEP, 0.0), coef.get(PER_TOKEN, 0.0))
-
-
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """``m x = v`` by Gaussian elimination with partial pivoting; None if singular."""
-    n = len(v)
-    rows = [[*m[i], v[i]] for i in range(n)]
-    scale = max((abs(x) for row in m for x in row), default=0.0)
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
-        if abs(rows[pivot][col]) <= 1e-9 * scale:
-            return None
-        rows[col], rows[pivot] = rows[pivot], rows[col]
-        for r in range(n):
-            if r != col:
-                f = rows[r][col] / rows[col][col]
-                rows[r] = [x - f * y for x, y in zip(rows[r], rows[col], strict=True)]
-    return [rows[i][n] / rows[i][i] for i in range(n)]
+def _fit(buckets: Sequence[_Bucket], window: float) -> DraftingCost | None:
+    """What drafting adds, fitted to the drafting rounds of the buckets with their own
+    ``t0`` (each bucket weighted by its rounds, up to ``window``)."""
+    return fit_drafting_cost(
+        [
+            (t0, b.arms[DRAFTING].moments, min(float(b.arms[DRAFTING].samples), window))
+            for b in buckets
+            if (t0 := b.own_t0) is not None and b.arms[DRAFTING].samples
+        ]
+    )
 
 
 def bucket_of(batch: int) -> int:
@@ -351,7 +284,7 @@ class GoodputCaps:
         if depth == 0:
             b.plain.append(seconds)
         buckets = [v for k, v in self._buckets.items() if k[0] == target]
-        self._cost[target] = fit_drafting_cost(buckets, 3 / self.smoothing)
+        self._cost[target] = _fit(buckets, 3 / self.smoothing)
         if b.pending is not None and (b.pending > 0) == (depth > 0):
             b.pending, b.judge = None, depth > 0  # judged with the next round's sessions
 
