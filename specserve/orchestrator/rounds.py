@@ -58,7 +58,7 @@ from opentelemetry import trace
 
 from specserve.engine.decode_state import FinishReason
 from specserve.engine.errors import EngineError
-from specserve.engine.k_policy import expected_tokens as expected
+from specserve.engine.k_policy import expected_tokens
 from specserve.orchestrator import calls, draft_ahead
 from specserve.orchestrator.acceptance_prior import AcceptancePrior
 from specserve.orchestrator.bets import BetBook
@@ -520,7 +520,9 @@ class RoundRunner:
         def rounds(cap: int) -> float:
             worst = 0.0
             for i, o in enumerate(each):
-                tokens = o[cap][0] if low is None or i != low[0] else expected(low[1], o[cap][1])
+                tokens = o[cap][0]
+                if low is not None and i == low[0]:
+                    tokens = expected_tokens(low[1], o[cap][1])
                 worst = max(worst, left[i] / tokens)
             return worst
 
