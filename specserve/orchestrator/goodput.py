@@ -227,7 +227,8 @@ class GoodputCaps:
         b.rounds += 1
         cost = self._cost.get(target)
         finish = _finish(b, cost, limit, outlook)
-        best = _best(finish)
+        drafts = {c: outlook(c).drafts for c in finish}
+        best = _best(finish, drafts)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "k caps on %s, batch %d: t0 %s, drafting %s, cost %s, seconds to finish by cap %s",
@@ -238,7 +239,7 @@ class GoodputCaps:
                 cost or "untimed",
                 {c: round(f, 2) for c, f in finish.items()},
             )
-        drafting = _best({c: f for c, f in finish.items() if c > 0}) or limit
+        drafting = _best({c: f for c, f in finish.items() if c > 0}, drafts) or limit
         if b.judge is not None:  # an exploration timed last round: did it lose again?
             judged, b.judge = b.arms[b.judge], None
             if best is not None and (best > 0) != (judged is b.arms[DRAFTING]):
@@ -364,7 +365,14 @@ def _arm_text(arm: _Arm) -> str:
     return f"{arm.seconds:.3f} s at depth {arm.depth:.1f} ({arm.samples} rounds)"
 
 
-def _best(finish: dict[int, float]) -> int | None:
-    """The cap predicted to finish soonest (the smaller cap of a tie: fewer drafts for
-    the same time); None when none is predicted."""
-    return min(finish, key=lambda c: (finish[c], c)) if finish else None
+def _best(finish: dict[int, float], drafts: dict[int, int]) -> int | None:
+    """The cap predicted to finish soonest; of a tie, the one with fewer drafts, then
+    the smaller, but the larger where no session would draft under it (None when none
+    is predicted). Where the sessions' policies plan k = 0 every cap predicts the same
+    round, and cap 0 would also stop the policies' probes (one draft every few rounds,
+    how a session whose acceptance fell wins speculation back): a lone session on the
+    Xeon sat at k = 0 for 20 rounds that the local loop, probing, spent drafting (4.71
+    tokens/s against the local loop's 6.43 on the same prompt)."""
+    if not finish:
+        return None
+    return min(finish, key=lambda c: (finish[c], drafts.get(c, 0), -c if not drafts.get(c) else c))

@@ -275,3 +275,13 @@ def test_plain_time_is_a_median_a_few_slow_rounds_do_not_move() -> None:
     for seconds in (1.0, 1.0, 1.0, 1.0, 1.0, 1.5, 1.6, 1.7):  # something else ran
         caps.observe(T, 8, 0, 0, seconds)
     assert caps.seconds(T, 8, 0, 0) == pytest.approx(1.0)
+
+
+def test_where_no_session_would_draft_the_cap_leaves_their_probes_alone() -> None:
+    """Policies that plan k = 0 under every cap predict the same round at every cap;
+    the cap is then the bound, not 0, so a policy's probe (one draft every few rounds)
+    can still win speculation back. Where drafts differ, the tie goes to fewer."""
+    caps = GoodputCaps(explore_every=100)
+    play(caps, CODE, rounds=3)  # drafting and plain timed
+    assert caps.choose(T, 8, 6, World(alpha=0.3, k=0).outlook) == 6
+    assert caps.choose(T, 8, 6, CODE.outlook) == 4  # caps 4-6 alike: the smaller
