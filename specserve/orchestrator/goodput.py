@@ -49,20 +49,19 @@ so rounds of 1 session (drafts = depth) and of 8 (drafts = 8 * depth) tell the t
 slopes apart, and a batch size not timed yet is predicted from the others. Where the
 rounds cannot tell them apart (one batch size, one depth) the cost goes per drafted
 token, the dearer reading for a larger batch. Measured on the Xeon (2 shared cores;
-run 7 of ``bench.concurrency``, 1-8 sessions): a round's time over ``t0`` was
-0.039 s a step plus 0.019 s a drafted token, within 0.012 s on average of every timed
-drafting round; a line in depth alone, fitted per bucket, was off by 0.06-0.08 s, and
-at 8 sessions predicted a depth-1 round at 0.40 s against 0.44 s measured, which
-made drafting look 20% faster than plain decoding where it was 5% faster. The two
-halves have
-different noise: a round's time at a given depth and batch is steady, while the
-tokens one round commits swing with every rejection (judging a cap by the tokens
-its last rounds happened to commit let one unlucky round at a good cap send it into
-back-off). And the time is modelled by depth, not by cap: a
-cap's rounds are as deep as their sessions' policies make them, so a fresh session
-that drafts 1 token is not charged the time of the 4-token rounds a warmed-up one
-ran at the same cap. Every cap under the bound is weighed each round, and a change
-in acceptance (prose after code) moves every prediction at once.
+run 7 of ``bench.concurrency``, 1-8 sessions): a round's time over ``t0`` was 0.037
+s a step plus 0.019 s a drafted token, predicting every timed drafting round within
+0.014 s on average (each before it was seen); a line in depth alone, fitted per
+bucket, was off by 0.06-0.08 s, and at 8 sessions predicted a depth-1 round at 0.40
+s against 0.44 s measured, which made drafting look 20% faster than plain decoding
+where it was 5% faster. The two halves have different noise: a round's time at a
+given depth and batch is steady, while the tokens one round commits swing with every
+rejection (judging a cap by the tokens its last rounds happened to commit let one
+unlucky round at a good cap send it into back-off). And the time is modelled by
+depth, not by cap: a cap's rounds are as deep as their sessions' policies make them,
+so a fresh session that drafts 1 token is not charged the time of the 4-token rounds
+a warmed-up one ran at the same cap. Every cap under the bound is weighed each
+round, and a change in acceptance (prose after code) moves every prediction at once.
 
 Two things are timed, rounds without drafts and rounds with them. While nothing
 says what drafting costs on the target, a bucket times drafting first, at the bound
@@ -121,8 +120,9 @@ PLAIN, DRAFTING = False, True  # the two things timed: rounds without drafts, wi
 
 @dataclass
 class _Arm:
-    """Rounds of one kind in one bucket: the smoothed moments of (1, depth, drafts,
-    seconds), so the mean of each and the sums of products the fit needs."""
+    """Rounds of one kind in one bucket: how many, when last chosen, and (drafting
+    rounds) the smoothed moments of (1, depth, drafts, seconds), so the mean of each and
+    the sums of products the fit needs."""
 
     moments: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
     samples: int = 0
@@ -278,12 +278,12 @@ class GoodputCaps:
         if b is None:
             return  # never chosen for this batch (the cap came from the curve alone)
         arm = b.arms[depth > 0]
-        # Drafting rounds are averaged over a longer window (a running mean, then at
-        # most a third of the smoothing): the fit needs rounds at several depths in it.
-        weight = self.smoothing if depth == 0 else max(1 / (arm.samples + 1), self.smoothing / 3)
-        arm.add(depth, drafts, seconds, 1.0 if arm.samples == 0 else weight)
-        if depth == 0:
+        if depth == 0:  # t0 is the median of the last plain rounds
             b.plain.append(seconds)
+            arm.samples += 1
+        else:  # smoothed over a longer window: the fit needs rounds at several depths
+            weight = max(1 / (arm.samples + 1), self.smoothing / 3)  # a running mean first
+            arm.add(depth, drafts, seconds, weight)
         buckets = [v for k, v in self._buckets.items() if k[0] == target]
         self._cost[target] = _fit(buckets, 3 / self.smoothing)
         if b.pending is not None and (b.pending > 0) == (depth > 0):
