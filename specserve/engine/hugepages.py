@@ -60,14 +60,25 @@ def move_to_huge_pages(module: nn.Module, min_bytes: int = 1 << 20) -> int:
     Returns the bytes moved (0 where huge pages are unavailable). Call it once after
     loading, before serving; the old storage is freed as each tensor moves unless
     something else still holds it. Parameters shared between modules move once.
+
+    The smaller CPU parameters (norms, biases) are copied too, onto torch's own
+    memory: safetensors maps each checkpoint file once and every tensor read from
+    it is a view of that mapping, so a single bias left on it would keep the whole
+    file mapped, and every page the copy read resident beside the copy (7 GB of a
+    1.5B float32 target's checkpoint).
     """
     if not huge_pages_available():
         log.info("transparent huge pages unavailable: weights stay on normal pages")
         return 0
     params: dict[int, nn.Parameter] = {}
+    small: dict[int, nn.Parameter] = {}
     for p in module.parameters():  # parameters() already yields a shared one once
-        if p.device.type == "cpu" and p.numel() * p.element_size() >= min_bytes:
-            params.setdefault(id(p), p)
+        if p.device.type == "cpu":
+            big = p.numel() * p.element_size() >= min_bytes
+            (params if big else small).setdefault(id(p), p)
+    with torch.no_grad():
+        for p in small.values():
+            p.data = p.data.clone()
     if not params:
         return 0
     offsets: list[int] = []
