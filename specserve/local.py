@@ -19,6 +19,7 @@ from specserve.engine.k_policy import KPolicy
 from specserve.engine.model import CausalLM
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.ngram import NgramDrafter
+from specserve.engine.round_cost import RoundCosts
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.verifier import TargetVerifier
@@ -38,6 +39,8 @@ class LocalConfig:
     draft_kv_budget_bytes: int = 1 << 30
     threads: int | None = None
     min_confidence: float = 0.0
+    # Adaptive k plans with the round costs this loop measures (not the static guess).
+    measured_costs: bool = True
 
     def __post_init__(self) -> None:
         for name in (self.target_dtype, self.draft_dtype):
@@ -120,7 +123,8 @@ class LocalRunner:
                 min_confidence=config.min_confidence,
                 vocab_limit=min(vocab, draft.config.vocab_size),
             )
-        self.engine = SpeculativeEngine(self.verifier, drafters)
+        costs = RoundCosts() if config.measured_costs else None
+        self.engine = SpeculativeEngine(self.verifier, drafters, costs=costs)
         self._next_id = 0
 
     @property

@@ -8,8 +8,17 @@ of 0.2 per trial ran 1.011x the best fixed k, the weight of ``0.3 * trials`` per
 round it replaced 0.988x). With k drafts a round emits on average
 ``(1 - alpha**(k + 1)) / (1 - alpha)`` tokens (Leviathan et al., eq. 1) and costs
 ``k * c_draft + c_verify(k)``, with ``c_verify(k) = 1 + beta * k`` in units of a
-one-token target forward. The policy picks the k in ``[0, k_max]`` that maximises
-tokens per unit cost; k = 0 (plain decoding) wins when the draft guesses badly.
+one-token target forward, plus a fixed cost of drafting at all (k >= 1). The policy
+picks the k in ``[0, k_max]`` that maximises tokens per unit cost; k = 0 (plain
+decoding) wins when the draft guesses badly.
+
+The costs start from a static guess (:class:`CostModel`'s defaults, measured for a
+float32 draft) and are replaced by measured ones as soon as a runner has them
+(:meth:`KPolicy.measured`): the local loop fits its own rounds
+(:mod:`specserve.engine.round_cost`), the orchestrator hands each session the
+drafting cost it fitted for the target (:mod:`specserve.orchestrator.goodput`).
+With a bfloat16 draft on the Xeon a drafted token cost 0.23 of a plain round, not
+the static 0.55: at acceptance 0.85 the guess plans 2 drafts, the measured costs 5.
 Pure Python: the orchestrator uses the same class per session.
 """
 
@@ -22,10 +31,27 @@ ALPHA0 = 0.7  # the acceptance a policy starts from when nothing better is known
 
 @dataclass(frozen=True)
 class CostModel:
-    """Relative costs measured for a model pair (see bench/local_speedup.py)."""
+    """A round's cost relative to a plain round (one target forward of one token).
+
+    The defaults are the static guess, measured for a float32 draft
+    (bench/local_speedup.py); runners replace them with measured ones.
+    """
 
     draft_per_token: float = 0.3  # one draft forward / one target forward
     verify_per_token: float = 0.25  # extra cost of each verified position (beta)
+    fixed: float = 0.0  # what drafting at all adds (a call, a step's setup), k >= 1
+
+    def round(self, k: int) -> float:
+        """The cost of a round with ``k`` drafts, in plain rounds."""
+        if k <= 0:
+            return 1.0
+        return 1.0 + self.fixed + (self.verify_per_token + self.draft_per_token) * k
+
+    def __str__(self) -> str:
+        return (
+            f"draft {self.draft_per_token:.3f} + verify {self.verify_per_token:.3f} a token, "
+            f"fixed {self.fixed:.3f} (of a plain round)"
+        )
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -48,7 +74,7 @@ def updated_alpha(alpha: float, drafted: int, accepted: int, smoothing: float) -
 
 def _rate(alpha: float, k: int, cost: CostModel) -> float:
     """Tokens per unit of cost of a round with k drafts."""
-    return expected_tokens(alpha, k) / (1.0 + cost.verify_per_token * k + cost.draft_per_token * k)
+    return expected_tokens(alpha, k) / cost.round(k)
 
 
 def best_k(alpha: float, k_max: int, cost: CostModel, k_min: int = 0) -> int:
@@ -70,7 +96,8 @@ class KPolicy:
     ) -> None:
         self.fixed = k
         self.k_max = k_max
-        self.cost = cost or CostModel()
+        self.static = cost or CostModel()
+        self.cost = self.static
         self.alpha = alpha0
         self.smoothing = smoothing
         self._probe = 0
@@ -108,6 +135,11 @@ class KPolicy:
 
     def _cap(self, k_cap: int | None) -> int:
         return self.k_max if k_cap is None else max(0, min(k_cap, self.k_max))
+
+    def measured(self, cost: CostModel | None) -> None:
+        """Plan with ``cost``, what the runner measured, from the next round on; None
+        (nothing measured yet, or no longer) goes back to the static costs."""
+        self.cost = self.static if cost is None else cost
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Update alpha from one round: ``accepted`` of ``drafted`` tokens kept.

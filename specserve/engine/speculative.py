@@ -23,6 +23,7 @@ from specserve.engine.decode_state import DecodeState
 from specserve.engine.drafter import Drafter
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.rejection import Proposal
+from specserve.engine.round_cost import RoundCosts
 from specserve.engine.verifier import TargetVerifier
 
 DRAFTER_NONE = "none"
@@ -46,10 +47,21 @@ class Timing:
 class SpeculativeEngine:
     """Runs rounds for a set of :class:`DecodeState` sessions in this process."""
 
-    def __init__(self, verifier: TargetVerifier, drafters: Mapping[str, Drafter]) -> None:
+    def __init__(
+        self,
+        verifier: TargetVerifier,
+        drafters: Mapping[str, Drafter],
+        *,
+        costs: RoundCosts | None = None,
+    ) -> None:
+        """``costs``: measure a lone session's decode rounds and plan adaptive k with the
+        costs they imply (:mod:`specserve.engine.round_cost`); None keeps the policies'
+        static costs (the k chosen then depends on acceptance alone, not on timing)."""
         self.verifier = verifier
         self.drafters = dict(drafters)
         self.timing = Timing()
+        self.costs = costs
+        self._synced = True
 
     def run(
         self,
@@ -77,6 +89,11 @@ class SpeculativeEngine:
 
     def round(self, states: Sequence[DecodeState]) -> list[tuple[DecodeState, list[int]]]:
         """One round for every session in ``states``; returns the tokens each added."""
+        timed = self.costs is not None and len(states) == 1 and _decoding(states[0])
+        if self.costs is not None:
+            measured = self.costs.model()
+            for s in states:
+                s.k_policy.measured(measured)
         t0 = time.perf_counter()
         proposals = self._propose(states)
         t1 = time.perf_counter()
@@ -84,6 +101,7 @@ class SpeculativeEngine:
             [s.verify_input(p) for s, p in zip(states, proposals, strict=True)]
         )
         stale = [i for i, o in enumerate(outcomes) if o.stale]
+        timed = timed and not stale and self._synced
         if stale:  # the target lost these caches: resend the whole history
             again = self.verifier.verify(
                 [states[i].verify_input(proposals[i], full=True) for i in stale]
@@ -95,6 +113,8 @@ class SpeculativeEngine:
         self.timing.verify_s += t2 - t1
         self.timing.rounds += 1
         self.timing.batch_sizes.append(len(states))
+        if timed and self.costs is not None:
+            self.costs.observe(len(proposals[0].tokens), t1 - t0, t2 - t1)
         out = []
         for s, p, o in zip(states, proposals, outcomes, strict=True):
             assert o.verdict is not None, "a full-history verify cannot be stale"
@@ -102,6 +122,9 @@ class SpeculativeEngine:
         return out
 
     def _propose(self, states: Sequence[DecodeState]) -> list[Proposal]:
+        """Each session's drafts; ``_synced`` says whether no drafter needed a session's
+        whole history again (a round that re-sent it is not timed)."""
+        self._synced = True
         proposals: list[Proposal] = [Proposal(tokens=[])] * len(states)
         groups: dict[str, list[int]] = {}
         for i, s in enumerate(states):
@@ -113,6 +136,9 @@ class SpeculativeEngine:
             outcomes = drafter.propose([states[i].draft_input(ks[i]) for i in idx])
             stale = [i for i, o in zip(idx, outcomes, strict=True) if o.stale]
             if stale:
+                # A drafter that lost a session re-reads its whole history: not a
+                # decode step to time, unless it drafts nothing (no forward then).
+                self._synced = self._synced and not any(ks[i] for i in stale)
                 again = drafter.propose([states[i].draft_input(ks[i], full=True) for i in stale])
                 fixed = dict(zip(stale, again, strict=True))
                 outcomes = [fixed.get(i, o) for i, o in zip(idx, outcomes, strict=True)]
@@ -121,3 +147,14 @@ class SpeculativeEngine:
                 proposals[i] = o.proposal
                 states[i].note_draft_synced()
         return proposals
+
+
+def _decoding(s: DecodeState) -> bool:
+    """Whether a round of ``s`` now is a plain decode step: the target gets one new
+    token (not a prompt) and the draft catches up at most a round's tokens (not its
+    prefill)."""
+    if len(s.tokens) - s.target_start != 1:
+        return False
+    if s.drafter == DRAFTER_NONE:
+        return True
+    return s.draft_start > 0 and len(s.tokens) - s.draft_start <= s.k_policy.k_max + 1

@@ -12,6 +12,7 @@ from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.ngram import NgramDrafter
+from specserve.engine.round_cost import RoundCosts
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.verifier import TargetVerifier
@@ -107,3 +108,27 @@ def test_caches_are_released_after_a_run() -> None:
     _decode(engine, _prompts(8), drafter="model", k=3)
     assert verifier.kv_stats().blocks_used == 0 and drafter.kv_stats().blocks_used == 0
     assert drafter.sessions() == 0
+
+
+def test_measured_round_costs_time_lone_decode_rounds_and_keep_the_output() -> None:
+    target = tiny_model(21)
+    draft = noisy_copy(target, 0.2, 3)
+    # First a fit that never answers: k then follows acceptance alone, as with static
+    # costs, so which rounds prefill is fixed and every other one must be timed.
+    costs = RoundCosts(min_rounds=10**9)
+    engine = SpeculativeEngine(
+        TargetVerifier(target, BUDGET), {"model": ModelDrafter(draft, BUDGET)}, costs=costs
+    )
+    prompts = _prompts(3, count=2)
+    plain = _decode(engine, prompts, drafter="none", k=0)  # a batch of two: not timed
+    assert costs.rounds == 0
+    spec = [_decode(engine, [p], drafter="model", k=None)[0] for p in prompts]
+    assert [s.completion for s in spec] == [p.completion for p in plain]
+    assert sum(s.stats.drafted for s in spec) > 0 and sum(s.stats.accepted for s in spec) > 0
+    assert costs.rounds == sum(s.stats.rounds - 1 for s in spec)  # all but the prefills
+    # Then the real fit: the policies plan with it once the rounds tell, output unchanged.
+    engine.costs = RoundCosts()
+    again = [_decode(engine, [p], drafter="model", k=None)[0] for p in prompts]
+    assert [s.completion for s in again] == [p.completion for p in plain]
+    assert engine.costs.model() is not None
+    assert again[-1].k_policy.cost is not again[-1].k_policy.static
