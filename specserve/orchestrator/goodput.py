@@ -98,6 +98,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from specserve.engine.k_policy import CostModel
 from specserve.orchestrator.drafting_cost import DraftingCost, fit_drafting_cost
 
 
@@ -320,6 +321,24 @@ class GoodputCaps:
     def cost(self, target: str) -> DraftingCost | None:
         """What drafting is fitted to add to a round of ``target`` (None: not timed)."""
         return self._cost.get(target)
+
+    def relative_cost(self, target: str, batch: int) -> CostModel | None:
+        """What drafting is fitted to cost in a round of ``batch`` sessions on
+        ``target``, in plain rounds of that batch: the costs each session's k policy
+        plans with (:meth:`~specserve.engine.k_policy.KPolicy.measured`), so the k it
+        would draft under a cap, which the outlook weighs, comes from this machine's
+        rounds, not the policy's static guess. A session is charged as if its drafts
+        set the round's depth. None until both the fit and the batch's ``t0`` exist."""
+        b = self._buckets.get((target, bucket_of(batch)))
+        cost = self._cost.get(target)
+        t0 = None if b is None else b.t0
+        if cost is None or t0 is None or t0 <= 0:
+            return None
+        return CostModel(
+            draft_per_token=cost.per_step / t0,
+            verify_per_token=cost.per_token / t0,
+            fixed=cost.fixed / t0,
+        )
 
     def forget(self, target: str) -> None:
         """Drop a target's figures (it left the pool; a new replica may differ)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from specserve.engine.k_policy import expected_tokens
+from specserve.engine.k_policy import KPolicy, expected_tokens
 from specserve.orchestrator.goodput import GoodputCaps, Prospect, bucket_of
 
 T = "t:1"
@@ -194,6 +194,26 @@ def test_rounds_of_several_batch_sizes_tell_steps_from_drafted_tokens() -> None:
         t0 = caps.seconds(T, 4, 0, 0)
         assert t0 is not None
         assert caps.seconds(T, 4, 2, 8) == pytest.approx(t0 + 2 * per_step + 8 * per_token)
+
+
+def test_the_sessions_policies_get_the_fitted_cost_in_plain_rounds_of_their_batch() -> None:
+    """What each session's k policy plans with: the target's fitted drafting cost over
+    the plain time of the round's batch size (the Xeon's lone session: a drafted token
+    0.058 s over a 0.25 s plain round, 0.23 of one, where the static guess says 0.55)."""
+    caps = GoodputCaps(explore_every=100)
+    assert caps.relative_cost(T, 1) is None  # nothing timed
+    world = World(batch=1, t0=0.25, per_draft=0.039, per_token=0.019)
+    caps.choose(T, 1, 8, world.outlook)
+    for depth in (1, 2, 4, 3):
+        caps.observe(T, 1, depth, depth, world.seconds(depth))
+    assert caps.relative_cost(T, 1) is None  # no plain round yet: no t0 to relate to
+    caps.observe(T, 1, 0, 0, 0.25)
+    cost = caps.relative_cost(T, 1)
+    assert cost is not None
+    assert cost.draft_per_token + cost.verify_per_token == pytest.approx(0.058 / 0.25)
+    assert cost.round(4) == pytest.approx(world.seconds(4) / 0.25)
+    assert KPolicy(None, alpha0=0.85, cost=cost).plan(8) > KPolicy(None, alpha0=0.85).plan(8)
+    assert caps.relative_cost(T, 8) is None  # a batch size never chosen
 
 
 def test_the_curves_bound_is_respected() -> None:
