@@ -19,14 +19,18 @@ a ratio to the best fixed k. Deterministic once the sequences and the line are
 measured; ``--replay FILE`` re-runs the policies on a saved JSON without models.
 
 Policies: fixed k = 1..8; the adaptive :class:`~specserve.engine.k_policy.KPolicy`
-(the engine's and the orchestrator's); the rule it replaced (an update weight of
+with its static cost guess; the rule it replaced (an update weight of
 ``0.3 * trials`` per round, capped at 1, so a round of 4 accepted tokens set the
 acceptance to 1.0 and one rejection after that dropped k to 1); the adaptive
-policy with other weights per judged draft, and with the fitted cost instead of
-its static one; and an oracle that drafts exactly the run of matches (at most 8,
-the policies' k_max): an upper bound no policy that cannot see the future reaches.
+policy with other weights per judged draft, with the fitted line's cost, and with
+the costs :class:`~specserve.engine.round_cost.RoundCosts` measures of the replayed
+rounds as it goes (what the local loop does; one estimator across the prompts, as
+the local loop keeps one across turns); and an oracle that drafts exactly the run
+of matches (at most 8, the policies' k_max): an upper bound no policy that cannot
+see the future reaches.
 
-    .venv/bin/python -m bench.k_policy_replay [--prompts 0-19] [--new-tokens 128]
+    .venv/bin/python -m bench.k_policy_replay [--prompts 0-19] [--new-tokens 128] \
+        [--draft-dtype bfloat16]
 
 Writes bench/results/k_policy_replay.{md,json}.
 """
@@ -50,6 +54,7 @@ from bench.common import (
     write_results,
 )
 from specserve.engine.k_policy import CostModel, KPolicy
+from specserve.engine.round_cost import RoundCosts
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -103,7 +108,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from specserve.engine.sampling import SamplingParams
     from specserve.local import LocalConfig, LocalRunner
 
-    runner = LocalRunner(LocalConfig(target=args.target, draft=args.draft, threads=args.threads))
+    runner = LocalRunner(
+        LocalConfig(
+            target=args.target,
+            draft=args.draft,
+            draft_dtype=args.draft_dtype,
+            threads=args.threads,
+        )
+    )
     draft = runner.engine.drafters["model"].model  # type: ignore[attr-defined]
     vocab = min(runner.verifier.vocab_limit, draft.config.vocab_size)
     problems = list(read_problems().values())
@@ -153,8 +165,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 PolicyFactory = Callable[[], KPolicy | None]  # None: the oracle
 
 
+class _Measuring(KPolicy):
+    """The adaptive policy planning with what :class:`RoundCosts` measured of the rounds
+    replayed so far (shared across prompts, as the local loop's is across turns)."""
+
+    def __init__(self, costs: RoundCosts) -> None:
+        super().__init__(None)
+        self.costs = costs
+
+    def next_k(self, k_cap: int | None = None) -> int:
+        self.measured(self.costs.model())
+        return super().next_k(k_cap)
+
+
 def policies(cost: RoundCost) -> dict[str, PolicyFactory]:
-    fitted = CostModel(draft_per_token=cost.s / cost.t0, verify_per_token=0.0)
+    fitted = CostModel(
+        draft_per_token=cost.s / cost.t0, verify_per_token=0.0, fixed=cost.c / cost.t0
+    )
+    online = RoundCosts()
     out: dict[str, PolicyFactory] = {f"fixed k={k}": (lambda k=k: KPolicy(k)) for k in range(1, 9)}
     default = KPolicy(None).smoothing
     out[f"adaptive (KPolicy: {default} per judged draft)"] = lambda: KPolicy(None)
@@ -163,6 +191,7 @@ def policies(cost: RoundCost) -> dict[str, PolicyFactory]:
             out[f"adaptive, {w} per judged draft"] = lambda w=w: KPolicy(None, smoothing=w)
     out["adaptive, replaced update rule"] = lambda: _OldRule(None)
     out["adaptive, fitted cost"] = lambda: KPolicy(None, cost=fitted)
+    out["adaptive, costs measured as it goes (the local loop's)"] = lambda: _Measuring(online)
     out["oracle (drafts the run of matches, at most 8)"] = lambda: None
     return out
 
@@ -181,6 +210,8 @@ def replay(
         accepted = min(run, k)
         if policy is not None:
             policy.observe(k, accepted)
+        if isinstance(policy, _Measuring):  # the replay's round: verify t0, the rest drafting
+            policy.costs.observe(k, cost(k) - cost(0), cost(0))
         seconds += cost(k)
         rounds += 1
         drafted += k
@@ -221,7 +252,8 @@ def markdown(
     lines = [
         "# k policies replayed on the model pair's acceptance",
         "",
-        f"Target {data['target']} (float32), draft {data['draft']} (float32), HumanEval prompts "
+        f"Target {data['target']} (float32), draft {data['draft']} "
+        f"({data.get('draft_dtype', 'float32')}), HumanEval prompts "
         f"{data['prompts']} (raw), {data['new_tokens']} greedy tokens each (EOS ignored); the "
         f"draft's greedy token matched the target's at {matched:.1%} of positions. Rounds timed "
         f"in the local loop (medians): {timed}; fitted T(k) = {cost.t0 * 1000:.0f} ms"
@@ -246,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=TARGET)
     p.add_argument("--draft", default=DRAFT)
+    p.add_argument("--draft-dtype", default="bfloat16", help="the draft's weights (served default)")
     p.add_argument("--prompts", type=parse_range, default=parse_range("0-19"))
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
@@ -263,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         data.update(
             target=args.target,
             draft=args.draft,
+            draft_dtype=args.draft_dtype,
             prompts=f"{args.prompts[0]}-{args.prompts[-1]}",
             new_tokens=args.new_tokens,
             command=reproduce_command("bench.k_policy_replay", list(argv) if argv else None),

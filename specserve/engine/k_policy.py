@@ -3,9 +3,9 @@
 The adaptive policy keeps an exponential moving average of the per-token
 acceptance probability alpha (the chance that a draft token is accepted given its
 predecessors were), one step per judged draft (:func:`updated_alpha`; replayed
-on the Qwen pair's measured acceptance in ``bench/k_policy_replay.py``, a weight
-of 0.2 per trial ran 1.011x the best fixed k, the weight of ``0.3 * trials`` per
-round it replaced 0.988x). With k drafts a round emits on average
+on the Qwen pair's measured acceptance in ``bench/k_policy_replay.py`` with the
+float32 draft's round times, a weight of 0.2 per trial ran 1.011x the best fixed k,
+the weight of ``0.3 * trials`` per round it replaced 0.988x). With k drafts a round emits on average
 ``(1 - alpha**(k + 1)) / (1 - alpha)`` tokens (Leviathan et al., eq. 1) and costs
 ``k * c_draft + c_verify(k)``, with ``c_verify(k) = 1 + beta * k`` in units of a
 one-token target forward, plus a fixed cost of drafting at all (k >= 1). The policy
@@ -17,8 +17,10 @@ float32 draft) and are replaced by measured ones as soon as a runner has them
 (:meth:`KPolicy.measured`): the local loop fits its own rounds
 (:mod:`specserve.engine.round_cost`), the orchestrator hands each session the
 drafting cost it fitted for the target (:mod:`specserve.orchestrator.goodput`).
-With a bfloat16 draft on the Xeon a drafted token cost 0.23 of a plain round, not
-the static 0.55: at acceptance 0.85 the guess plans 2 drafts, the measured costs 5.
+With a bfloat16 draft on the Xeon a drafted token cost 0.23-0.33 of a plain round,
+not the static 0.55: at acceptance 0.85 the guess plans 2 drafts, the measured costs
+5. Replayed with that draft's round times the static guess ran 0.962x the best
+fixed k, the costs measured as it went 0.995x.
 Pure Python: the orchestrator uses the same class per session.
 """
 
