@@ -5,9 +5,9 @@ acceptance probability alpha (the chance that a draft token is accepted given it
 predecessors were), one step per judged draft (:func:`updated_alpha`; replayed
 on the Qwen pair's measured acceptance in ``bench/k_policy_replay.py`` with the
 float32 draft's round times, a weight of 0.2 per trial ran 1.011x the best fixed k,
-the weight of ``0.3 * trials`` per round it replaced 0.988x). With k drafts a round emits on average
-``(1 - alpha**(k + 1)) / (1 - alpha)`` tokens (Leviathan et al., eq. 1) and costs
-``k * c_draft + c_verify(k)``, with ``c_verify(k) = 1 + beta * k`` in units of a
+the weight of ``0.3 * trials`` per round it replaced 0.988x). With k drafts a round
+emits on average ``(1 - alpha**(k + 1)) / (1 - alpha)`` tokens (Leviathan et al.,
+eq. 1) and costs ``k * c_draft + c_verify(k)``, with ``c_verify(k) = 1 + beta * k`` in units of a
 one-token target forward, plus a fixed cost of drafting at all (k >= 1). The policy
 picks the k in ``[0, k_max]`` that maximises tokens per unit cost; k = 0 (plain
 decoding) wins when the draft guesses badly.
@@ -48,12 +48,6 @@ class CostModel:
         if k <= 0:
             return 1.0
         return 1.0 + self.fixed + (self.verify_per_token + self.draft_per_token) * k
-
-    def __str__(self) -> str:
-        return (
-            f"draft {self.draft_per_token:.3f} + verify {self.verify_per_token:.3f} a token, "
-            f"fixed {self.fixed:.3f} (of a plain round)"
-        )
 
 
 def expected_tokens(alpha: float, k: int) -> float:
