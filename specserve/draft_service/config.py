@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from specserve.engine.errors import InvalidArgument
 from specserve.serving.cli_args import DTYPES, add_server_arguments, server_options
 from specserve.serving.server import ServerOptions
 
@@ -62,6 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
 
 
 def from_args(args: argparse.Namespace) -> DraftServerConfig:
+    """The config of a draft server process, from its parsed flags; InvalidArgument
+    says which flag is wrong."""
+    try:
+        return _from_args(args)
+    except ValueError as e:
+        raise InvalidArgument(f"bad draft server flags: {e}") from None
+
+
+def _from_args(args: argparse.Namespace) -> DraftServerConfig:
     return DraftServerConfig(
         model=args.model or None,
         dtype=args.dtype,

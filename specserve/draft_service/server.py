@@ -16,6 +16,7 @@ from specserve.draft_service.backend import DraftBackend
 from specserve.draft_service.config import DraftServerConfig
 from specserve.draft_service.metrics import DraftCollector
 from specserve.draft_service.servicer import DraftServicer
+from specserve.engine.errors import EngineError
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.serving.metrics import serve_replica_metrics
 from specserve.serving.models import load_model
@@ -75,4 +76,11 @@ def run(config: DraftServerConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(draft_config.from_args(build_parser().parse_args(argv)))
+    """``python -m specserve.draft_service``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = draft_config.from_args(args)
+    except EngineError as e:  # a bad flag value: say which, no traceback
+        parser.error(str(e))
+    return run(config)

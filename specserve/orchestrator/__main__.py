@@ -3,6 +3,7 @@
 import argparse
 import sys
 
+from specserve.engine.errors import EngineError
 from specserve.orchestrator import app, config
 
 
@@ -11,7 +12,12 @@ def main() -> int:
         prog="specserve orchestrator", description="Serve the public Generation API."
     )
     config.add_arguments(parser)
-    return app.run(config.from_args(parser.parse_args()))
+    args = parser.parse_args()
+    try:
+        settings = config.from_args(args)
+    except EngineError as e:  # a bad flag value: say which, no traceback
+        parser.error(str(e))
+    return app.run(settings)
 
 
 sys.exit(main())

@@ -97,6 +97,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = target_config.from_args(args)
-    except (ValueError, EngineError) as e:  # a bad flag value: say which, no traceback
+    except EngineError as e:  # a bad flag value: say which, no traceback
         parser.error(str(e))
     return run(config)

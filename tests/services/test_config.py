@@ -153,3 +153,44 @@ def test_ngram_only_replica_refuses_the_model_drafter() -> None:
             await running.stop(0)
 
     run(go())
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["target-server", "--model", "tiny:1", "--batch-window-ms", "5000"], "bad target server"),
+        (["draft-server", "--model", "tiny:1", "--batch-window-ms", "-1"], "bad draft server"),
+        (["orchestrator", "--target", "127.0.0.1:1", "--admission-window-ms", "5000"], "bad orch"),
+    ],
+)
+def test_a_bad_flag_value_exits_with_one_line_naming_it(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every process's command line: the `specserve` command and the `python -m` entry
+    points the manifests and torchrun start say which flag is wrong, exit 2, and load
+    nothing (no traceback)."""
+    from specserve import cli
+    from specserve.draft_service.server import main as draft_main
+    from specserve.target_service.server import main as target_main
+
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"specserve: {says}") and "\n" not in err and "Traceback" not in err
+    flag = argv[-2].lstrip("-").replace("-", "_").removesuffix("_ms")
+    assert flag in err
+    mains = {"target-server": target_main, "draft-server": draft_main}
+    if argv[0] in mains:
+        with pytest.raises(SystemExit) as e:
+            mains[argv[0]](argv[1:])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    else:  # python -m specserve.orchestrator reads sys.argv: run it
+        import subprocess
+        import sys
+
+        done = subprocess.run(
+            [sys.executable, "-m", "specserve.orchestrator", *argv[1:]],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
