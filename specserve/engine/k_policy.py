@@ -19,7 +19,7 @@ float32 draft) and are replaced by measured ones as soon as a runner has them
 drafting cost it fitted for the target (:mod:`specserve.orchestrator.goodput`).
 With a bfloat16 draft on the Xeon a drafted token cost 0.23-0.33 of a plain round,
 not the static 0.55: at acceptance 0.85 the guess plans 2 drafts, the measured costs
-5. Replayed with that draft's round times the static guess ran 0.962x the best
+4 or 5. Replayed with that draft's round times the static guess ran 0.962x the best
 fixed k, the costs measured as it went 0.995x.
 Pure Python: the orchestrator uses the same class per session.
 """

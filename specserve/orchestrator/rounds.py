@@ -491,7 +491,7 @@ class RoundRunner:
         cost on ``target`` at this batch size (its static guess until that is timed):
         the k it would draft under each cap, which the cap's outlook weighs, then follows
         this machine's rounds (a bfloat16 draft on the Xeon: 0.23 of a plain round a
-        drafted token, where the guess says 0.55; at acceptance 0.85 that is 5 drafts
+        drafted token, where the guess says 0.55; at acceptance 0.85 that is 4-5 drafts
         planned instead of 2)."""
         assert self.caps is not None
         measured = self.caps.relative_cost(target, len(live))
