@@ -16,8 +16,8 @@ from specserve.draft_service.backend import DraftBackend
 from specserve.draft_service.config import DraftServerConfig
 from specserve.draft_service.metrics import DraftCollector
 from specserve.draft_service.servicer import DraftServicer
-from specserve.engine.errors import EngineError
 from specserve.engine.model_drafter import ModelDrafter
+from specserve.serving.cli_args import parse_config
 from specserve.serving.metrics import serve_replica_metrics
 from specserve.serving.models import load_model
 from specserve.serving.server import RunningServer, identity_of, run_process, start_server
@@ -77,10 +77,4 @@ def run(config: DraftServerConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m specserve.draft_service``."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        config = draft_config.from_args(args)
-    except EngineError as e:  # a bad flag value: say which, no traceback
-        parser.error(str(e))
-    return run(config)
+    return run(parse_config(build_parser(), draft_config.from_args, argv))

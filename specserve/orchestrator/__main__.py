@@ -3,8 +3,8 @@
 import argparse
 import sys
 
-from specserve.engine.errors import EngineError
 from specserve.orchestrator import app, config
+from specserve.serving.cli_args import parse_config
 
 
 def main() -> int:
@@ -12,12 +12,7 @@ def main() -> int:
         prog="specserve orchestrator", description="Serve the public Generation API."
     )
     config.add_arguments(parser)
-    args = parser.parse_args()
-    try:
-        settings = config.from_args(args)
-    except EngineError as e:  # a bad flag value: say which, no traceback
-        parser.error(str(e))
-    return app.run(settings)
+    return app.run(parse_config(parser, config.from_args))
 
 
 sys.exit(main())

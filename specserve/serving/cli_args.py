@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
+from specserve.engine.errors import EngineError
 from specserve.serving.server import MAX_MESSAGE_BYTES, ServerOptions
 from specserve.telemetry.config import add_telemetry_arguments, telemetry_config
 
@@ -163,3 +165,20 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         threads=args.threads,
         telemetry=telemetry_config(args),
     )
+
+
+Config = TypeVar("Config")
+
+
+def parse_config(
+    parser: argparse.ArgumentParser,
+    from_args: Callable[[argparse.Namespace], Config],
+    argv: Sequence[str] | None = None,
+) -> Config:
+    """A process's config from its command line (``python -m`` entry points): a bad
+    flag value exits 2 with one line naming it, as argparse does for a bad flag."""
+    args = parser.parse_args(argv)
+    try:
+        return from_args(args)
+    except EngineError as e:
+        parser.error(str(e))

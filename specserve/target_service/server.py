@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 
 import grpc.aio
 
-from specserve.engine.errors import EngineError
 from specserve.engine.kv_transfer import KvTransfer
 from specserve.engine.verifier import TargetVerifier
+from specserve.serving.cli_args import parse_config
 from specserve.serving.metrics import serve_replica_metrics
 from specserve.serving.models import load_model
 from specserve.serving.server import RunningServer, identity_of, run_process, start_server
@@ -93,10 +93,4 @@ def run(config: TargetServerConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m specserve.target_service`` (the command torchrun starts on every rank)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        config = target_config.from_args(args)
-    except EngineError as e:  # a bad flag value: say which, no traceback
-        parser.error(str(e))
-    return run(config)
+    return run(parse_config(build_parser(), target_config.from_args, argv))
