@@ -61,7 +61,6 @@ class SpeculativeEngine:
         self.drafters = dict(drafters)
         self.timing = Timing()
         self.costs = costs
-        self._synced = True
 
     def run(
         self,
@@ -95,13 +94,13 @@ class SpeculativeEngine:
             for s in states:
                 s.k_policy.measured(measured)
         t0 = time.perf_counter()
-        proposals = self._propose(states)
+        proposals, reread = self._propose(states)
         t1 = time.perf_counter()
         outcomes = self.verifier.verify(
             [s.verify_input(p) for s, p in zip(states, proposals, strict=True)]
         )
         stale = [i for i, o in enumerate(outcomes) if o.stale]
-        timed = timed and not stale and self._synced
+        timed = timed and not stale and not reread
         if stale:  # the target lost these caches: resend the whole history
             again = self.verifier.verify(
                 [states[i].verify_input(proposals[i], full=True) for i in stale]
@@ -121,10 +120,10 @@ class SpeculativeEngine:
             out.append((s, s.commit(p, o.verdict)))
         return out
 
-    def _propose(self, states: Sequence[DecodeState]) -> list[Proposal]:
-        """Each session's drafts; ``_synced`` says whether no drafter needed a session's
-        whole history again (a round that re-sent it is not timed)."""
-        self._synced = True
+    def _propose(self, states: Sequence[DecodeState]) -> tuple[list[Proposal], bool]:
+        """Each session's drafts, and whether a drafter re-read a session's whole history
+        to draft for it (such a round is not a decode step to time)."""
+        reread = False
         proposals: list[Proposal] = [Proposal(tokens=[])] * len(states)
         groups: dict[str, list[int]] = {}
         for i, s in enumerate(states):
@@ -136,9 +135,9 @@ class SpeculativeEngine:
             outcomes = drafter.propose([states[i].draft_input(ks[i]) for i in idx])
             stale = [i for i, o in zip(idx, outcomes, strict=True) if o.stale]
             if stale:
-                # A drafter that lost a session re-reads its whole history: not a
-                # decode step to time, unless it drafts nothing (no forward then).
-                self._synced = self._synced and not any(ks[i] for i in stale)
+                # A drafter that lost a session re-reads its whole history (a forward
+                # only where it then drafts).
+                reread = reread or any(ks[i] for i in stale)
                 again = drafter.propose([states[i].draft_input(ks[i], full=True) for i in stale])
                 fixed = dict(zip(stale, again, strict=True))
                 outcomes = [fixed.get(i, o) for i, o in zip(idx, outcomes, strict=True)]
@@ -146,7 +145,7 @@ class SpeculativeEngine:
                 assert o.proposal is not None, "a full-history draft cannot be stale"
                 proposals[i] = o.proposal
                 states[i].note_draft_synced()
-        return proposals
+        return proposals, reread
 
 
 def _decoding(s: DecodeState) -> bool:
