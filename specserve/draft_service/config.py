@@ -7,8 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from specserve.engine.errors import InvalidArgument
-from specserve.serving.cli_args import DTYPES, add_server_arguments, server_options
+from specserve.serving.cli_args import DTYPES, add_server_arguments, flag_values, server_options
 from specserve.serving.server import ServerOptions
 
 DEFAULT_KV_BUDGET = "1GiB"
@@ -62,16 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     add_server_arguments(parser, kv_budget=DEFAULT_KV_BUDGET, dtype=DEFAULT_DTYPE, env=env)
 
 
+@flag_values("draft server")
 def from_args(args: argparse.Namespace) -> DraftServerConfig:
-    """The config of a draft server process, from its parsed flags; InvalidArgument
-    says which flag is wrong."""
-    try:
-        return _from_args(args)
-    except ValueError as e:
-        raise InvalidArgument(f"bad draft server flags: {e}") from None
-
-
-def _from_args(args: argparse.Namespace) -> DraftServerConfig:
+    """The config of a draft server process, from its parsed flags."""
     return DraftServerConfig(
         model=args.model or None,
         dtype=args.dtype,

@@ -36,7 +36,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator import keys
 from specserve.orchestrator.kv_snapshots import SnapshotConfig
 from specserve.orchestrator.redis_settings import RedisSettings
@@ -44,6 +43,7 @@ from specserve.orchestrator.replicas import EndpointSpec
 from specserve.orchestrator.rounds import RoundTimeouts
 from specserve.orchestrator.scheduler import KCapCurve, SchedulerConfig
 from specserve.orchestrator.session_store import StoreTtls
+from specserve.serving.cli_args import flag_values
 from specserve.serving.server import ServerOptions
 from specserve.telemetry.config import add_telemetry_arguments, telemetry_config
 
@@ -240,15 +240,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     add_telemetry_arguments(parser, env)
 
 
+@flag_values("orchestrator")
 def from_args(args: argparse.Namespace) -> OrchestratorConfig:
-    """The config the parsed flags describe; InvalidArgument says which flag is wrong."""
-    try:
-        return _from_args(args)
-    except ValueError as e:
-        raise InvalidArgument(f"bad orchestrator flags: {e}") from None
-
-
-def _from_args(args: argparse.Namespace) -> OrchestratorConfig:
+    """The config the parsed flags describe."""
     if args.draft_ahead not in ("on", "off"):  # argparse does not check an env default
         raise ValueError(f"--draft-ahead must be on or off, got {args.draft_ahead!r}")
     redis = None

@@ -26,12 +26,13 @@ and the telemetry flags of :mod:`specserve.telemetry.config` (tracing, logs,
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from specserve.engine.errors import EngineError
+from specserve.engine.errors import EngineError, InvalidArgument
 from specserve.serving.server import MAX_MESSAGE_BYTES, ServerOptions
 from specserve.telemetry.config import add_telemetry_arguments, telemetry_config
 
@@ -168,6 +169,28 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
 
 
 Config = TypeVar("Config")
+
+
+def flag_values(
+    process: str,
+) -> Callable[[Callable[[argparse.Namespace], Config]], Callable[[argparse.Namespace], Config]]:
+    """Decorates a ``from_args``: a flag value its config refuses (ValueError) becomes
+    InvalidArgument("bad <process> flags: ..."), which the command line prints as one
+    line (:func:`parse_config`, ``specserve``'s main)."""
+
+    def wrap(
+        build: Callable[[argparse.Namespace], Config],
+    ) -> Callable[[argparse.Namespace], Config]:
+        @functools.wraps(build)
+        def from_args(args: argparse.Namespace) -> Config:
+            try:
+                return build(args)
+            except ValueError as e:
+                raise InvalidArgument(f"bad {process} flags: {e}") from None
+
+        return from_args
+
+    return wrap
 
 
 def parse_config(

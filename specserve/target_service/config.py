@@ -7,8 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from specserve.engine.errors import InvalidArgument
-from specserve.serving.cli_args import DTYPES, add_server_arguments, server_options
+from specserve.serving.cli_args import DTYPES, add_server_arguments, flag_values, server_options
 from specserve.serving.server import ServerOptions
 from specserve.target_service.tp_config import TPSettings, add_tp_arguments, tp_settings
 
@@ -50,16 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     add_tp_arguments(parser, env)
 
 
+@flag_values("target server")
 def from_args(args: argparse.Namespace) -> TargetServerConfig:
-    """The one config of a target server process, from its parsed flags;
-    InvalidArgument says which flag is wrong."""
-    try:
-        return _from_args(args)
-    except ValueError as e:
-        raise InvalidArgument(f"bad target server flags: {e}") from None
-
-
-def _from_args(args: argparse.Namespace) -> TargetServerConfig:
+    """The one config of a target server process, from its parsed flags."""
     return TargetServerConfig(
         model=args.model,
         dtype=args.dtype,
