@@ -25,7 +25,7 @@ from torch import nn
 
 from specserve.draft_service import config as draft_config
 from specserve.draft_service import server as draft_server
-from specserve.serving.server import run_process
+from specserve.serving.server import identity_of, run_process
 from specserve.target_service import config as target_config
 from specserve.target_service import server as target_server
 
@@ -59,7 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             add_device_time(backend.model.model, args.forward_ms)
             return backend
 
-        return run_process(lambda: draft_server.start(dconfig, load=load_draft), dconfig.server)
+        identity = identity_of(dconfig.server, "draft", dconfig.model or "ngram")
+        return run_process(
+            lambda: draft_server.start(dconfig, load=load_draft), dconfig.server, identity
+        )
     target_config.add_arguments(parser)
     args = parser.parse_args(argv)
     tconfig = target_config.from_args(args)
@@ -69,7 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_device_time(backend.verifier.model, args.forward_ms)
         return backend
 
-    return run_process(lambda: target_server.start(tconfig, load=load_target), tconfig.server)
+    identity = identity_of(tconfig.server, "target", tconfig.model)
+    return run_process(
+        lambda: target_server.start(tconfig, load=load_target), tconfig.server, identity
+    )
 
 
 if __name__ == "__main__":
