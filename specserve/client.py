@@ -29,6 +29,11 @@ DRAFTERS = {
     "ngram": common_pb2.DRAFTER_NGRAM,
     "none": common_pb2.DRAFTER_NONE,
 }
+RULES = {
+    None: common_pb2.SAMPLING_RULE_UNSPECIFIED,
+    "coupled": common_pb2.SAMPLING_RULE_COUPLED,
+    "rejection": common_pb2.SAMPLING_RULE_REJECTION,
+}
 FINISH_NAMES = {
     generate_pb2.FINISH_REASON_LENGTH: "length",
     generate_pb2.FINISH_REASON_EOS: "eos",
@@ -69,6 +74,7 @@ class Completion:
     usage: Usage
     time_to_first_token_s: float
     duration_s: float
+    seed: int = 0  # the seed the turn sampled with (the request's or the server's)
 
     @property
     def tokens_per_second(self) -> float:
@@ -84,6 +90,7 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    seed: int = 0  # the seed the turn samples with (the request's or the server's)
 
 
 def request(
@@ -99,10 +106,14 @@ def request(
     k: int | None = None,
     session_id: str = "",
     keep_session: bool = False,
+    rule: str | None = None,
 ) -> generate_pb2.GenerateRequest:
-    """The GenerateRequest for these arguments (``max_new_tokens`` 0 = the server's default)."""
+    """The GenerateRequest for these arguments (``max_new_tokens`` 0 = the server's default;
+    ``rule`` "coupled" or "rejection", None = the server's default, coupled)."""
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of model, ngram, none; got {drafter!r}")
+    if rule not in RULES:
+        raise ValueError(f"rule must be coupled or rejection; got {rule!r}")
     req = generate_pb2.GenerateRequest(session_id=session_id, keep_session=keep_session)
     if isinstance(prompt, str):
         req.text = prompt
@@ -116,6 +127,7 @@ def request(
     s.stop.extend(stop)
     if seed is not None:
         s.seed = seed
+    s.rule = RULES[rule]
     req.speculation.drafter = DRAFTERS[drafter]
     if k is not None:
         req.speculation.k = k
@@ -131,6 +143,7 @@ def completion(pb: generate_pb2.GenerateResponse) -> Completion:
         Usage.of(pb.usage),
         pb.time_to_first_token_ns / 1e9,
         pb.duration_ns / 1e9,
+        pb.seed,
     )
 
 
@@ -142,6 +155,7 @@ def delta(pb: generate_pb2.GenerateStreamResponse) -> Delta:
         list(pb.token_ids),
         FINISH_NAMES.get(pb.finish_reason) if last else None,
         Usage.of(pb.usage) if last else None,
+        pb.seed,
     )
 
 

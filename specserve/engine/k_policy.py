@@ -79,7 +79,12 @@ def best_k(alpha: float, k_max: int, cost: CostModel, k_min: int = 0) -> int:
 
 
 class KPolicy:
-    """Per-session k: fixed when ``k`` is given, adaptive when it is ``None``."""
+    """Per-session k: fixed when ``k`` is given, adaptive when it is ``None``.
+
+    A fixed k is what the request asked for: no cap lowers it (neither ``k_max`` nor
+    the orchestrator's load or measured cap, which bound only the adaptive choice);
+    the session's remaining tokens still do (:meth:`DecodeState.next_k`).
+    """
 
     def __init__(
         self,
@@ -100,26 +105,29 @@ class KPolicy:
 
     def plans(self, limit: int) -> list[int]:
         """The k the policy would draft under each cap ``0 .. limit``, before any probe:
-        one pass, no state changes (the orchestrator weighs every cap each round)."""
-        top = min(limit, self.k_max)
+        one pass, no state changes (the orchestrator weighs every cap each round). A
+        fixed k is the same under every cap."""
         if self.fixed is not None:
-            ks = [min(self.fixed, cap) for cap in range(top + 1)]
-        else:  # best_k under each cap: the running best over k = 0 .. cap
-            ks, best, best_rate = [], 0, -1.0
-            for k in range(top + 1):
-                rate = _rate(self.alpha, k, self.cost)
-                if rate > best_rate:  # ties keep the smaller k, as best_k does
-                    best, best_rate = k, rate
-                ks.append(best)
+            return [self.fixed] * (limit + 1)
+        top = min(limit, self.k_max)
+        ks, best, best_rate = [], 0, -1.0  # best_k under each cap: the best over 0 .. cap
+        for k in range(top + 1):
+            rate = _rate(self.alpha, k, self.cost)
+            if rate > best_rate:  # ties keep the smaller k, as best_k does
+                best, best_rate = k, rate
+            ks.append(best)
         return ks + ks[-1:] * (limit - top)
 
     def plan(self, k_cap: int | None = None) -> int:
         """The k the policy would draft under ``k_cap``, before any probe."""
+        if self.fixed is not None:
+            return self.fixed
         cap = self._cap(k_cap)
         return self.plans(cap)[cap]
 
     def next_k(self, k_cap: int | None = None) -> int:
-        """The k for the next round, at most ``k_cap`` (the orchestrator's load cap)."""
+        """The k for the next round: a fixed k, or the adaptive one at most ``k_cap`` (the
+        orchestrator's load cap)."""
         k = self.plan(k_cap)
         if k == 0 and self.fixed is None and self._cap(k_cap) > 0:
             # Probe with one draft every few rounds so a session whose text turns

@@ -10,7 +10,10 @@ position, sessions leaving the batch as they reach their k or lose confidence.
 Sampled drafting draws from the draft's own truncated distribution (top
 ``max_support`` after the request's temperature/top-k/top-p) and returns exactly
 that distribution as sparse q, which is what the acceptance rule needs to stay
-exact. Greedy drafting returns point masses.
+exact. Greedy drafting returns point masses, and so does coupled drafting
+(:mod:`specserve.engine.coupling`): it proposes argmax(log q + g) over the same
+truncated q with the noise g(seed, position) the target uses, and the target needs
+no q to judge it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.engine import ops
+from specserve.engine import coupling, ops
 from specserve.engine.drafter import DraftInput, DraftOutcome
 from specserve.engine.kv_cache import KVStats
 from specserve.engine.model import CausalLM, SeqInput
@@ -181,6 +184,9 @@ class ModelDrafter:
         m = min(self.max_support, probs.shape[0])
         vals, ids = torch.topk(probs, m)
         vals = vals / vals.sum()
+        if a.params.coupled:
+            seeds = [a.params.seed]
+            return int(coupling.choose_among(vals[None], ids[None], seeds, [position])[0]), True
         u = uniform(a.params.seed, a.round_index, position, Stream.DRAFT)
         cdf = torch.cumsum(vals.double(), 0)
         pick = min(int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True)), m - 1)
@@ -191,7 +197,7 @@ class ModelDrafter:
         return int(ids[pick]), True
 
     def _proposal(self, a: _Active) -> Proposal:
-        if a.params.greedy or not a.drafts:
+        if a.params.greedy or a.params.coupled or not a.drafts:
             return Proposal(tokens=a.drafts)
         return Proposal(
             tokens=a.drafts,

@@ -52,6 +52,7 @@ class Stream(enum.IntEnum):
     ACCEPT = 1  # the accept test of a draft token
     RESAMPLE = 2  # the recovered or bonus sample
     DRAFT = 3  # the draft's own sample of its proposed token
+    GUMBEL = 4  # the key of a position's Gumbel noise vector (coupled sampling)
 
 
 def _mix(z: int) -> int:
@@ -110,13 +111,23 @@ def uniforms_batch(
     ``uniforms_batch(s, r, x, stream)[i] == uniform(s[i], r[i], x[i], stream)``; a
     scalar seed or round index applies to every position.
     """
+    h = hashes_batch(seeds, round_indices, positions, stream)
+    return torch.from_numpy((h >> _S11).astype(np.float64) * _INV_2_53)
+
+
+def hashes_batch(
+    seeds: Sequence[int] | np.ndarray | int,  # [n] or one for all
+    round_indices: Sequence[int] | np.ndarray | int,  # [n] or one for all
+    positions: Sequence[int] | np.ndarray,  # [n]
+    stream: Stream,
+) -> np.ndarray:
+    """The 64-bit hashes [n] (numpy uint64) behind :func:`uniforms_batch`."""
     n = len(positions)
     with np.errstate(over="ignore"):
         h = _mix_np(_as_u64(seeds, n) + _NP_GAMMA)
         for word in (_as_u64(round_indices, n), _as_u64(positions, n)):
             h = _mix_np((h ^ word) + _NP_GAMMA)
-        h = _mix_np((h ^ np.uint64(int(stream))) + _NP_GAMMA)
-    return torch.from_numpy((h >> _S11).astype(np.float64) * _INV_2_53)
+        return _mix_np((h ^ np.uint64(int(stream))) + _NP_GAMMA)
 
 
 def uniforms(seed: int, round_index: int, positions: Sequence[int], stream: Stream) -> torch.Tensor:

@@ -16,7 +16,10 @@ emitted sequence has exactly the distribution of sampling from p alone, for any
 q, provided q is the distribution the draft really sampled from and is sent whole.
 Greedy sessions (temperature 0) keep x_j while it equals the argmax of p_j and
 emit the argmax at the first mismatch or at the bonus position; this is exact
-token equality with target-only greedy decoding.
+token equality with target-only greedy decoding. Coupled sessions
+(:mod:`specserve.engine.coupling`) follow the same greedy rule over perturbed
+scores: the target's choice at a row is ``argmax(log p_j + g(seed, position + j))``,
+so they match target-only coupled sampling token for token; q is not used.
 
 Randomness: the accept test of x_j uses ``uniform(seed, round, position + j,
 Stream.ACCEPT)``; the recovered or bonus sample at offset j uses ``Stream.RESAMPLE``
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specserve.engine import coupling
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.randomness import Stream, uniforms_batch
 from specserve.engine.sampling import SamplingParams, batched_probabilities, sample
@@ -113,14 +117,15 @@ def verify(
     drafts = _Drafts.gather(proposals, vocab, device)
     at = _Layout.of(ks, device)
     u_accept, u_resample = _draws(at, params, round_index, positions, device)
-    greedy = torch.tensor([p.greedy for p in params], device=device)  # [batch]
-    argmax = target_logits.argmax(dim=-1)  # [R], the greedy choice (first max wins)
+    # Greedy and coupled sessions keep drafts while they equal the target's own choice.
+    choice = _choices(target_logits, probs, params, positions, at)  # [R]
+    chosen = torch.tensor([p.greedy or p.coupled for p in params], device=device)  # [batch]
 
     # The accept test for every draft token at once, then the length of the leading run.
     p_x = probs[at.draft_row, drafts.tokens].double()  # [T]
     accept = torch.where(
-        greedy[at.draft_session],
-        drafts.tokens == argmax[at.draft_row],
+        chosen[at.draft_session],
+        drafts.tokens == choice[at.draft_row],
         u_accept < _acceptance_probability(p_x, drafts.q_at_token),
     )
     grid = torch.zeros(batch, max(ks), dtype=torch.long, device=device)  # [batch, kmax]
@@ -129,8 +134,8 @@ def verify(
 
     # One recovered or bonus token per session, from the row after the accepted run.
     next_row = at.row_start + accepted  # [batch]
-    next_token = argmax[next_row]  # right for greedy sessions
-    sampled = (~greedy).nonzero().squeeze(1)  # [s]
+    next_token = choice[next_row]  # right for greedy and coupled sessions
+    sampled = (~chosen).nonzero().squeeze(1)  # [s] sessions under the rejection rule
     if sampled.numel():
         dist = probs[next_row[sampled]].double()  # [s, vocab]
         rejected = (accepted[sampled] < at.k[sampled]).nonzero().squeeze(1)  # into sampled
@@ -144,6 +149,27 @@ def verify(
         Verdict(accepted=a, next_token=t)
         for a, t in zip(accepted.tolist(), next_token.tolist(), strict=True)
     ]
+
+
+def _choices(
+    target_logits: torch.Tensor,  # [R, vocab]
+    probs: torch.Tensor,  # [R, vocab]
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    at: _Layout,
+) -> torch.Tensor:
+    """The target's own token at each row, int64 [R]: the argmax (first max wins), or on
+    the rows of coupled sessions argmax(log p + g) with row j at position + j."""
+    choice = target_logits.argmax(dim=-1)
+    coupled = np.fromiter((p.coupled for p in params), bool, len(params))[at.host_row_session]
+    if coupled.any():
+        rows = np.flatnonzero(coupled)
+        session = at.host_row_session[rows]
+        seeds = np.fromiter((p.seed & ((1 << 64) - 1) for p in params), np.uint64, len(params))
+        where = np.asarray(positions, dtype=np.int64)[session] + at.host_row_offset[rows]
+        index = torch.from_numpy(rows).to(choice.device)
+        choice[index] = coupling.choose(probs[index], seeds[session], where)
+    return choice
 
 
 def _verify_greedy(

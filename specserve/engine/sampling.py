@@ -15,6 +15,13 @@ The pipeline for one row of logits is temperature -> top-k -> top-p -> softmax:
 The same function computes the target's p and the draft's q, so both sides agree
 on what a parameter means. Randomness is not drawn here: :func:`sample` takes the
 uniform (see :mod:`specserve.engine.randomness`).
+
+A sampled session picks one of two rules (:class:`SamplingRule`): **coupled** (the
+default; :mod:`specserve.engine.coupling`), whose tokens depend on the seed and the
+history only, so they equal target-only sampling whatever k, drafter, batch or
+replica; or **rejection** (:mod:`specserve.engine.rejection`), the classic rule,
+whose draws also depend on the round index, so the tokens change with the rounds'
+split. Both are exact samples from the target's distribution.
 """
 
 from __future__ import annotations
@@ -22,10 +29,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 
 from specserve.engine.errors import InvalidArgument
+
+
+class SamplingRule(StrEnum):
+    """How a sampled session's draft tokens are judged and its tokens drawn."""
+
+    COUPLED = "coupled"  # Gumbel-max with noise fixed by (seed, position); drafts kept while equal
+    REJECTION = "rejection"  # accept with min(1, p/q), resample from the residual
 
 
 @dataclass(frozen=True)
@@ -36,6 +51,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int = 0  # any int; the randomness hash reduces it modulo 2**64
+    rule: SamplingRule = SamplingRule.COUPLED  # ignored when greedy
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
@@ -55,11 +71,20 @@ class SamplingParams:
             raise InvalidArgument(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p!r}.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise InvalidArgument(f"seed must be an integer, got {self.seed!r}.")
+        if not isinstance(self.rule, SamplingRule):
+            raise InvalidArgument(
+                f"rule must be one of {', '.join(SamplingRule)}, got {self.rule!r}."
+            )
 
     @property
     def greedy(self) -> bool:
         """Temperature 0: the token is the argmax, no randomness is drawn."""
         return self.temperature == 0
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled with the coupled rule: tokens are a function of (seed, history)."""
+        return not self.greedy and self.rule == SamplingRule.COUPLED
 
 
 _MIN_TEMPERATURE = 1e-30

@@ -19,7 +19,7 @@ from specserve.orchestrator.types import (
     SessionSummary,
     Usage,
 )
-from specserve.serving.convert import DRAFTER_NAMES
+from specserve.serving.convert import DRAFTER_NAMES, RULE_ENUMS, sampling_rule
 from specserve.v1 import common_pb2, generate_pb2
 
 FINISH = {
@@ -55,6 +55,7 @@ def generate_params(
         temperature=float(s.temperature),
         top_k=int(s.top_k),
         top_p=float(s.top_p) if s.top_p != 0 else 1.0,
+        rule=sampling_rule(s.rule, "sampling.rule"),
     )
     spec = request.speculation
     if spec.drafter not in DRAFTER_NAMES:
@@ -88,6 +89,7 @@ def stream_response(chunk: Chunk) -> generate_pb2.GenerateStreamResponse:
         token_ids=chunk.token_ids,
         finish_reason=FINISH[chunk.finish_reason] if chunk.finish_reason else 0,
         usage=usage_pb(chunk.usage),
+        seed=chunk.seed,
     )
 
 
@@ -102,6 +104,7 @@ def generate_response(chunks: Sequence[Chunk]) -> generate_pb2.GenerateResponse:
         usage=usage_pb(last.usage),
         time_to_first_token_ns=last.time_to_first_token_ns,
         duration_ns=last.duration_ns,
+        seed=last.seed,
     )
 
 
@@ -113,4 +116,5 @@ def session_info(summary: SessionSummary) -> generate_pb2.SessionInfo:
         turns=summary.turns,
         usage=records.usage_pb(summary.usage),
         seed=summary.seed,
+        rule=RULE_ENUMS[summary.rule],
     )

@@ -118,6 +118,7 @@ class Orchestrator:
             opening.add_done_callback(self._cancel_opened)
             raise
         stream = TextStream(text, params.stop)
+        seed = live.state.params.seed & ((1 << 64) - 1)
         delivered = 0
         first_ns = last_ns = 0
         try:
@@ -135,6 +136,7 @@ class Orchestrator:
                         usage=live.turn_usage(),
                         time_to_first_token_ns=(first_ns or done_ns) - t0,
                         duration_ns=done_ns - t0,
+                        seed=seed,
                     )
                     return
                 now = time.perf_counter_ns()
@@ -146,7 +148,7 @@ class Orchestrator:
                 last_ns = now
                 delivered += len(item)
                 delta = stream.push(live.state.completion[:delivered])
-                yield Chunk(live.sid, delta, tuple(item))
+                yield Chunk(live.sid, delta, tuple(item), seed=seed)
         finally:
             if not live.done:  # the client went away: stop at the next round boundary
                 self.runner.cancel(live.sid)

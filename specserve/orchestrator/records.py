@@ -8,7 +8,7 @@ Usage in a record is cumulative over every turn.
 from __future__ import annotations
 
 from specserve.engine.decode_state import DecodeState
-from specserve.engine.sampling import SamplingParams
+from specserve.engine.sampling import SamplingParams, SamplingRule
 from specserve.orchestrator.types import GenerateParams, SessionState, SessionSummary, Usage
 from specserve.serving import convert
 from specserve.v1 import generate_pb2, session_pb2
@@ -125,6 +125,7 @@ def summary(record: session_pb2.SessionRecord) -> SessionSummary:
         turns=len(record.turn_starts),
         usage=usage_of(record),
         seed=record.sampling.seed,
+        rule=convert.RULE_NAMES.get(record.sampling.rule, SamplingRule.COUPLED),
     )
 
 

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from specserve.engine.decode_state import FinishReason
-from specserve.engine.sampling import SamplingParams
+from specserve.engine.sampling import SamplingParams, SamplingRule
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -85,6 +85,7 @@ class Chunk:
     usage: Usage | None = None  # this turn's, on the last chunk
     time_to_first_token_ns: int = 0
     duration_ns: int = 0
+    seed: int = 0  # the turn's seed (the request's or the server's), on every chunk
 
 
 class SessionState(enum.StrEnum):
@@ -103,3 +104,4 @@ class SessionSummary:
     turns: int
     usage: Usage = field(default_factory=Usage)
     seed: int = 0
+    rule: SamplingRule = SamplingRule.COUPLED

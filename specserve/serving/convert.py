@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specserve.engine.errors import InvalidArgument
-from specserve.engine.sampling import SamplingParams
+from specserve.engine.sampling import SamplingParams, SamplingRule
 from specserve.v1 import common_pb2
 
 MAX_SESSIONS = 1024  # per call; far above any useful forward batch
@@ -28,6 +28,15 @@ DRAFTER_NAMES = {
     common_pb2.DRAFTER_MODEL: "model",
     common_pb2.DRAFTER_NGRAM: "ngram",
     common_pb2.DRAFTER_NONE: "none",
+}
+RULE_NAMES = {
+    common_pb2.SAMPLING_RULE_UNSPECIFIED: SamplingRule.COUPLED,
+    common_pb2.SAMPLING_RULE_COUPLED: SamplingRule.COUPLED,
+    common_pb2.SAMPLING_RULE_REJECTION: SamplingRule.REJECTION,
+}
+RULE_ENUMS = {
+    SamplingRule.COUPLED: common_pb2.SAMPLING_RULE_COUPLED,
+    SamplingRule.REJECTION: common_pb2.SAMPLING_RULE_REJECTION,
 }
 DRAFTER_ENUMS = {
     "model": common_pb2.DRAFTER_MODEL,
@@ -72,6 +81,7 @@ def sampling_params(pb: common_pb2.SamplingConfig, sid: str) -> SamplingParams:
             top_k=int(pb.top_k),
             top_p=float(pb.top_p) if pb.top_p != 0 else 1.0,
             seed=int(pb.seed),
+            rule=sampling_rule(pb.rule, f"session {sid!r}: sampling rule"),
         )
     except InvalidArgument as e:
         raise InvalidArgument(f"session {sid!r}: {e}") from None
@@ -83,7 +93,16 @@ def sampling_pb(params: SamplingParams) -> common_pb2.SamplingConfig:
         top_k=params.top_k,
         top_p=params.top_p,
         seed=params.seed & ((1 << 64) - 1),
+        rule=RULE_ENUMS[params.rule],
     )
+
+
+def sampling_rule(value: int, what: str) -> SamplingRule:
+    """SamplingRule enum -> the engine's rule (unspecified = coupled)."""
+    if value not in RULE_NAMES:
+        known = ", ".join(common_pb2.SamplingRule.Name(v) for v in RULE_NAMES)
+        raise InvalidArgument(f"{what} {value} is not one of {known}")
+    return RULE_NAMES[value]
 
 
 def drafter_name(value: int, sid: str) -> str:

@@ -3,9 +3,15 @@ from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAMPLING_RULE_UNSPECIFIED: _ClassVar[SamplingRule]
+    SAMPLING_RULE_COUPLED: _ClassVar[SamplingRule]
+    SAMPLING_RULE_REJECTION: _ClassVar[SamplingRule]
 
 class Drafter(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -19,6 +25,9 @@ class SessionStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_STATUS_UNSPECIFIED: _ClassVar[SessionStatus]
     SESSION_STATUS_OK: _ClassVar[SessionStatus]
     SESSION_STATUS_NEEDS_HISTORY: _ClassVar[SessionStatus]
+SAMPLING_RULE_UNSPECIFIED: SamplingRule
+SAMPLING_RULE_COUPLED: SamplingRule
+SAMPLING_RULE_REJECTION: SamplingRule
 DRAFTER_UNSPECIFIED: Drafter
 DRAFTER_MODEL: Drafter
 DRAFTER_NGRAM: Drafter
@@ -28,16 +37,18 @@ SESSION_STATUS_OK: SessionStatus
 SESSION_STATUS_NEEDS_HISTORY: SessionStatus
 
 class SamplingConfig(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "rule")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    rule: SamplingRule
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., rule: _Optional[_Union[SamplingRule, str]] = ...) -> None: ...
 
 class SparseQ(_message.Message):
     __slots__ = ("support", "ids", "probs")

@@ -53,20 +53,22 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SamplingParameters(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop", "rule")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
     max_new_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    rule: _common_pb2.SamplingRule
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., rule: _Optional[_Union[_common_pb2.SamplingRule, str]] = ...) -> None: ...
 
 class SpeculationParameters(_message.Message):
     __slots__ = ("drafter", "k")
@@ -113,7 +115,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("session_id", "text", "token_ids", "finish_reason", "usage", "time_to_first_token_ns", "duration_ns")
+    __slots__ = ("session_id", "text", "token_ids", "finish_reason", "usage", "time_to_first_token_ns", "duration_ns", "seed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
     DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -128,21 +131,24 @@ class GenerateResponse(_message.Message):
     usage: Usage
     time_to_first_token_ns: int
     duration_ns: int
-    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., time_to_first_token_ns: _Optional[int] = ..., duration_ns: _Optional[int] = ...) -> None: ...
+    seed: int
+    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., time_to_first_token_ns: _Optional[int] = ..., duration_ns: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("session_id", "text", "token_ids", "finish_reason", "usage")
+    __slots__ = ("session_id", "text", "token_ids", "finish_reason", "usage", "seed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    seed: int
+    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class CancelSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -163,20 +169,22 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "state", "tokens", "turns", "usage", "seed")
+    __slots__ = ("session_id", "state", "tokens", "turns", "usage", "seed", "rule")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     state: SessionState
     tokens: int
     turns: int
     usage: Usage
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., tokens: _Optional[int] = ..., turns: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    rule: _common_pb2.SamplingRule
+    def __init__(self, session_id: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., tokens: _Optional[int] = ..., turns: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., seed: _Optional[int] = ..., rule: _Optional[_Union[_common_pb2.SamplingRule, str]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

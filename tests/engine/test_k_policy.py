@@ -30,14 +30,20 @@ def test_a_plan_follows_acceptance_and_the_cap_and_changes_nothing() -> None:
     assert [policy.plan(8) for _ in range(16)] == [0] * 16  # no probe, no state
     assert [policy.next_k(8) for _ in range(8)] == [0] * 7 + [1]  # next_k probes
     assert [policy.next_k(0) for _ in range(8)] == [0] * 8  # never above the cap
-    assert KPolicy(3).plan(8) == 3 and KPolicy(3).plan(2) == 2
+
+
+def test_a_requested_k_is_drafted_under_any_cap() -> None:
+    """A fixed k is what the request named: the load cap and k_max bound only adaptive k."""
+    assert [KPolicy(3).next_k(cap) for cap in (8, 2, 0, None)] == [3, 3, 3, 3]
+    assert KPolicy(12, k_max=8).next_k(4) == 12
+    assert KPolicy(0).next_k(8) == 0
 
 
 def test_a_plan_for_every_cap_is_the_plan_under_each() -> None:
     for alpha in (0.05, 0.5, 0.7, 0.9, 0.99, 1.0):
         policy = KPolicy(None, alpha0=alpha, k_max=6)
         assert policy.plans(9) == [policy.plan(cap) for cap in range(10)]
-    assert KPolicy(3).plans(5) == [0, 1, 2, 3, 3, 3]
+    assert KPolicy(3).plans(5) == [3] * 6
 
 
 def test_a_session_expects_its_acceptance_at_the_k_it_would_draft() -> None:

@@ -7,17 +7,22 @@ checked against a slow per-session reference that follows the paper line by line
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.randomness import Stream, uniform, uniforms_batch
 from specserve.engine.rejection import Proposal, Verdict, _residual, verify
-from specserve.engine.sampling import SamplingParams, probabilities, sample, truncate
+from specserve.engine.sampling import SamplingParams, SamplingRule, probabilities, sample, truncate
+
+# These tests are of the rejection rule (coupled sampling is the default).
+RejectParams = functools.partial(SamplingParams, rule=SamplingRule.REJECTION)
 
 VOCAB = 32
-GREEDY = SamplingParams()
-SAMPLED = SamplingParams(temperature=1.0, seed=7)
+GREEDY = RejectParams()
+SAMPLED = RejectParams(temperature=1.0, seed=7)
 
 
 def spiked(targets: list[int], vocab: int = VOCAB) -> torch.Tensor:
@@ -46,7 +51,7 @@ def run(targets: list[int], tokens: list[int], params: SamplingParams, kind: str
 
 
 KINDS = ["point", "dense", "sparse"]
-PARAMS = [GREEDY, SAMPLED, SamplingParams(temperature=0.7, top_k=3, top_p=0.9, seed=1)]
+PARAMS = [GREEDY, SAMPLED, RejectParams(temperature=0.7, top_k=3, top_p=0.9, seed=1)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -82,7 +87,7 @@ def test_mixed_batch_with_different_k() -> None:
             Verdict(8, 11),
         ),
         ([0], [], GREEDY, "dense", Verdict(0, 0)),
-        ([2, 2, 9], [2, 2], SamplingParams(temperature=2.0, top_k=1), "point", Verdict(2, 9)),
+        ([2, 2, 9], [2, 2], RejectParams(temperature=2.0, top_k=1), "point", Verdict(2, 9)),
     ]
     logits = torch.cat([spiked(c[0]) for c in cases])
     verdicts = verify(
@@ -98,7 +103,7 @@ def test_mixed_batch_with_different_k() -> None:
 def test_empty_draft_samples_from_p_with_the_resample_stream() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(50, VOCAB, generator=gen)
-    params = [SamplingParams(temperature=1.2, top_p=0.8, seed=s) for s in range(50)]
+    params = [RejectParams(temperature=1.2, top_p=0.8, seed=s) for s in range(50)]
     verdicts = verify(logits, [Proposal(tokens=[])] * 50, params, [3] * 50, [17] * 50)
     u = uniforms_batch(list(range(50)), 3, [17] * 50, Stream.RESAMPLE)
     p = torch.cat([probabilities(logits[i : i + 1], params[i]) for i in range(50)])
@@ -115,7 +120,7 @@ def test_rejection_draws_recovered_from_the_residual() -> None:
     verdicts = verify(
         logits.repeat(len(seeds), 1),
         [Proposal(tokens=[0])] * len(seeds),
-        [SamplingParams(temperature=1.0, seed=s) for s in seeds],
+        [RejectParams(temperature=1.0, seed=s) for s in seeds],
         [2] * len(seeds),
         [30] * len(seeds),
     )
@@ -194,9 +199,9 @@ def random_batch(
         logits.append(target)
         p = [
             GREEDY,
-            SamplingParams(temperature=1.0, seed=i),
-            SamplingParams(temperature=0.6, top_k=4, seed=i),
-            SamplingParams(temperature=1.5, top_p=0.7, seed=i),
+            RejectParams(temperature=1.0, seed=i),
+            RejectParams(temperature=0.6, top_k=4, seed=i),
+            RejectParams(temperature=1.5, top_p=0.7, seed=i),
         ][rand_int(4)]
         params.append(p)
         if kind == "point":  # half the time the target's argmax, as an n-gram hit would be
@@ -206,7 +211,7 @@ def random_batch(
             continue
         # A draft that roughly agrees with the target, so that drafts are accepted.
         top_k = 6 if kind == "sparse" else 0
-        q_params = SamplingParams(temperature=1.0, top_k=top_k)
+        q_params = RejectParams(temperature=1.0, top_k=top_k)
         q_logits = target[:k] + torch.randn(k, vocab, generator=gen)  # [k, vocab]
         q = probabilities(q_logits, q_params)
         tokens = sample(q, torch.rand(k, dtype=torch.float64, generator=gen)).tolist()
@@ -252,7 +257,7 @@ def test_seeded_verdicts_are_pinned() -> None:
     cosines = torch.cos(torch.arange(k * vocab, dtype=torch.float64) * 0.3)
     q = torch.softmax(cosines.reshape(k, vocab), dim=-1)  # [k, vocab]
     proposals = [Proposal([1, 2, 3], q_probs=q), Proposal([0, 7, 4], q_probs=q), Proposal([5] * 3)]
-    params = [SamplingParams(temperature=1.0, seed=s) for s in range(6)]
+    params = [RejectParams(temperature=1.0, seed=s) for s in range(6)]
     verdicts = verify(logits, proposals * 2, params, list(range(6)), [10, 20, 30, 40, 50, 60])
     assert verdicts == [
         Verdict(3, 6),
@@ -295,11 +300,10 @@ def test_round_index_and_seed_change_the_draws() -> None:
     logits = torch.zeros(2, 8)  # p uniform over 8: accept a point mass w.p. 1/8
     proposal = Proposal(tokens=[3])
     by_round = {
-        verify(logits, [proposal], [SamplingParams(temperature=1.0)], [r], [0])[0]
-        for r in range(40)
+        verify(logits, [proposal], [RejectParams(temperature=1.0)], [r], [0])[0] for r in range(40)
     }
     by_seed = {
-        verify(logits, [proposal], [SamplingParams(temperature=1.0, seed=s)], [0], [0])[0]
+        verify(logits, [proposal], [RejectParams(temperature=1.0, seed=s)], [0], [0])[0]
         for s in range(40)
     }
     assert len(by_round) > 3 and len(by_seed) > 3

@@ -37,6 +37,7 @@ so catching it is not luck.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable
@@ -48,7 +49,10 @@ import torch
 from specserve.engine import rejection
 from specserve.engine.randomness import Stream, uniforms_batch
 from specserve.engine.rejection import Proposal, verify
-from specserve.engine.sampling import SamplingParams, probabilities, sample, truncate
+from specserve.engine.sampling import SamplingParams, SamplingRule, probabilities, sample, truncate
+
+# These tests are of the rejection rule (coupled sampling is the default).
+RejectParams = functools.partial(SamplingParams, rule=SamplingRule.REJECTION)
 
 VOCAB = 12
 N = 8192
@@ -93,7 +97,7 @@ class Case:
         if self.q_kind == "equal":
             return probabilities(target[: self.k], self.target)
         top_k = self.q_top_k if self.q_kind == "sparse" else 0
-        return probabilities(draft, SamplingParams(temperature=1.0, top_k=top_k))
+        return probabilities(draft, RejectParams(temperature=1.0, top_k=top_k))
 
 
 def emitted(case: Case, n: int, first_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +122,7 @@ def emitted(case: Case, n: int, first_seed: int) -> tuple[torch.Tensor, torch.Te
         proposals = [Proposal(row, q_probs=q) for row in tokens.tolist()]
 
     params = [
-        SamplingParams(case.target.temperature, case.target.top_k, case.target.top_p, s)
+        RejectParams(case.target.temperature, case.target.top_k, case.target.top_p, s)
         for s in seeds
     ]
     verdicts = verify(target_rows.repeat(n, 1), proposals, params, [ROUND] * n, [POSITION] * n)
@@ -136,25 +140,25 @@ def emitted(case: Case, n: int, first_seed: int) -> tuple[torch.Tensor, torch.Te
 
 
 CASES = [
-    Case("dense q, temperature", SamplingParams(temperature=0.8), k=2, q_kind="dense"),
-    Case("dense q, top-p, bonus", SamplingParams(temperature=1.3, top_p=0.8), k=1, q_kind="dense"),
+    Case("dense q, temperature", RejectParams(temperature=0.8), k=2, q_kind="dense"),
+    Case("dense q, top-p, bonus", RejectParams(temperature=1.3, top_p=0.8), k=1, q_kind="dense"),
     Case(
         "sparse q, target top-k",
-        SamplingParams(temperature=1.0, top_k=6),
+        RejectParams(temperature=1.0, top_k=6),
         k=2,
         q_kind="sparse",
         q_top_k=4,
     ),
     Case(
         "sparse q, top-k and top-p, bonus",
-        SamplingParams(temperature=0.9, top_k=8, top_p=0.9),
+        RejectParams(temperature=0.9, top_k=8, top_p=0.9),
         k=1,
         q_kind="sparse",
         q_top_k=5,
     ),
-    Case("point q", SamplingParams(temperature=1.0, top_k=9, top_p=0.95), k=3, q_kind="point"),
-    Case("q equals p", SamplingParams(temperature=1.1, top_k=7), k=2, q_kind="equal"),
-    Case("no draft", SamplingParams(temperature=0.7, top_p=0.85), k=0, q_kind="point"),
+    Case("point q", RejectParams(temperature=1.0, top_k=9, top_p=0.95), k=3, q_kind="point"),
+    Case("q equals p", RejectParams(temperature=1.1, top_k=7), k=2, q_kind="equal"),
+    Case("no draft", RejectParams(temperature=0.7, top_p=0.85), k=0, q_kind="point"),
 ]
 
 
