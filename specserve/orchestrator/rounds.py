@@ -448,7 +448,13 @@ class RoundRunner:
             # A lone session holds nobody else's round back; a batch's round waits only
             # where warming inside a round was measured to cost less than beside them.
             inside = len(live) == 1 or self.payback.cheaper_inside(ep)
-            if not self._warm_repays(target, ep, sessions, live, inside=inside):
+            # A requested k is drafted: only adaptive sessions weigh the warm-up.
+            asked = [s for s in sessions if s.state.k_policy.fixed is not None]
+            weighed = [s for s in sessions if s.state.k_policy.fixed is None]
+            if weighed and not self._warm_repays(target, ep, weighed, live, inside=inside):
+                weighed = []
+            sessions = asked + weighed
+            if not sessions:
                 continue
             if inside:
                 plans.update(await self._warm_now(ep, [(s, k_of[s.sid]) for s in sessions], live))
