@@ -109,3 +109,16 @@ def test_the_rejection_rule_stays_selectable_and_differs(engine: SpeculativeEngi
     spec = decode(engine, [(p, params(i, rule=rule), "model", 4) for i, p in enumerate(prompts())])
     assert [s.completion for s in spec] != want
     assert sum(s.stats.accepted for s in spec) > 0
+
+
+def test_a_draft_that_is_the_target_is_almost_always_accepted() -> None:
+    """Draft and target draw with the same noise at the same positions: with q = p the
+    draft's choice is the target's (but for float ties), so nearly every draft is kept."""
+    target = tiny_model(3)
+    engine = SpeculativeEngine(
+        TargetVerifier(target, BUDGET), {"model": ModelDrafter(target, BUDGET, max_support=256)}
+    )
+    spec = decode(engine, [(p, params(i, 1.0), "model", 4) for i, p in enumerate(prompts())])
+    drafted = sum(s.stats.drafted for s in spec)
+    assert drafted > 0
+    assert sum(s.stats.accepted for s in spec) / drafted > 0.95
