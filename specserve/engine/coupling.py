@@ -29,9 +29,11 @@ The words are computed with torch int64 arithmetic on the device that holds the
 logits (products wrap modulo 2**64 as the hash needs; logical shifts are arithmetic
 shifts masked), so only one 64-bit key per row crosses from the host, never a
 vocabulary-sized tensor. The 23-bit uniform bounds g to [-2.8, 16.6]: each
-truncated tail has probability below 1e-7. :func:`noise` makes whole rows,
-:func:`noise_at` the same numbers at chosen ids (a draft needs only its candidates),
-:func:`reference_noise` is the plain-Python definition the tests check both against.
+truncated tail has probability below 1e-7. The target's choice is computed as
+argmax(p / E) with E = -log(u) = exp(-g): the same token for one logarithm per id.
+:func:`noise` makes whole rows, :func:`noise_at` the same numbers at chosen ids (a
+draft needs only its candidates), :func:`reference_noise` is the plain-Python
+definition the tests check both against.
 """
 
 from __future__ import annotations
@@ -67,10 +69,7 @@ def keys(
 
 def noise(row_keys: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
     """Gumbel noise float32 [n, vocab] for ``row_keys`` uint64 [n], made on ``device``."""
-    pairs = torch.arange((vocab + 1) // 2, dtype=torch.int64, device=device)  # [w]
-    words = _words(_key_column(row_keys, device), pairs[None, :])  # [n, w]
-    bits = torch.stack(((words >> (64 - _BITS)) & _LOW, words & _LOW), dim=-1)  # [n, w, 2]
-    return _gumbel(bits.reshape(len(row_keys), -1)[:, :vocab])
+    return _exponentials(row_keys, vocab, device).log_().neg_()
 
 
 def noise_at(row_keys: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
@@ -78,7 +77,7 @@ def noise_at(row_keys: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
     words = _words(_key_column(row_keys, ids.device), ids >> 1)  # [n, m]
     even = (ids & 1) == 0
     bits = torch.where(even, (words >> (64 - _BITS)) & _LOW, words & _LOW)
-    return _gumbel(bits)
+    return _exponential(bits.float()).log_().neg_()
 
 
 def choose(
@@ -86,11 +85,15 @@ def choose(
     seeds: Sequence[int] | np.ndarray,  # [n]
     positions: Sequence[int] | np.ndarray,  # [n] absolute positions of the tokens drawn
 ) -> torch.Tensor:
-    """The coupled token of each row, int64 [n]: argmax(log p + g(seed, position))."""
+    """The coupled token of each row, int64 [n]: argmax(log p + g(seed, position)).
+
+    Computed as argmax(p / E) with E = exp(-g) = -log(u), the same token (a monotone
+    map of every score) for one logarithm per id instead of three.
+    """
     if probs.shape[0] == 0:
         return torch.zeros(0, dtype=torch.long, device=probs.device)
-    g = noise(keys(seeds, positions), probs.shape[1], probs.device)  # [n, vocab]
-    return (probs.float().log() + g).argmax(dim=-1)
+    e = _exponentials(keys(seeds, positions), probs.shape[1], probs.device)  # [n, vocab]
+    return (probs.float() / e).argmax(dim=-1)
 
 
 def choose_among(
@@ -129,6 +132,16 @@ def _words(key: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def _gumbel(bits: torch.Tensor) -> torch.Tensor:  # int64 in [0, 2**23) -> float32 Gumbel
-    u = (bits.float() + 0.5) * _SCALE
-    return u.log_().neg_().log_().neg_()
+def _exponentials(row_keys: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
+    """E = -log(u) = exp(-g), float32 [n, vocab], for whole rows."""
+    pairs = torch.arange((vocab + 1) // 2, dtype=torch.int64, device=device)  # [w]
+    words = _words(_key_column(row_keys, device), pairs[None, :])  # [n, w]
+    even = ((words >> (64 - _BITS)) & _LOW).float()  # ids 2i
+    odd = (words & _LOW).float()  # ids 2i + 1
+    bits = torch.stack((even, odd), dim=-1).reshape(len(row_keys), -1)[:, :vocab]
+    return _exponential(bits)
+
+
+def _exponential(bits: torch.Tensor) -> torch.Tensor:
+    """-log(u) for float32 ``bits`` in [0, 2**23), u = (bits + 0.5) * 2**-23, in place."""
+    return bits.add_(0.5).mul_(_SCALE).log_().neg_()

@@ -158,17 +158,17 @@ def _choices(
     positions: Sequence[int],
     at: _Layout,
 ) -> torch.Tensor:
-    """The target's own token at each row, int64 [R]: the argmax (first max wins), or on
-    the rows of coupled sessions argmax(log p + g) with row j at position + j."""
-    choice = target_logits.argmax(dim=-1)
+    """The target's own token per row [R]: argmax, or argmax(log p + g) on coupled rows."""
     coupled = np.fromiter((p.coupled for p in params), bool, len(params))[at.host_row_session]
-    if coupled.any():
-        rows = np.flatnonzero(coupled)
-        session = at.host_row_session[rows]
-        seeds = np.fromiter((p.seed & ((1 << 64) - 1) for p in params), np.uint64, len(params))
-        where = np.asarray(positions, dtype=np.int64)[session] + at.host_row_offset[rows]
-        index = torch.from_numpy(rows).to(choice.device)
-        choice[index] = coupling.choose(probs[index], seeds[session], where)
+    rows = np.flatnonzero(coupled)
+    session = at.host_row_session[rows]
+    seeds = np.fromiter((p.seed & ((1 << 64) - 1) for p in params), np.uint64, len(params))
+    where = np.asarray(positions, dtype=np.int64)[session] + at.host_row_offset[rows]
+    if coupled.all():  # no gather and scatter of whole rows
+        return coupling.choose(probs, seeds[session], where)
+    choice = target_logits.argmax(dim=-1)  # first max wins
+    index = torch.from_numpy(rows).to(choice.device)
+    choice[index] = coupling.choose(probs[index], seeds[session], where)
     return choice
 
 
