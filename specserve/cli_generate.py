@@ -7,7 +7,7 @@ import os
 import sys
 
 from specserve.engine.errors import InvalidArgument
-from specserve.engine.sampling import SamplingParams
+from specserve.engine.sampling import SamplingParams, SamplingRule
 from specserve.serving.cli_args import DTYPES
 
 DEMO_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -58,6 +58,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rule",
+        default=SamplingRule.COUPLED.value,
+        choices=[r.value for r in SamplingRule],
+        help="sampling rule when temperature > 0: coupled (tokens depend on the seed "
+        "alone, as target-only sampling) or rejection (docs/sampling.md)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="render the prompt with the chat template")
@@ -85,7 +92,11 @@ def run(args: argparse.Namespace) -> int:
     if not prompt:
         raise InvalidArgument("give a prompt (or '-' to read it from stdin)")
     params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        rule=SamplingRule(args.rule),
     )
     if not args.local:
         from specserve.cli_orchestrator import remote_generate

@@ -125,6 +125,7 @@ def remote_generate(args: argparse.Namespace, prompt: str) -> int:
         stop=args.stop,
         drafter=args.drafter,
         k=args.k,
+        rule=args.rule,
     )
 
 
