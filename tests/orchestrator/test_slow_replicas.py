@@ -113,8 +113,10 @@ async def serve(servicer: SlowDraft | SlowTarget, serving: bool) -> tuple[grpc.a
     return server, f"127.0.0.1:{port}"
 
 
-def live(sid: str, tokens: list[int]) -> LiveSession:
-    state = DecodeState(sid, tokens, SamplingParams(), StopCriteria(64), KPolicy(4))
+def live(sid: str, tokens: list[int], policy: KPolicy | None = None) -> LiveSession:
+    """A session whose k follows the cap up to 4 (adaptive; with alpha 1 it drafts the cap)."""
+    policy = policy or KPolicy(None, k_max=4)
+    state = DecodeState(sid, tokens, SamplingParams(), StopCriteria(64), policy)
     return cast(
         LiveSession,
         SimpleNamespace(
@@ -405,7 +407,7 @@ def test_of_new_turns_one_is_counted_at_the_low_end_of_the_pools_acceptance() ->
         prior.observe_turn("model", True, round(a * 100), 100)
     short = prior.shortfall("model", True, 2)
     assert short > 0.05
-    a, b = live("a", [1, 2, 3]), live("b", [4, 5, 6])
+    a, b = live("a", [1, 2, 3], KPolicy(4)), live("b", [4, 5, 6], KPolicy(4))
     for x in (a, b):
         x.state.target_start = x.state.draft_start = 2
         x.state.k_policy.alpha = 0.9
