@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 _LIB = "specserve_cpu"
 
 # Compiler flags per torch CPU capability; the define picks the vector code in the source.
+CAPABILITIES = ("AVX512", "AVX2")
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mfma", "-DSPECSERVE_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-DSPECSERVE_AVX2"],
@@ -86,36 +87,57 @@ _lock = threading.Lock()
 _state: dict[str, Kernels | None] = {}
 
 
+def _source_and_flags(capability: str) -> tuple[str, list[str], str]:
+    """The source, compiler flags and library name for ``capability``."""
+    source = resources.files(__package__).joinpath("cpu_kernels.cpp").read_text()
+    flags = [
+        "-O3",
+        *_ISA_FLAGS[capability],
+        "-fopenmp",  # at::parallel_for is inline OpenMP; torch's libgomp is reused
+    ]
+    # One build directory (and op namespace) per source version and instruction set:
+    # torch's JIT cache is keyed by name, and a process that waits on another's build
+    # of an older source (or for another CPU) would otherwise load that one.
+    digest = hashlib.sha256("\n".join([source, *flags]).encode()).hexdigest()[:12]
+    return source, flags, f"{_LIB}_{digest}"
+
+
+def library_name(capability: str) -> str:
+    """The JIT cache's name (a directory under ``TORCH_EXTENSIONS_DIR``) for ``capability``."""
+    return _source_and_flags(capability)[2]
+
+
+def compile_for(capability: str) -> str:
+    """Compile (or find in torch's JIT cache) and load the library for ``capability``
+    ("AVX512" or "AVX2"); returns its op namespace. Raises where that is impossible.
+
+    The cache lives in ``TORCH_EXTENSIONS_DIR`` (torch's default is under ``HOME``); a
+    library built at the same path is reused without a compiler, which is how an
+    image ships the kernels prebuilt (:mod:`specserve.engine.kernel_prebuild`).
+    """
+    from torch.utils.cpp_extension import load_inline
+
+    source, flags, name = _source_and_flags(capability)
+    load_inline(
+        name,
+        [source],
+        extra_cflags=[*flags, f"-DLIBNAME={name}"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        no_implicit_headers=True,
+    )
+    return name
+
+
 def _build() -> Kernels | None:
     capability = torch.backends.cpu.get_cpu_capability()
-    isa_flags = _ISA_FLAGS.get(capability)
-    if isa_flags is None:
+    if capability not in _ISA_FLAGS:
         log.info(
             "the CPU has neither AVX-512 nor AVX2 (%s): the engine uses torch ops only", capability
         )
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        source = resources.files(__package__).joinpath("cpu_kernels.cpp").read_text()
-        flags = [
-            "-O3",
-            *isa_flags,
-            "-fopenmp",  # at::parallel_for is inline OpenMP; torch's libgomp is reused
-        ]
-        # One build directory (and op namespace) per source version and instruction set:
-        # torch's JIT cache is keyed by name, and a process that waits on another's build
-        # of an older source (or for another CPU) would otherwise load that one.
-        digest = hashlib.sha256("\n".join([source, *flags]).encode()).hexdigest()[:12]
-        name = f"{_LIB}_{digest}"
-        load_inline(
-            name,
-            [source],
-            extra_cflags=[*flags, f"-DLIBNAME={name}"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            no_implicit_headers=True,
-        )
+        name = compile_for(capability)
     except Exception as exc:  # no source, compiler or headers, a failed build: fall back
         log.warning("CPU kernels unavailable (%s); the engine uses torch ops only", exc)
         return None

@@ -48,6 +48,13 @@ class ReplicaCollector(Collector):
                 "KV cache memory left in the budget (bytes)",
                 load.kv_bytes_free,
             )
+            # The ratio the HPAs' capacity guard reads, so no adapter has to divide.
+            budget = load.kv_bytes_used + load.kv_bytes_free
+            yield GaugeMetricFamily(
+                f"{p}_kv_utilization",
+                "Share of the KV cache budget in use (0 to 1)",
+                load.kv_bytes_used / budget if budget > 0 else 0.0,
+            )
         kinds = executor.stats.items()
         yield histogram_family(
             f"{p}_batch_sessions",

@@ -4,18 +4,16 @@ Every container command is parsed by the real ``specserve`` argument parser with
 the container's environment and turned into its config (so a renamed flag or a bad
 value fails here, not in a cluster); Services select pods and name ports that
 exist; probes and the orchestrator's DNS endpoints point at the ports the servers
-bind; the HPAs read metrics the servers export. The overlays are rendered with
-``kubectl kustomize`` where kubectl is installed.
+bind; the model-cache Job fetches every model a pod loads into the volume the pods
+mount; the HPAs read metrics the adapter derives from series the servers export.
+The overlays are rendered with ``kubectl kustomize`` where kubectl is installed.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,65 +21,30 @@ import yaml
 
 from specserve.cli import build_parser
 from specserve.serving.launch import ServerProcess
+from tests.deploy.manifests import (
+    K8S,
+    OVERLAYS,
+    Doc,
+    by_kind,
+    container_env,
+    containers,
+    expand,
+    load_docs,
+    needs_kubectl,
+    render_overlay,
+    specserve_argv,
+)
 from tests.orchestrator.redis_server import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "k8s"
-BASE_FILES = ["draft.yaml", "target.yaml", "orchestrator.yaml", "autoscaling.yaml"]
-OVERLAYS = ["cpu", "gpu"]
-SUBCOMMAND_OF_MODULE = {
-    "specserve.target_service": "target-server",
-    "specserve.draft_service": "draft-server",
-}
-
-
-def load_docs(paths: list[Path]) -> list[dict[str, Any]]:
-    return [d for p in paths for d in yaml.safe_load_all(p.read_text()) if d]
-
-
-def render(overlay: str) -> list[dict[str, Any]]:
-    out = subprocess.run(
-        ["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
-
-
-def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
-
-
-def containers(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
-    for name, dep in by_kind(docs, "Deployment").items():
-        for c in dep["spec"]["template"]["spec"]["containers"]:
-            yield name, c
-
-
-def container_env(c: dict[str, Any]) -> dict[str, str]:
-    """The container's environment; values from Secrets or fields get a stand-in."""
-    env = {}
-    for e in c.get("env", []):
-        if "value" in e:
-            env[e["name"]] = str(e["value"])
-        elif "secretKeyRef" in e.get("valueFrom", {}):
-            env[e["name"]] = "redis://stand-in:6379/0"
-        else:
-            env[e["name"]] = "stand-in"
-    return env
-
-
-def specserve_argv(c: dict[str, Any]) -> list[str] | None:
-    """The ``specserve`` argv a container runs (through torchrun too), or None."""
-    argv = [*c.get("command", []), *c.get("args", [])]
-    if argv[:1] == ["specserve"]:
-        return argv[1:]
-    if argv[:1] == ["torchrun"] and "-m" in argv:
-        i = argv.index("-m")
-        return [SUBCOMMAND_OF_MODULE[argv[i + 1]], *argv[i + 2 :]]
-    return None
+BASE_FILES = [
+    "model-cache.yaml",
+    "draft.yaml",
+    "target.yaml",
+    "orchestrator.yaml",
+    "metrics-service.yaml",
+    "autoscaling.yaml",
+]
+ADAPTER_VALUES = K8S / "monitoring" / "prometheus-adapter-values.yaml"
 
 
 def parse(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -89,7 +52,7 @@ def parse(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch)
     with monkeypatch.context() as m:
         for k, v in env.items():
             m.setenv(k, v)
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(expand(argv, env))
     sub = argv[0]
     if sub == "draft-server":
         from specserve.draft_service import config
@@ -98,19 +61,41 @@ def parse(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch)
     elif sub == "orchestrator":
         from specserve.orchestrator import config  # type: ignore[no-redef]
     else:
-        return args
+        return args, None
     return args, config.from_args(args)
 
 
-def check_docs(docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+def prestop_sleep_s(c: Doc) -> float:
+    cmd = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    return float(cmd[1]) if cmd[:1] == ["sleep"] else 0.0
+
+
+def claim_mounts(pod_spec: Doc, c: Doc) -> dict[str, tuple[str, bool]]:
+    """mountPath -> (PVC claim, read-only) for the container's PVC mounts."""
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]
+        for v in pod_spec.get("volumes", [])
+        if "persistentVolumeClaim" in v
+    }
+    return {
+        m["mountPath"]: (claims[m["name"]]["claimName"], bool(m.get("readOnly")))
+        for m in c.get("volumeMounts", [])
+        if m["name"] in claims
+    }
+
+
+def check_docs(docs: list[Doc], monkeypatch: pytest.MonkeyPatch) -> None:
     deployments = by_kind(docs, "Deployment")
     services = by_kind(docs, "Service")
     bound: dict[str, int] = {}  # deployment -> gRPC port its server binds
+    models_needed: dict[str, set[str]] = {}  # store home -> models the pods load
+    cache_claims: set[tuple[str, str]] = set()  # (claim, mountPath) the pods read
     for dep_name, c in containers(docs):
         argv = specserve_argv(c)
         if argv is None:
             continue
-        args, _config = parse(argv, container_env(c), monkeypatch)
+        env = container_env(c)
+        args, _config = parse(argv, env, monkeypatch)
         assert args.host == "0.0.0.0", f"{dep_name} must bind every interface in a pod"
         bound[dep_name] = args.port
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -118,16 +103,38 @@ def check_docs(docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> N
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             if probe in c:
                 assert c[probe]["grpc"]["port"] == args.port, f"{dep_name} {probe}"
-        metrics_port = container_env(c).get("SPECSERVE_METRICS_PORT")
+        metrics_port = env.get("SPECSERVE_METRICS_PORT")
         assert metrics_port is not None and int(metrics_port) == ports["metrics"], dep_name
-        # Drain time: the pod must outlive the server's own grace period.
-        grace = deployments[dep_name]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-        assert grace > args.grace_s, f"{dep_name}: terminationGracePeriodSeconds <= --grace-s"
-        # init containers fetch the model the server is told to load
-        for init in deployments[dep_name]["spec"]["template"]["spec"].get("initContainers", []):
-            assert init["command"][:3] == ["specserve", "models", "fetch"], init["name"]
-            wanted = init["command"][3].removeprefix("$(").removesuffix(")")
-            assert container_env(init)[wanted] == container_env(c)[wanted], init["name"]
+        # Drain time: the pod outlives the preStop pause plus the server's own drain.
+        pod = deployments[dep_name]["spec"]["template"]["spec"]
+        grace = pod["terminationGracePeriodSeconds"]
+        assert grace >= 60 and prestop_sleep_s(c) > 0, f"{dep_name}: grace 60 s and a preStop"
+        assert grace > prestop_sleep_s(c) + args.grace_s, f"{dep_name}: grace < preStop + drain"
+        # The model (or tokenizer) comes from the read-only cache at SPECSERVE_HOME.
+        model = getattr(args, "model", None) or getattr(args, "tokenizer", None)
+        assert model, f"{dep_name} loads no model and no tokenizer"
+        home = env["SPECSERVE_HOME"]
+        claim, read_only = claim_mounts(pod, c)[home]
+        assert read_only, f"{dep_name} must mount the model cache read-only"
+        models_needed.setdefault(home, set()).add(model)
+        cache_claims.add((claim, home))
+
+    # The fill Job fetches every one of those models into that claim.
+    (job,) = by_kind(docs, "Job").values()
+    pod = job["spec"]["template"]["spec"]
+    (fetch,) = pod["containers"]
+    env = container_env(fetch)
+    argv = specserve_argv(fetch)
+    assert argv is not None and argv[:2] == ["models", "fetch"]
+    fetch_args, _ = parse(argv, env, monkeypatch)
+    for home, models in models_needed.items():
+        assert env["SPECSERVE_HOME"] == home
+        missing = models - set(fetch_args.targets)
+        assert not missing, f"the model-cache Job does not fetch {missing}"
+    for claim, home in cache_claims:
+        assert claim_mounts(pod, fetch)[home] == (claim, False), "the Job writes the claim"
+    (pvc,) = by_kind(docs, "PersistentVolumeClaim").values()
+    assert "ReadOnlyMany" in pvc["spec"]["accessModes"]
 
     for svc_name, svc in services.items():
         selected = [
@@ -136,14 +143,19 @@ def check_docs(docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> N
             if svc["spec"]["selector"].items()
             <= d["spec"]["template"]["metadata"]["labels"].items()
         ]
-        assert len(selected) == 1, f"Service {svc_name} selects {len(selected)} Deployments"
-        pod_ports = {
-            p["name"]
-            for c in selected[0]["spec"]["template"]["spec"]["containers"]
-            for p in c["ports"]
-        }
-        for port in svc["spec"]["ports"]:
-            assert port["targetPort"] in pod_ports, f"Service {svc_name} port {port['name']}"
+        names = [p["name"] for p in svc["spec"]["ports"]]
+        if names == ["metrics"]:
+            picked = {d["metadata"]["name"] for d in selected}
+            assert picked == set(bound), f"{svc_name} must select every specserve pool"
+        else:
+            assert len(selected) == 1, f"Service {svc_name} selects {len(selected)} Deployments"
+            assert "metrics" not in names, f"{svc_name}: metrics only on the metrics Service"
+        for dep in selected:
+            pod_ports = {
+                p["name"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c["ports"]
+            }
+            for port in svc["spec"]["ports"]:
+                assert port["targetPort"] in pod_ports, f"Service {svc_name} port {port['name']}"
 
     # The orchestrator finds the pools through headless Services on the bound ports.
     (orch,) = [c for n, c in containers(docs) if n == "specserve-orchestrator"]
@@ -175,27 +187,34 @@ def exported() -> Iterator[set[str]]:
             with urllib.request.urlopen(url, timeout=5) as r:
                 body = r.read().decode()
             names |= set(re.findall(r"^(specserve_\w+)", body, re.M))
+            # A histogram with no observation yet (no call served) has no samples.
+            for family in re.findall(r"^# TYPE (specserve_\w+) histogram$", body, re.M):
+                names |= {f"{family}_{s}" for s in ("bucket", "sum", "count")}
         yield names
     finally:
         for proc in procs:
             proc.stop()
 
 
-def hpa_metrics_exported(docs: list[dict[str, Any]], exported: set[str]) -> None:
-    """Every per-pod HPA metric is served, or derived by the adapter from served ones."""
-    rules = yaml.safe_load((K8S / "monitoring" / "adapter-rules.yaml").read_text())["rules"]
-    derived = {
-        r["name"]["as"]: re.findall(r"specserve_\w+", r["metricsQuery"])
+def adapter_rules() -> dict[str, list[str]]:
+    """HPA metric name -> the server series its prometheus-adapter rule reads."""
+    rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]
+    return {
+        r["name"]["as"]: re.findall(r"specserve_\w+", r["seriesQuery"] + r["metricsQuery"])
         for r in rules
-        if "$" not in r["name"]["as"]
     }
+
+
+def hpa_metrics_exported(docs: list[Doc], exported: set[str]) -> None:
+    """Every per-pod HPA metric has an adapter rule, over series the servers export."""
+    derived = adapter_rules()
     for hpa_name, hpa in by_kind(docs, "HorizontalPodAutoscaler").items():
         for metric in hpa["spec"]["metrics"]:
             if metric["type"] != "Pods":
                 continue
             name = metric["pods"]["metric"]["name"]
-            sources = derived.get(name, [name])
-            missing = [m for m in sources if m not in exported]
+            assert name in derived, f"HPA {hpa_name} reads {name}: no adapter rule makes it"
+            missing = [m for m in derived[name] if m not in exported]
             assert not missing, f"HPA {hpa_name} reads {name}; not served: {missing}"
 
 
@@ -205,19 +224,19 @@ def test_base_manifests_match_the_code(monkeypatch: pytest.MonkeyPatch, exported
     hpa_metrics_exported(docs, exported)
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) not installed")
+@needs_kubectl
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlays_render_and_match_the_code(overlay: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    docs = render(overlay)
+    docs = render_overlay(overlay)
     check_docs(docs, monkeypatch)
     assert all(
         d["metadata"].get("namespace") == "specserve" for d in docs if d["kind"] != "Namespace"
     )
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) not installed")
+@needs_kubectl
 def test_gpu_overlay_runs_a_tp2_target_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
-    docs = render("gpu")
+    docs = render_overlay("gpu")
     (target,) = [c for n, c in containers(docs) if n == "specserve-target"]
     argv = specserve_argv(target)
     assert argv is not None and target["command"][0] == "torchrun"
@@ -231,11 +250,11 @@ def test_gpu_overlay_runs_a_tp2_target_under_torchrun(monkeypatch: pytest.Monkey
 def test_every_kustomization_names_files_that_exist() -> None:
     for k in K8S.rglob("kustomization.yaml"):
         spec = yaml.safe_load(k.read_text())
-        names = [*spec.get("resources", [])]
+        names = [*spec.get("resources", []), *spec.get("components", [])]
         names += [p["path"] for p in spec.get("patches", []) if "path" in p]
         names += [f for g in spec.get("configMapGenerator", []) for f in g.get("files", [])]
         for name in names:
-            assert (k.parent / name).exists(), f"{k.relative_to(ROOT)} names missing {name}"
+            assert (k.parent / name).exists(), f"{k.relative_to(K8S.parent)} names missing {name}"
 
 
 def test_bad_flags_in_a_manifest_would_be_caught(monkeypatch: pytest.MonkeyPatch) -> None:
