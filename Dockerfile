@@ -40,6 +40,10 @@ FROM ${PYTHON_IMAGE} AS runtime
 ARG VARIANT=cpu
 LABEL org.opencontainers.image.source="https://github.com/specserve/specserve" \
       org.opencontainers.image.description="specserve (${VARIANT})"
+# Runtime libraries only: the kernels link libgomp (OpenMP) and libstdc++.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libgomp1 libstdc++6 \
+    && rm -rf /var/lib/apt/lists/*
 # A numeric user, so runAsNonRoot can be verified by the kubelet.
 RUN groupadd --gid 10001 specserve \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp specserve \

@@ -227,7 +227,8 @@ def test_the_dockerfile_runs_as_a_numeric_user_without_compilers() -> None:
     assert len(stages) >= 2, "multi-stage"
     runtime = stages[-1]
     assert re.search(r"^USER \d+:\d+$", runtime, re.M), "a numeric USER"
-    assert "g++" not in runtime and "apt-get install" not in runtime
+    compilers = re.compile(r"(?<![\w-])(g\+\+|gcc|clang|build-essential)(?![\w-])")
+    assert compilers.search(stages[0]) and not compilers.search(runtime), "compilers: builder only"
     assert "kernel_prebuild" in stages[0] and "/opt/specserve/torch-extensions" in runtime
     # Dependencies install before the source is copied (layer caching).
     builder = stages[0]
