@@ -77,7 +77,39 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--orchestrator", default=os.environ.get("SPECSERVE_ORCHESTRATOR", "127.0.0.1:50051")
     )
+    add_client_security_arguments(p)
     p.set_defaults(func=run)
+
+
+def add_client_security_arguments(p: argparse.ArgumentParser) -> None:
+    """TLS towards the orchestrator and the API key: ``--api-key-file`` or
+    ``SPECSERVE_API_KEY`` (a key is never a flag: flags show in the process list)."""
+    from specserve.serving.tls import add_tls_arguments
+
+    add_tls_arguments(p, os.environ, role="client")
+    p.add_argument(
+        "--api-key-file",
+        default=os.environ.get("SPECSERVE_API_KEY_FILE"),
+        metavar="FILE",
+        help="file holding the API key sent to the orchestrator (or set SPECSERVE_API_KEY)",
+    )
+    p.set_defaults(api_key_env=os.environ.get("SPECSERVE_API_KEY"))
+
+
+def api_key_of(args: argparse.Namespace) -> str | None:
+    """The API key from --api-key-file, else SPECSERVE_API_KEY (None: send none)."""
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as e:
+            raise InvalidArgument(
+                f"cannot read --api-key-file {args.api_key_file!r}: {e.strerror}"
+            ) from None
+        if not key or len(key.split()) != 1:
+            raise InvalidArgument(f"--api-key-file {args.api_key_file!r} must hold one key")
+        return key
+    return args.api_key_env or None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,10 @@ import os
 import sys
 import time
 
+from specserve.engine.errors import InvalidArgument
+from specserve.orchestrator.redis_settings import redacted
 from specserve.serving.cli_args import DTYPES
+from specserve.serving.tls import ClientTls, client_tls
 
 DEMO_TINY_PROMPT = [7, 21, 3, 7, 21, 3, 7, 21, 3, 9]
 
@@ -60,6 +63,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--threads", type=int, default=None, help="torch threads per server")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--once", action="store_true", help="stop after the example request")
+    g = p.add_argument_group("security (docs/security.md)")
+    g.add_argument(
+        "--tls-cert",
+        help="certificate every server presents, and the orchestrator to the replicas "
+        "(it must name 127.0.0.1 and allow server and client use)",
+    )
+    g.add_argument("--tls-key", help="its private key")
+    g.add_argument("--tls-ca", help="the CA that signed it: turns on (mutual) TLS everywhere")
+    g.add_argument(
+        "--api-keys-file",
+        help="the orchestrator's API keys; the example request sends SPECSERVE_API_KEY",
+    )
     p.set_defaults(func=_run_up)
 
 
@@ -90,12 +105,20 @@ def _print_summary(label: str, deltas: list, seconds: float) -> None:  # type: i
     )
 
 
-def _stream(address: str, prompt: object, show_prompt: str, **kwargs: object) -> int:
+def _stream(
+    address: str,
+    prompt: object,
+    show_prompt: str,
+    *,
+    tls: ClientTls | None = None,
+    api_key: str | None = None,
+    **kwargs: object,
+) -> int:
     import grpc
 
     from specserve.client import Client
 
-    with Client(address) as client:
+    with Client(address, tls=tls, api_key=api_key) as client:
         print(show_prompt, end="", flush=True)
         t0 = time.perf_counter()
         deltas = []
@@ -113,10 +136,14 @@ def _stream(address: str, prompt: object, show_prompt: str, **kwargs: object) ->
 
 def remote_generate(args: argparse.Namespace, prompt: str) -> int:
     """``specserve generate`` against a running orchestrator (``--orchestrator``)."""
+    from specserve.cli_generate import api_key_of
+
     return _stream(
         args.orchestrator,
         _prompt_arg(prompt, args.chat),
         prompt,
+        tls=client_tls(args),
+        api_key=api_key_of(args),
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -144,9 +171,20 @@ def _run_up(args: argparse.Namespace) -> int:
 
             resolve(spec)  # NotFound says how to fetch it, before anything starts
     threads = ["--threads", str(args.threads)] if args.threads else []
+    tls_args, tls = _up_tls(args)
+    api_key = os.environ.get("SPECSERVE_API_KEY")
+    if args.api_keys_file and not api_key:
+        raise InvalidArgument(
+            "specserve up --api-keys-file sends its example request with the key in "
+            "SPECSERVE_API_KEY: set it to one of the file's keys"
+        )
     servers = [
-        ServerProcess("target", ["--model", target, "--dtype", args.dtype, *threads]),
-        ServerProcess("draft", ["--model", draft, "--dtype", args.draft_dtype, *threads]),
+        ServerProcess(
+            "target", ["--model", target, "--dtype", args.dtype, *threads, *tls_args], tls=tls
+        ),
+        ServerProcess(
+            "draft", ["--model", draft, "--dtype", args.draft_dtype, *threads, *tls_args], tls=tls
+        ),
     ]
     orchestrator: OrchestratorProcess | None = None
     try:
@@ -160,20 +198,30 @@ def _run_up(args: argparse.Namespace) -> int:
             "--tokenizer",
             target,
         ]
-        if args.redis_url:
-            orch_args += ["--redis-url", args.redis_url]
-        orchestrator = OrchestratorProcess(orch_args, port=args.port)
+        orch_args += tls_args
+        if args.api_keys_file:
+            orch_args += ["--api-keys-file", args.api_keys_file]
+        # The URL may carry a password: the environment keeps it out of the process list.
+        env = {"SPECSERVE_REDIS_URL": args.redis_url} if args.redis_url else {}
+        orchestrator = OrchestratorProcess(orch_args, port=args.port, env=env, tls=tls)
         orchestrator.start()
         print(f"target {target} on {servers[0].address}, draft {draft} on {servers[1].address}")
         print("loading models ...", flush=True)
         for s in (*servers, orchestrator):
             s.wait_serving(timeout_s=900)
-        store = args.redis_url or "embedded store"
+        store = redacted(args.redis_url) if args.redis_url else "embedded store"
         print(f"orchestrator on {orchestrator.address} (sessions in {store})")
         tiny = target.startswith("tiny:")
         prompt: object = DEMO_TINY_PROMPT if tiny else DEMO_PROMPT
         shown = " ".join(map(str, DEMO_TINY_PROMPT)) if tiny else DEMO_PROMPT
-        code = _stream(orchestrator.address, prompt, shown, max_new_tokens=args.max_new_tokens)
+        code = _stream(
+            orchestrator.address,
+            prompt,
+            shown,
+            tls=tls,
+            api_key=api_key,
+            max_new_tokens=args.max_new_tokens,
+        )
         if args.once or code:
             return code
         print(
@@ -192,3 +240,14 @@ def _run_up(args: argparse.Namespace) -> int:
         for s in (orchestrator, *servers):
             if s is not None:
                 s.stop()
+
+
+def _up_tls(args: argparse.Namespace) -> tuple[list[str], ClientTls | None]:
+    """The TLS flags ``up`` passes to every server, and how it reaches them itself."""
+    given = [args.tls_cert, args.tls_key, args.tls_ca]
+    if not any(given):
+        return [], None
+    if not all(given):
+        raise InvalidArgument("specserve up takes --tls-cert, --tls-key and --tls-ca together")
+    flags = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key, "--tls-ca", args.tls_ca]
+    return flags, ClientTls(args.tls_ca, args.tls_cert, args.tls_key)

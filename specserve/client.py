@@ -8,6 +8,14 @@
 A prompt is text (a ``str``), token ids (a sequence of ``int``) or chat messages
 (a sequence of ``{"role": ..., "content": ...}``). Failed calls raise
 :class:`grpc.RpcError` (``.code()``, ``.details()``). Imports no torch.
+
+An orchestrator serving TLS and asking for API keys (``docs/security.md``)::
+
+    tls = ClientTls(ca_file="ca.pem")  # the CA of the orchestrator's certificate
+    with Client("orchestrator:50051", tls=tls, api_key=os.environ["SPECSERVE_API_KEY"]) as c:
+        ...
+
+The key travels as gRPC metadata ``authorization: Bearer <key>`` on every call.
 """
 
 from __future__ import annotations
@@ -17,10 +25,10 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-import grpc
-import grpc.aio
-
+from specserve.serving.tls import ClientTls, aio_channel, sync_channel
 from specserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+__all__ = ["AsyncClient", "Client", "ClientTls", "Completion", "Delta", "Usage"]
 
 PromptLike = str | Sequence[int] | Sequence[Mapping[str, str]]
 DRAFTERS = {
@@ -40,6 +48,16 @@ FINISH_NAMES = {
     generate_pb2.FINISH_REASON_STOP: "stop",
     generate_pb2.FINISH_REASON_CANCELLED: "cancelled",
 }
+Metadata = tuple[tuple[str, str], ...]
+
+
+def auth_metadata(api_key: str | None) -> Metadata:
+    """The call metadata that carries an API key (none without one)."""
+    if api_key is None:
+        return ()
+    if not api_key or any(c.isspace() for c in api_key):
+        raise ValueError("an API key is one word without spaces")
+    return (("authorization", f"Bearer {api_key}"),)
 
 
 @dataclass(frozen=True)
@@ -162,30 +180,47 @@ def delta(pb: generate_pb2.GenerateStreamResponse) -> Delta:
 class Client:
     """Blocking client; ``stream`` returns an iterator whose ``cancel()`` stops the generation."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", *, timeout_s: float | None = None):
-        self.channel = grpc.insecure_channel(address)
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        *,
+        timeout_s: float | None = None,
+        tls: ClientTls | None = None,
+        api_key: str | None = None,
+    ):
+        """``tls``: connect over TLS (None: plaintext); ``api_key``: sent on every call."""
+        self.channel = sync_channel(address, tls)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout_s = timeout_s
+        self.metadata = auth_metadata(api_key)
 
     def generate(self, prompt: PromptLike, **kwargs: Any) -> Completion:
         timeout = kwargs.pop("timeout_s", self.timeout_s)
-        return completion(self.stub.Generate(request(prompt, **kwargs), timeout=timeout))
+        return completion(
+            self.stub.Generate(request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
+        )
 
     def stream(self, prompt: PromptLike, **kwargs: Any) -> Stream:
         timeout = kwargs.pop("timeout_s", self.timeout_s)
-        return Stream(self.stub.GenerateStream(request(prompt, **kwargs), timeout=timeout))
+        return Stream(
+            self.stub.GenerateStream(
+                request(prompt, **kwargs), timeout=timeout, metadata=self.metadata
+            )
+        )
 
     def cancel(self, session_id: str) -> bool:
         req = generate_pb2.CancelSessionRequest(session_id=session_id)
-        return self.stub.CancelSession(req, timeout=self.timeout_s).cancelled
+        return self.stub.CancelSession(
+            req, timeout=self.timeout_s, metadata=self.metadata
+        ).cancelled
 
     def get_session(self, session_id: str) -> generate_pb2.SessionInfo:
         req = generate_pb2.GetSessionRequest(session_id=session_id)
-        return self.stub.GetSession(req, timeout=self.timeout_s)
+        return self.stub.GetSession(req, timeout=self.timeout_s, metadata=self.metadata)
 
     def close_session(self, session_id: str) -> bool:
         req = generate_pb2.CloseSessionRequest(session_id=session_id)
-        return self.stub.CloseSession(req, timeout=self.timeout_s).closed
+        return self.stub.CloseSession(req, timeout=self.timeout_s, metadata=self.metadata).closed
 
     def close(self) -> None:
         self.channel.close()
@@ -217,18 +252,33 @@ class Stream:
 class AsyncClient:
     """The same calls for asyncio; ``stream`` is an async iterator."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", *, timeout_s: float | None = None):
-        self.channel = grpc.aio.insecure_channel(address)
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        *,
+        timeout_s: float | None = None,
+        tls: ClientTls | None = None,
+        api_key: str | None = None,
+    ):
+        """``tls``: connect over TLS (None: plaintext); ``api_key``: sent on every call."""
+        self.channel = aio_channel(address, tls)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.timeout_s = timeout_s
+        self.metadata = auth_metadata(api_key)
 
     async def generate(self, prompt: PromptLike, **kwargs: Any) -> Completion:
         timeout = kwargs.pop("timeout_s", self.timeout_s)
-        return completion(await self.stub.Generate(request(prompt, **kwargs), timeout=timeout))
+        return completion(
+            await self.stub.Generate(
+                request(prompt, **kwargs), timeout=timeout, metadata=self.metadata
+            )
+        )
 
     async def stream(self, prompt: PromptLike, **kwargs: Any) -> AsyncIterator[Delta]:
         timeout = kwargs.pop("timeout_s", self.timeout_s)
-        call = self.stub.GenerateStream(request(prompt, **kwargs), timeout=timeout)
+        call = self.stub.GenerateStream(
+            request(prompt, **kwargs), timeout=timeout, metadata=self.metadata
+        )
         try:
             async for pb in call:
                 yield delta(pb)
@@ -237,15 +287,19 @@ class AsyncClient:
 
     async def cancel(self, session_id: str) -> bool:
         req = generate_pb2.CancelSessionRequest(session_id=session_id)
-        return (await self.stub.CancelSession(req, timeout=self.timeout_s)).cancelled
+        return (
+            await self.stub.CancelSession(req, timeout=self.timeout_s, metadata=self.metadata)
+        ).cancelled
 
     async def get_session(self, session_id: str) -> generate_pb2.SessionInfo:
         req = generate_pb2.GetSessionRequest(session_id=session_id)
-        return await self.stub.GetSession(req, timeout=self.timeout_s)
+        return await self.stub.GetSession(req, timeout=self.timeout_s, metadata=self.metadata)
 
     async def close_session(self, session_id: str) -> bool:
         req = generate_pb2.CloseSessionRequest(session_id=session_id)
-        return (await self.stub.CloseSession(req, timeout=self.timeout_s)).closed
+        return (
+            await self.stub.CloseSession(req, timeout=self.timeout_s, metadata=self.metadata)
+        ).closed
 
     async def close(self) -> None:
         await self.channel.close()

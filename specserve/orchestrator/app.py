@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc.aio
 
+from specserve.orchestrator.api_keys import ApiKeys, AuthInterceptor
 from specserve.orchestrator.config import OrchestratorConfig
 from specserve.orchestrator.generation import Orchestrator
 from specserve.orchestrator.kv_snapshots import KvSnapshots
@@ -93,6 +94,7 @@ async def start(config: OrchestratorConfig) -> App:
         draft_pb2_grpc.DraftServiceStub,
         refresh_s=config.dns_refresh_s,
         interceptors=interceptors,
+        tls=config.replica_tls,
     )
     targets = ReplicaPool(
         "target",
@@ -100,6 +102,7 @@ async def start(config: OrchestratorConfig) -> App:
         target_pb2_grpc.TargetServiceStub,
         refresh_s=config.dns_refresh_s,
         interceptors=interceptors,
+        tls=config.replica_tls,
     )
     await drafts.start()
     await targets.start()
@@ -119,9 +122,12 @@ async def start(config: OrchestratorConfig) -> App:
         model_name=config.model_name,
     )
 
+    keys = ApiKeys.load(config.api_keys_file) if config.api_keys_file else None
+
     def register(server: grpc.aio.Server, running: RunningServer[Tokenization]) -> None:
         holder.append(running)
-        generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(orchestrator), server)
+        servicer = GenerationServicer(orchestrator, keys)
+        generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
 
     running = await start_server(
         config.server,
@@ -129,6 +135,17 @@ async def start(config: OrchestratorConfig) -> App:
         lambda: load_tokenization(config.tokenizer),
         register,
         [SERVICE_NAME],
+        interceptors=[AuthInterceptor(keys)] if keys is not None else [],
+    )
+    log.info(
+        "public API: %s, %s; replicas: %s",
+        "TLS" if config.server.tls else "plaintext",
+        f"{len(keys)} API keys" if keys is not None else "no API key needed",
+        "mutual TLS"
+        if config.replica_tls and config.replica_tls.cert_file
+        else "TLS"
+        if config.replica_tls
+        else "plaintext",
     )
     metrics_port = None
     if config.metrics_port is not None:
@@ -151,6 +168,8 @@ def run(config: OrchestratorConfig) -> int:
     """An orchestrator process's main: serve until SIGTERM/SIGINT, then flush the spans."""
     identity = identity_of(config.server, "orchestrator", config.model_name)
     telemetry = setup_telemetry(config.server.telemetry, identity)
+    for warning in config.warnings:
+        log.warning("%s", warning)
 
     async def main() -> int:
         app = await start(config)

@@ -9,7 +9,9 @@ flag                            environment                      default
 ``--draft``                     ``SPECSERVE_DRAFT_ENDPOINTS``    none (target-only)
 ``--target``                    ``SPECSERVE_TARGET_ENDPOINTS``   required
 ``--redis-url``                 ``SPECSERVE_REDIS_URL``          embedded store
-``--redis-password``            ``SPECSERVE_REDIS_PASSWORD``     from the URL
+``--redis-password-file``       ``SPECSERVE_REDIS_PASSWORD_FILE``  from the URL
+(password itself)               ``SPECSERVE_REDIS_PASSWORD``     from the URL
+``--redis-password``            (none: warns, process list)      from the URL
 ``--redis-tls-ca``              ``SPECSERVE_REDIS_TLS_CA``        system CAs
 ``--redis-tls-cert/-key``       ``SPECSERVE_REDIS_TLS_CERT/KEY``  none
 ``--tokenizer``                 ``SPECSERVE_TOKENIZER``          none (token ids only)
@@ -17,7 +19,18 @@ flag                            environment                      default
 ``--served-model-name``         ``SPECSERVE_SERVED_MODEL_NAME``  the tokenizer's model
 ``--kv-snapshots``              ``SPECSERVE_KV_SNAPSHOTS``       off
 ``--kv-snapshot-redis-url``     ``SPECSERVE_KV_SNAPSHOT_REDIS_URL``  the session store
+``--tls-cert`` / ``--tls-key``  ``SPECSERVE_TLS_CERT`` / ``_KEY``  plaintext
+``--tls-ca``                    ``SPECSERVE_TLS_CA``             plaintext to replicas
+``--tls-server-name``           ``SPECSERVE_TLS_SERVER_NAME``    the host dialled
+``--api-keys-file``             ``SPECSERVE_API_KEYS_FILE``      none (no key needed)
 ==============================  ===============================  ======================
+
+Security (``docs/security.md``): ``--tls-cert``/``--tls-key`` serve the public API over
+TLS and are the client certificate presented to the replicas; ``--tls-ca`` turns on
+TLS towards the replicas and is the CA their certificates must chain to;
+``--api-keys-file`` makes every public call carry a bearer key
+(:mod:`specserve.orchestrator.api_keys`). Secrets come from files or the environment:
+a password on the command line works but warns (``warnings``, logged at start).
 
 the scheduling knobs below (``--k-max``, ``--k-full-below``, ``--k-zero-at``,
 ``--pipeline-groups``, ``--max-batch``, ``--max-prefill-tokens``,
@@ -34,17 +47,25 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specserve.orchestrator import keys
+from specserve.orchestrator.api_keys import ApiKeys
 from specserve.orchestrator.kv_snapshots import SnapshotConfig
-from specserve.orchestrator.redis_settings import RedisSettings
+from specserve.orchestrator.redis_settings import RedisSettings, password_from, url_warning
 from specserve.orchestrator.replicas import EndpointSpec
 from specserve.orchestrator.rounds import RoundTimeouts
 from specserve.orchestrator.scheduler import KCapCurve, SchedulerConfig
 from specserve.orchestrator.session_store import StoreTtls
 from specserve.serving.cli_args import flag_values
 from specserve.serving.server import ServerOptions
+from specserve.serving.tls import (
+    LOOPBACK_HOSTS,
+    ClientTls,
+    add_tls_arguments,
+    client_tls,
+    server_tls,
+)
 from specserve.telemetry.config import add_telemetry_arguments, telemetry_config
 
 DEFAULT_PORT = 50051
@@ -67,6 +88,9 @@ class OrchestratorConfig:
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
     snapshot_redis: RedisSettings | None = None  # None = the session store's Redis
     server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
+    replica_tls: ClientTls | None = None  # None = plaintext channels to the replicas
+    api_keys_file: str | None = None  # None = the public API takes calls without a key
+    warnings: tuple[str, ...] = ()  # about unsafe settings, logged once logging is set up
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -116,7 +140,19 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         default=e("REDIS_URL"),
         help="redis:// or rediss:// URL; omit for the embedded store",
     )
-    g.add_argument("--redis-password", default=e("REDIS_PASSWORD"), help="overrides the URL's")
+    g.add_argument(
+        "--redis-password-file",
+        default=e("REDIS_PASSWORD_FILE"),
+        help="file holding the Redis password (overrides the URL's); or set "
+        "SPECSERVE_REDIS_PASSWORD",
+    )
+    g.add_argument(
+        "--redis-password",
+        default=None,
+        help="discouraged, warns: visible in the process list; use --redis-password-file",
+    )
+    # Read here, as every environment default, but kept out of --help and argv.
+    parser.set_defaults(redis_password_env=e("REDIS_PASSWORD"))
     g.add_argument("--redis-tls-ca", default=e("REDIS_TLS_CA"), help="CA bundle for rediss://")
     g.add_argument("--redis-tls-cert", default=e("REDIS_TLS_CERT"), help="client certificate")
     g.add_argument("--redis-tls-key", default=e("REDIS_TLS_KEY"), help="client key")
@@ -225,7 +261,12 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         help="a separate Redis for the chunks (they are large); default: the session store",
     )
     g = parser.add_argument_group("serving")
-    g.add_argument("--host", default=e("HOST", "127.0.0.1"))
+    g.add_argument(
+        "--host",
+        default=e("HOST", "127.0.0.1"),
+        help="address to bind (default loopback only; 0.0.0.0 in a container, with TLS "
+        "and --api-keys-file)",
+    )
     g.add_argument("--port", type=int, default=int(str(e("PORT", DEFAULT_PORT))))
     g.add_argument(
         "--port-file", default=e("PORT_FILE"), help="write the bound port here once listening"
@@ -237,6 +278,14 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         default=e("SERVED_MODEL_NAME"),
         help="the model name traces report (gen_ai.request.model); default the tokenizer's",
     )
+    add_tls_arguments(parser, env, role="orchestrator")
+    parser.add_argument_group("authentication").add_argument(
+        "--api-keys-file",
+        default=e("API_KEYS_FILE"),
+        metavar="FILE",
+        help="bearer keys the public API accepts, one per line (docs/security.md); "
+        "default: no key needed",
+    )
     add_telemetry_arguments(parser, env)
 
 
@@ -245,11 +294,21 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
     """The config the parsed flags describe."""
     if args.draft_ahead not in ("on", "off"):  # argparse does not check an env default
         raise ValueError(f"--draft-ahead must be on or off, got {args.draft_ahead!r}")
+    password, warnings = password_from(
+        flag=args.redis_password, file=args.redis_password_file, env=args.redis_password_env
+    )
+    for url, flag in (
+        (args.redis_url, "--redis-url"),
+        (args.kv_snapshot_redis_url, "--kv-snapshot-redis-url"),
+    ):
+        warning = url_warning(url or "", flag)
+        if warning:
+            warnings.append(warning)
     redis = None
     if args.redis_url:
         redis = RedisSettings.from_url(
             args.redis_url,
-            password=args.redis_password,
+            password=password,
             tls_ca_file=args.redis_tls_ca,
             tls_cert_file=args.redis_tls_cert,
             tls_key_file=args.redis_tls_key,
@@ -258,6 +317,22 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
     snapshot_redis = None
     if args.kv_snapshot_redis_url:
         snapshot_redis = RedisSettings.from_url(args.kv_snapshot_redis_url)
+        if snapshot_redis.password is None and password is not None:
+            snapshot_redis = replace(snapshot_redis, password=password)  # the store's
+    tls = server_tls(args, check_clients=False)
+    replica_tls = client_tls(args)
+    if tls is not None and replica_tls is None:
+        warnings.append(
+            "the public API serves TLS but the channels to the replicas are plaintext: give "
+            "--tls-ca (the CA of the replicas' certificates) to encrypt them too"
+        )
+    if not args.api_keys_file and args.host not in LOOPBACK_HOSTS:
+        warnings.append(
+            f"the public API listens on {args.host} without --api-keys-file: anyone who "
+            "reaches it can generate, and read or close any session whose id they learn"
+        )
+    if args.api_keys_file:
+        ApiKeys.load(args.api_keys_file)  # a bad file is a flag error now, not at the first call
     return OrchestratorConfig(
         targets=EndpointSpec.parse(args.target or "", "target"),
         drafts=EndpointSpec.parse(args.draft or "", "draft"),
@@ -294,6 +369,10 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
             port_file=args.port_file,
             grace_s=args.grace_s,
             replica_id=args.replica_id,
+            tls=tls,
             telemetry=telemetry_config(args),
         ),
+        replica_tls=replica_tls,
+        api_keys_file=args.api_keys_file or None,
+        warnings=tuple(warnings),
     )

@@ -47,9 +47,10 @@ def prompt(request: generate_pb2.GenerateRequest) -> Prompt:
 
 
 def generate_params(
-    request: generate_pb2.GenerateRequest, deadline: float | None
+    request: generate_pb2.GenerateRequest, deadline: float | None, owner: bytes = b""
 ) -> GenerateParams:
-    """A GenerateRequest -> validated GenerateParams (raises InvalidArgument)."""
+    """A GenerateRequest -> validated GenerateParams (raises InvalidArgument); ``owner`` is
+    the caller's key fingerprint."""
     s = request.sampling
     sampling = SamplingParams(
         temperature=float(s.temperature),
@@ -75,6 +76,7 @@ def generate_params(
         session_id=request.session_id,
         keep_session=request.keep_session,
         deadline=deadline,
+        owner=owner,
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import re
 import secrets
 import time
@@ -38,6 +39,7 @@ from specserve.orchestrator.session import Ended, LiveSession
 from specserve.orchestrator.session_store import SessionStore, now_ms
 from specserve.orchestrator.text import TextStream, Tokenization
 from specserve.orchestrator.types import Chunk, GenerateParams, SessionSummary
+from specserve.v1 import session_pb2
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_NEW_TOKENS = 8192
@@ -174,8 +176,7 @@ class Orchestrator:
         """Write the turn's record (new session, or the next turn of a kept one)."""
         pre_turn = None
         if params.session_id:
-            check_session_id(params.session_id)
-            pre_turn = await self.store.get(params.session_id)
+            pre_turn = await self._owned(params.session_id, params.owner)
             if pre_turn is None:
                 raise NotFound(
                     f"session {params.session_id!r} does not exist: it was closed, expired, or "
@@ -190,7 +191,7 @@ class Orchestrator:
             base = pre_turn
         else:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
-            base = records.new_record(uuid.uuid4().hex)
+            base = records.new_record(uuid.uuid4().hex, params.owner)
         sampling = dataclasses.replace(params.sampling, seed=seed)
         turn = records.start_turn(base, prompt, params, sampling)
         state = DecodeState(
@@ -221,10 +222,18 @@ class Orchestrator:
             trace_context=otel_context.get_current(),
         )
 
-    async def cancel(self, session_id: str) -> bool:
-        """Stop a session's generation, on whichever replica runs it; False if none runs."""
+    async def _owned(self, session_id: str, owner: bytes) -> session_pb2.SessionRecord | None:
+        """The session's record, or None when it does not exist *or belongs to another
+        API key*: a caller cannot tell another key's session from none at all."""
         check_session_id(session_id)
         record = await self.store.get(session_id)
+        if record is None or not hmac.compare_digest(record.owner, owner):
+            return None
+        return record
+
+    async def cancel(self, session_id: str, owner: bytes = b"") -> bool:
+        """Stop a session's generation, on whichever replica runs it; False if none runs."""
+        record = await self._owned(session_id, owner)
         if record is None:
             raise NotFound(f"session {session_id!r} does not exist")
         local = self.runner.cancel(session_id)
@@ -233,17 +242,15 @@ class Orchestrator:
             return True
         return local
 
-    async def get(self, session_id: str) -> SessionSummary:
-        check_session_id(session_id)
-        record = await self.store.get(session_id)
+    async def get(self, session_id: str, owner: bytes = b"") -> SessionSummary:
+        record = await self._owned(session_id, owner)
         if record is None:
             raise NotFound(f"session {session_id!r} does not exist")
         return records.summary(record)
 
-    async def close_session(self, session_id: str) -> bool:
+    async def close_session(self, session_id: str, owner: bytes = b"") -> bool:
         """Delete a session and free its caches; a generation in flight stops."""
-        check_session_id(session_id)
-        record = await self.store.get(session_id)
+        record = await self._owned(session_id, owner)
         if record is None:
             raise NotFound(f"session {session_id!r} does not exist")
         self.runner.cancel(session_id)

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from specserve.serving.launch import ServerProcess
+from specserve.serving.tls import ClientTls
 
 MODULE = "specserve.orchestrator"
 
@@ -28,8 +29,10 @@ class OrchestratorProcess(ServerProcess):
         env: Mapping[str, str] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        tls: ClientTls | None = None,
     ) -> None:
-        super().__init__("target", args, env=env, host=host)  # the role only names the module
+        # the role only names the module
+        super().__init__("target", args, env=env, host=host, tls=tls)
         self.role = "orchestrator"
         self.bind_port = port  # 0 = an ephemeral port
 

@@ -27,9 +27,11 @@ def copy(record: session_pb2.SessionRecord) -> session_pb2.SessionRecord:
     return out
 
 
-def new_record(session_id: str) -> session_pb2.SessionRecord:
-    """An empty session (no turn yet)."""
-    return session_pb2.SessionRecord(session_id=session_id, state=STATES[SessionState.IDLE])
+def new_record(session_id: str, owner: bytes = b"") -> session_pb2.SessionRecord:
+    """An empty session (no turn yet) of the caller whose key fingerprint is ``owner``."""
+    return session_pb2.SessionRecord(
+        session_id=session_id, state=STATES[SessionState.IDLE], owner=owner
+    )
 
 
 def start_turn(

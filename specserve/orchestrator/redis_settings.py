@@ -3,13 +3,19 @@
 ``rediss://`` (or ``tls=True``) turns TLS on; a CA bundle, a client certificate
 and key, and hostname checking are separate options because URLs cannot carry
 files. A password given as an option wins over one in the URL, so the URL can be
-logged or put in a manifest while the password comes from a secret. With no URL
-at all the orchestrator uses an embedded store (:func:`embedded_client`).
+logged or put in a manifest while the password comes from a secret: a file
+(``--redis-password-file``, e.g. a mounted Kubernetes Secret) or the environment
+(``SPECSERVE_REDIS_PASSWORD``). A password on the command line — ``--redis-password``
+or inside ``--redis-url`` — still works but warns (:func:`password_from`,
+:func:`url_warning`): every user of the machine can read a process's command line.
+No message shows a password (:func:`redacted`). With no URL at all the orchestrator
+uses an embedded store (:func:`embedded_client`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -120,3 +126,65 @@ def embedded_client() -> Any:
     import fakeredis
 
     return fakeredis.FakeAsyncRedis()
+
+
+def url_has_password(url: str) -> bool:
+    """Whether a Redis URL carries a password (``redis://:secret@host``)."""
+    try:
+        return urlsplit(url).password is not None
+    except ValueError:
+        return False
+
+
+def redacted(url: str) -> str:
+    """The URL with any password replaced by ``***`` (for messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+
+
+def password_from(
+    *, flag: str | None, file: str | None, env: str | None
+) -> tuple[str | None, list[str]]:
+    """The Redis password from ``--redis-password`` (discouraged), ``--redis-password-file``
+    or the environment, in that order, and the warnings to log (never holding it).
+
+    A file's trailing newline is dropped. InvalidArgument when both flag and file are given
+    or the file cannot be read; the message never holds the password.
+    """
+    warnings: list[str] = []
+    if flag and file:
+        raise InvalidArgument("give the Redis password by --redis-password-file, not both flags")
+    if flag:
+        warnings.append(
+            "--redis-password puts the password in the process list (ps, /proc/<pid>/cmdline) "
+            "for every user of this machine; use --redis-password-file or "
+            "SPECSERVE_REDIS_PASSWORD instead"
+        )
+        return flag, warnings
+    if file:
+        try:
+            text = Path(file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise InvalidArgument(
+                f"cannot read --redis-password-file {file!r}: {e.strerror}"
+            ) from None
+        password = text.rstrip("\r\n")
+        if not password:
+            raise InvalidArgument(f"--redis-password-file {file!r} is empty")
+        return password, warnings
+    return env or None, warnings
+
+
+def url_warning(url: str, flag: str) -> str | None:
+    """The warning for a password inside a Redis URL given by ``flag`` (None: it has none)."""
+    if not url_has_password(url):
+        return None
+    return (
+        f"the {flag} URL carries a password, which shows in the process list and in every "
+        f"copy of the command line ({redacted(url)}); leave it out of the URL and use "
+        "--redis-password-file or SPECSERVE_REDIS_PASSWORD"
+    )

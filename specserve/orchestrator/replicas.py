@@ -10,6 +10,11 @@ times out) is *down* for a backoff that doubles with consecutive failures
 (``backoff_s`` up to ``max_backoff_s``); after it, the next call tries it again,
 and a success clears the count. The scheduler places sessions only on replicas
 that are up.
+
+Channels are TLS when the pool has a :class:`~specserve.serving.tls.ClientTls`: the
+replica's certificate must chain to its CA, and the orchestrator presents its own
+certificate (mutual TLS). A replica found by DNS is dialled by IP address, so its
+certificate is checked against the DNS name (or ``ClientTls.server_name``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.engine.errors import InvalidArgument
 from specserve.serving.server import MAX_MESSAGE_BYTES
+from specserve.serving.tls import ClientTls, aio_channel
 from specserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -96,8 +102,10 @@ class ReplicaPool:
         max_backoff_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         interceptors: Sequence[Any] = (),
+        tls: ClientTls | None = None,
     ) -> None:
         self.role = role
+        self.tls = tls
         self.interceptors = list(interceptors)  # e.g. tracing's client interceptors
         self.spec = spec
         self.stub_factory = stub_factory
@@ -127,6 +135,7 @@ class ReplicaPool:
     async def refresh(self) -> None:
         """Resolve the DNS names and open/close channels to match."""
         wanted = list(self.spec.static)
+        names: dict[str, str] = {}  # endpoint -> the DNS name it was found under
         for name, port in self.spec.dns:
             try:
                 infos = await asyncio.get_running_loop().getaddrinfo(
@@ -139,12 +148,17 @@ class ReplicaPool:
             for family, _, _, _, addr in infos:
                 host = f"[{addr[0]}]" if family == socket.AF_INET6 else addr[0]
                 wanted.append(f"{host}:{addr[1]}")
+                names[f"{host}:{addr[1]}"] = name
         wanted = list(dict.fromkeys(wanted))
         changed = False
         for ep in wanted:
             if ep not in self.replicas:
-                channel = grpc.aio.insecure_channel(
-                    ep, options=channel_options(), interceptors=self.interceptors or None
+                channel = aio_channel(
+                    ep,
+                    self.tls,
+                    options=channel_options(),
+                    interceptors=self.interceptors or None,
+                    server_name=names.get(ep),
                 )
                 self.replicas[ep] = Replica(ep, channel, self.stub_factory(channel))
                 changed = True

@@ -15,6 +15,7 @@ import grpc
 import grpc.aio
 
 from specserve.orchestrator import convert
+from specserve.orchestrator.api_keys import ApiKeys, owner_of
 from specserve.orchestrator.errors import status_for
 from specserve.orchestrator.generation import Orchestrator
 from specserve.v1 import generate_pb2, generate_pb2_grpc
@@ -35,16 +36,25 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, error: Exceptio
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    """Serves the public API from an :class:`Orchestrator`."""
+    """Serves the public API from an :class:`Orchestrator`.
 
-    def __init__(self, orchestrator: Orchestrator) -> None:
+    With ``keys`` every call has been authenticated by
+    :class:`~specserve.orchestrator.api_keys.AuthInterceptor`; the servicer only asks
+    whose key it was, and a session of another key is NOT_FOUND (the orchestrator checks).
+    """
+
+    def __init__(self, orchestrator: Orchestrator, keys: ApiKeys | None = None) -> None:
         self.orchestrator = orchestrator
+        self.keys = keys
+
+    def _owner(self, context: grpc.aio.ServicerContext) -> bytes:
+        return owner_of(self.keys, context.invocation_metadata())
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.GenerateResponse:
         try:
-            params = convert.generate_params(request, deadline_of(context))
+            params = convert.generate_params(request, deadline_of(context), self._owner(context))
             chunks = [c async for c in self.orchestrator.generate(params)]
             return convert.generate_response(chunks)
         except Exception as e:
@@ -55,7 +65,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         try:
-            params = convert.generate_params(request, deadline_of(context))
+            params = convert.generate_params(request, deadline_of(context), self._owner(context))
             async for chunk in self.orchestrator.generate(params):
                 yield convert.stream_response(chunk)
         except Exception as e:
@@ -65,7 +75,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.CancelSessionRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.CancelSessionResponse:
         try:
-            cancelled = await self.orchestrator.cancel(request.session_id)
+            cancelled = await self.orchestrator.cancel(request.session_id, self._owner(context))
             return generate_pb2.CancelSessionResponse(cancelled=cancelled)
         except Exception as e:
             await _abort(context, "CancelSession", e)
@@ -75,7 +85,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.SessionInfo:
         try:
-            return convert.session_info(await self.orchestrator.get(request.session_id))
+            return convert.session_info(
+                await self.orchestrator.get(request.session_id, self._owner(context))
+            )
         except Exception as e:
             await _abort(context, "GetSession", e)
             raise
@@ -84,7 +96,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.CloseSessionResponse:
         try:
-            closed = await self.orchestrator.close_session(request.session_id)
+            closed = await self.orchestrator.close_session(request.session_id, self._owner(context))
             return generate_pb2.CloseSessionResponse(closed=closed)
         except Exception as e:
             await _abort(context, "CloseSession", e)

@@ -44,6 +44,7 @@ class GenerateParams:
     session_id: str = ""  # continue this kept session; empty = a new one
     keep_session: bool = False
     deadline: float | None = None  # time.monotonic() by which the client stops waiting
+    owner: bytes = b""  # the caller's API key fingerprint (b"": keys are off)
 
 
 @dataclass

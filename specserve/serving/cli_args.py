@@ -17,7 +17,12 @@ flag                      environment                     default
 ``--threads``             ``SPECSERVE_THREADS``           torch's default
 ``--dtype``               ``SPECSERVE_DTYPE``             float32; draft: bfloat16
 ``--kv-budget``           ``SPECSERVE_KV_BUDGET``         per server
+``--tls-cert/-key``       ``SPECSERVE_TLS_CERT/KEY``      none (plaintext)
+``--tls-ca``              ``SPECSERVE_TLS_CA``            none (any client)
 ========================  ==============================  =========================
+
+With ``--tls-ca`` a replica accepts only clients presenting a certificate from that CA
+(mutual TLS; :mod:`specserve.serving.tls`).
 
 and the telemetry flags of :mod:`specserve.telemetry.config` (tracing, logs,
 ``--metrics-port``), which the orchestrator takes as well.
@@ -34,6 +39,7 @@ from typing import TypeVar
 
 from specserve.engine.errors import EngineError, InvalidArgument
 from specserve.serving.server import MAX_MESSAGE_BYTES, ServerOptions
+from specserve.serving.tls import add_tls_arguments, server_tls
 from specserve.telemetry.config import add_telemetry_arguments, telemetry_config
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -80,7 +86,7 @@ def add_server_arguments(
     g.add_argument(
         "--host",
         default=_env(env, "HOST", "127.0.0.1"),
-        help="address to bind (0.0.0.0 in a container)",
+        help="address to bind (default loopback only; 0.0.0.0 in a container, with TLS)",
     )
     g.add_argument(
         "--port",
@@ -149,6 +155,7 @@ def add_server_arguments(
         metavar="N",
         help="testing: simulate a device failure after N model forwards",
     )
+    add_tls_arguments(parser, env, role="replica")
     add_telemetry_arguments(parser, env)
 
 
@@ -164,6 +171,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         grace_s=args.grace_s,
         replica_id=args.replica_id,
         threads=args.threads,
+        tls=server_tls(args, check_clients=True),
         telemetry=telemetry_config(args),
     )
 

@@ -3,7 +3,9 @@
 Used by the tests, the benchmarks and local stacks: the child runs
 ``python -m specserve.<role>_service ... --port 0 --port-file F`` (or another
 module that takes the same serving flags), writes its bound port to F once
-listening, and answers health SERVING once its model is loaded.
+listening, and answers health SERVING once its model is loaded. A server started
+with TLS flags is checked over TLS: give the process the :class:`ClientTls` to use
+(with a client certificate when the server asks for one).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specserve.serving.tls import ClientTls, sync_channel
 
 MODULES = {"draft": "specserve.draft_service", "target": "specserve.target_service"}
 
@@ -35,6 +38,7 @@ class ServerProcess:
         env: Mapping[str, str] | None = None,
         host: str = "127.0.0.1",
         module: str | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         assert module is not None or role in MODULES, role
         self.role = role
@@ -42,6 +46,7 @@ class ServerProcess:
         self.args = list(args)
         self.env = {**os.environ, **(env or {})}
         self.host = host
+        self.tls = tls  # how health checks reach it (None: plaintext)
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix=f"specserve-{role}-")
@@ -86,7 +91,7 @@ class ServerProcess:
 
     def health(self, service: str = "", timeout_s: float = 2.0) -> int:
         """The health status the server reports now (a HealthCheckResponse.ServingStatus)."""
-        with grpc.insecure_channel(self.address) as channel:
+        with sync_channel(self.address, self.tls) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             request = health_pb2.HealthCheckRequest(service=service)
             return stub.Check(request, timeout=timeout_s).status

@@ -3,7 +3,8 @@
 :func:`start_server` builds a ``grpc.aio`` server with the error interceptor (and,
 when tracing is on, the OpenTelemetry server interceptor before it), the
 standard health service (``grpc.health.v1``) and reflection, binds ``host:port``
-(port 0 = an ephemeral port) and returns a :class:`RunningServer` that knows the
+(port 0 = an ephemeral port; TLS when ``ServerOptions.tls`` is set, see
+:mod:`specserve.serving.tls`) and returns a :class:`RunningServer` that knows the
 bound port. Health follows the model executor: NOT_SERVING while the model loads,
 SERVING once it is ready, NOT_SERVING again after a device failure or when a
 graceful shutdown begins. A failure the replica cannot recover from (a failed
@@ -35,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specserve.serving.errors import ErrorInterceptor
 from specserve.serving.executor import ModelExecutor, State
+from specserve.serving.tls import ServerTls, warn_if_exposed
 from specserve.telemetry.config import TelemetryConfig
 from specserve.telemetry.process import ProcessTelemetry, setup_telemetry
 from specserve.telemetry.tracing import ServiceIdentity, server_interceptors
@@ -61,6 +63,7 @@ class ServerOptions:
     grace_s: float = 10.0  # graceful shutdown: time in-flight calls get to finish
     replica_id: str = ""  # empty = host:port
     threads: int | None = None  # torch intra-op threads; None = torch's default
+    tls: ServerTls | None = None  # None = plaintext (see specserve.serving.tls)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
@@ -186,12 +189,14 @@ async def start_server(
     load: Callable[[], B],
     register: Callable[[grpc.aio.Server, RunningServer[B]], None],
     service_names: Sequence[str],
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer[B]:
     """Bind, serve health (NOT_SERVING) at once, and load the model on the executor thread.
 
     ``register`` adds the servicers; it receives the running server, whose
     ``executor`` and ``replica_id`` the servicers use. ``service_names`` are the
-    full names that health and reflection report.
+    full names that health and reflection report. ``interceptors`` run after tracing's
+    and before the error mapping (the orchestrator's API-key check).
     """
     limits = [
         ("grpc.max_receive_message_length", options.max_message_bytes),
@@ -199,11 +204,26 @@ async def start_server(
         ("grpc.so_reuseport", 0),  # two servers must never share a port by accident
     ]
     # Tracing first: its server span then covers the error mapping and sees the status.
-    interceptors = [*server_interceptors(options.telemetry.tracing), ErrorInterceptor()]
-    server = grpc.aio.server(interceptors=interceptors, options=limits)
+    chain = [
+        *server_interceptors(options.telemetry.tracing),
+        *interceptors,
+        ErrorInterceptor(),
+    ]
+    server = grpc.aio.server(interceptors=chain, options=limits)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    address = f"{options.host}:{options.port}"
+    if options.tls is None:
+        warn_if_exposed(options.host, None, f"the {name} server")
+        port = server.add_insecure_port(address)
+    else:
+        if options.tls.client_ca_file is None and name != "orchestrator":
+            log.warning(
+                "the %s server serves TLS without --tls-ca: any client can call it; give "
+                "--tls-ca so that only clients with a certificate from that CA can",
+                name,
+            )
+        port = server.add_secure_port(address, options.tls.credentials())
     if port == 0:
         raise OSError(f"could not bind {options.host}:{options.port}")
     executor: ModelExecutor[B] = ModelExecutor(

@@ -31,7 +31,7 @@ class KvSnapshot(_message.Message):
     def __init__(self, fingerprint: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., chunks: _Optional[int] = ..., head: _Optional[bytes] = ...) -> None: ...
 
 class SessionRecord(_message.Message):
-    __slots__ = ("schema_version", "session_id", "version", "state", "tokens", "turn_starts", "completion_start", "sampling", "max_new_tokens", "stop", "drafter", "k", "round_index", "draft", "target", "usage", "created_unix_ms", "updated_unix_ms", "keep", "kv_snapshot")
+    __slots__ = ("schema_version", "session_id", "version", "state", "tokens", "turn_starts", "completion_start", "sampling", "max_new_tokens", "stop", "drafter", "k", "round_index", "draft", "target", "usage", "created_unix_ms", "updated_unix_ms", "keep", "kv_snapshot", "owner")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class SessionRecord(_message.Message):
     UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     KV_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     session_id: str
     version: int
@@ -72,4 +73,5 @@ class SessionRecord(_message.Message):
     updated_unix_ms: int
     keep: bool
     kv_snapshot: KvSnapshot
-    def __init__(self, schema_version: _Optional[int] = ..., session_id: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_generate_pb2.SessionState, str]] = ..., tokens: _Optional[_Iterable[int]] = ..., turn_starts: _Optional[_Iterable[int]] = ..., completion_start: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., drafter: _Optional[_Union[_common_pb2.Drafter, str]] = ..., k: _Optional[int] = ..., round_index: _Optional[int] = ..., draft: _Optional[_Union[KvOwnership, _Mapping]] = ..., target: _Optional[_Union[KvOwnership, _Mapping]] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., keep: _Optional[bool] = ..., kv_snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ...) -> None: ...
+    owner: bytes
+    def __init__(self, schema_version: _Optional[int] = ..., session_id: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_generate_pb2.SessionState, str]] = ..., tokens: _Optional[_Iterable[int]] = ..., turn_starts: _Optional[_Iterable[int]] = ..., completion_start: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., drafter: _Optional[_Union[_common_pb2.Drafter, str]] = ..., k: _Optional[int] = ..., round_index: _Optional[int] = ..., draft: _Optional[_Union[KvOwnership, _Mapping]] = ..., target: _Optional[_Union[KvOwnership, _Mapping]] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., keep: _Optional[bool] = ..., kv_snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ..., owner: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,280 @@
+"""A whole stack with TLS, mutual TLS to the replicas and API keys, on real processes.
+
+The test CA is made here (:mod:`tests.security.certs`). The orchestrator serves TLS and
+asks for a bearer key; the target and draft accept only clients presenting a
+certificate from the CA, which the orchestrator does. Shown: greedy generation over it
+all equals target-only decoding (with drafts accepted, so the draft channel works too);
+a plaintext or wrong-CA client gets nowhere; a replica refuses callers without a
+certificate from the CA, including a whole orchestrator; no key or a wrong key is
+UNAUTHENTICATED, a key without the scope PERMISSION_DENIED; health and reflection
+answer without a key; a second key sees none of the first key's sessions (NOT_FOUND
+for get, continue, cancel and close, even mid-generation), and the record keeps a
+fingerprint of the key, not the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from specserve.client import Client, ClientTls
+from specserve.orchestrator.launch import OrchestratorProcess
+from specserve.serving.launch import ServerProcess
+from specserve.serving.tls import sync_channel
+from specserve.v1 import common_pb2, target_pb2_grpc
+from tests.orchestrator.redis_server import redis_server
+from tests.orchestrator.stack import DRAFT, ENV, SERVER_ARGS, TARGET, Reference, stored_record
+from tests.security.certs import Issued, make_ca
+
+pytestmark = pytest.mark.redis
+
+KEY_A = "key-a-0123456789abcdef"
+KEY_B = "key-b-fedcba9876543210"
+KEY_GENERATE_ONLY = "key-g-00112233445566778899"
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE  # a refused handshake: the call never reaches a server
+PROMPT = [5, 9, 14, 5, 9, 14, 5, 9, 14, 77]
+
+
+@dataclass
+class SecureStack:
+    ca_file: str
+    rogue_ca_file: str
+    orchestrator_cert: Issued
+    rogue_cert: Issued
+    redis_url: str
+    target: ServerProcess
+    draft: ServerProcess
+    orchestrator: OrchestratorProcess
+
+    @property
+    def address(self) -> str:
+        return self.orchestrator.address
+
+    def client(self, api_key: str | None = KEY_A) -> Client:
+        return Client(self.address, timeout_s=60, tls=ClientTls(self.ca_file), api_key=api_key)
+
+
+def replica_flags(issued: Issued, ca_file: str) -> list[str]:
+    return ["--tls-cert", issued.cert, "--tls-key", issued.key, "--tls-ca", ca_file]
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureStack]:
+    d = tmp_path_factory.mktemp("pki")
+    ca, rogue = make_ca(d, "specserve"), make_ca(d, "rogue")
+    orch_cert = ca.issue("orchestrator")
+    keys_file = d / "api-keys"
+    keys_file.write_text(
+        f"# test keys\n{KEY_A}\n\n{KEY_B}  generate,sessions  # both scopes\n"
+        f"{KEY_GENERATE_ONLY} generate\n"
+    )
+    as_orchestrator = ClientTls(ca.ca_file, orch_cert.cert, orch_cert.key)
+    with redis_server() as url:
+        target = ServerProcess(
+            "target",
+            ["--model", TARGET, *SERVER_ARGS, *replica_flags(ca.issue("target"), ca.ca_file)],
+            env=ENV,
+            tls=as_orchestrator,
+        )
+        draft = ServerProcess(
+            "draft",
+            ["--model", DRAFT, *SERVER_ARGS, *replica_flags(ca.issue("draft"), ca.ca_file)],
+            env=ENV,
+            tls=as_orchestrator,
+        )
+        procs: list[ServerProcess] = [target, draft]
+        try:
+            for p in procs:
+                p.start()
+            orchestrator = OrchestratorProcess(
+                [
+                    "--target",
+                    target.address,
+                    "--draft",
+                    draft.address,
+                    "--redis-url",
+                    url,
+                    *replica_flags(orch_cert, ca.ca_file),
+                    "--api-keys-file",
+                    str(keys_file),
+                ],
+                env=ENV,
+                tls=ClientTls(ca.ca_file),
+            )
+            procs.append(orchestrator)
+            orchestrator.start()
+            for p in procs:
+                p.wait_serving()
+            yield SecureStack(
+                ca.ca_file,
+                rogue.ca_file,
+                orch_cert,
+                rogue.issue("intruder"),
+                url,
+                target,
+                draft,
+                orchestrator,
+            )
+        finally:
+            for p in reversed(procs):
+                p.stop()
+
+
+def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code()
+
+
+def test_generation_over_tls_equals_target_only(secure: SecureStack) -> None:
+    expected = Reference().decode(PROMPT, 24)
+    with secure.client() as c:
+        got = c.generate(PROMPT, max_new_tokens=24, drafter="model", k=4)
+    assert got.token_ids == expected
+    assert got.usage.drafted_tokens > 0 and got.usage.accepted_tokens > 0  # the draft's mTLS
+    assert "mutual TLS" in secure.orchestrator.output()
+
+
+def test_plaintext_and_wrong_ca_clients_are_refused(secure: SecureStack) -> None:
+    with Client(secure.address, timeout_s=10, api_key=KEY_A) as plain:
+        assert code_of(lambda: plain.generate(PROMPT, max_new_tokens=2)) == UNAVAILABLE
+    with Client(
+        secure.address, timeout_s=10, tls=ClientTls(secure.rogue_ca_file), api_key=KEY_A
+    ) as wrong_ca:
+        assert code_of(lambda: wrong_ca.generate(PROMPT, max_new_tokens=2)) == UNAVAILABLE
+
+
+def get_load(address: str, tls: ClientTls | None) -> int:
+    with sync_channel(address, tls) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        return stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10).sessions
+
+
+def test_a_replica_accepts_only_client_certificates_from_its_ca(secure: SecureStack) -> None:
+    ca, rogue = secure.ca_file, secure.rogue_cert
+    address = secure.target.address
+    mine = secure.orchestrator_cert
+    assert get_load(address, ClientTls(ca, mine.cert, mine.key)) >= 0
+    for tls in (None, ClientTls(ca), ClientTls(ca, rogue.cert, rogue.key)):
+        assert code_of(lambda tls=tls: get_load(address, tls)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_orchestrator_without_a_client_certificate_cannot_use_the_replicas(
+    secure: SecureStack,
+) -> None:
+    lone = OrchestratorProcess(
+        [
+            "--target",
+            secure.target.address,
+            "--draft",
+            secure.draft.address,
+            "--redis-url",
+            secure.redis_url,
+            "--tls-ca",
+            secure.ca_file,  # trusts the replicas, but presents no certificate
+            "--failover-s",
+            "1",
+        ],
+        env=ENV,
+    )
+    with lone:
+        lone.wait_serving()
+        with Client(lone.address, timeout_s=30) as c, pytest.raises(grpc.RpcError) as e:
+            c.generate(PROMPT, max_new_tokens=4)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert "target" in e.value.details()
+
+
+def test_no_key_or_a_wrong_key_is_unauthenticated(secure: SecureStack) -> None:
+    for key in (None, "not-a-key-of-this-server-000"):
+        with secure.client(api_key=key) as c:
+            calls = [
+                lambda c=c: c.generate(PROMPT, max_new_tokens=2),
+                lambda c=c: list(c.stream(PROMPT, max_new_tokens=2)),
+                lambda c=c: c.get_session("anything"),
+                lambda c=c: c.cancel("anything"),
+                lambda c=c: c.close_session("anything"),
+            ]
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "API key" in e.value.details()
+    with sync_channel(secure.address, ClientTls(secure.ca_file)) as channel:
+        stub = channel.unary_unary("/specserve.v1.Generation/GetSession")
+        for header in ("Basic a2V5OmtleQ==", f"Bearer{KEY_A}", KEY_A):
+            with pytest.raises(grpc.RpcError) as e:
+                stub(b"", metadata=(("authorization", header),), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_key_without_the_scope_is_permission_denied(secure: SecureStack) -> None:
+    with secure.client(api_key=KEY_GENERATE_ONLY) as c:
+        kept = c.generate(PROMPT, max_new_tokens=2, keep_session=True)
+        with pytest.raises(grpc.RpcError) as e:
+            c.get_session(kept.session_id)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "scope 'sessions'" in e.value.details()
+
+
+def test_health_and_reflection_need_no_key(secure: SecureStack) -> None:
+    with sync_channel(secure.address, ClientTls(secure.ca_file)) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        (answer,) = list(reflect.ServerReflectionInfo(iter([request]), timeout=10))
+        names = {s.name for s in answer.list_services_response.service}
+        assert "specserve.v1.Generation" in names
+
+
+def test_a_second_key_cannot_see_or_touch_the_first_keys_session(secure: SecureStack) -> None:
+    with secure.client(KEY_A) as a, secure.client(KEY_B) as b:
+        sid = a.generate(PROMPT, max_new_tokens=4, keep_session=True).session_id
+        assert a.get_session(sid).session_id == sid
+        attempts = {
+            "get": lambda: b.get_session(sid),
+            "continue": lambda: b.generate([3, 4], max_new_tokens=2, session_id=sid),
+            "cancel": lambda: b.cancel(sid),
+            "close": lambda: b.close_session(sid),
+        }
+        for name, call in attempts.items():
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND, name
+            assert sid in e.value.details() and "does not exist" in e.value.details()
+        # Exactly what a session that does not exist gets: B learns nothing.
+        with pytest.raises(grpc.RpcError) as none:
+            b.get_session("0" * 32)
+        assert none.value.code() == grpc.StatusCode.NOT_FOUND
+
+        record = stored_record(secure.redis_url, sid)
+        assert record.owner == hashlib.sha256(KEY_A.encode()).digest()
+        assert KEY_A.encode() not in record.SerializeToString()
+
+        # Mid-generation, B can neither cancel nor close A's session; A's turn runs on.
+        stream = a.stream([7, 8], max_new_tokens=400, session_id=sid, keep_session=True)
+        deltas = iter(stream)
+        first = next(deltas)
+        assert first.session_id == sid
+        for call in (lambda: b.cancel(sid), lambda: b.close_session(sid)):
+            assert code_of(call) == grpc.StatusCode.NOT_FOUND
+        rest = list(deltas)
+        assert rest[-1].finish_reason == "length"
+        assert sum(len(d.token_ids) for d in [first, *rest]) == 400
+        assert a.get_session(sid).session_id == sid  # A still owns it
+        assert a.close_session(sid)
+
+
+def test_keys_file_needs_no_secret_in_argv(secure: SecureStack) -> None:
+    assert all(key not in " ".join(secure.orchestrator.args) for key in (KEY_A, KEY_B))
+    assert KEY_A not in secure.orchestrator.output()
+    assert Path(secure.ca_file).exists()
