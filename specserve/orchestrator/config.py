@@ -23,6 +23,7 @@ flag                            environment                      default
 ``--tls-ca``                    ``SPECSERVE_TLS_CA``             plaintext to replicas
 ``--tls-server-name``           ``SPECSERVE_TLS_SERVER_NAME``    the host dialled
 ``--api-keys-file``             ``SPECSERVE_API_KEYS_FILE``      none (no key needed)
+``--health-port``               ``SPECSERVE_HEALTH_PORT``        none (plaintext health)
 ==============================  ===============================  ======================
 
 Security (``docs/security.md``): ``--tls-cert``/``--tls-key`` serve the public API over
@@ -57,7 +58,7 @@ from specserve.orchestrator.replicas import EndpointSpec
 from specserve.orchestrator.rounds import RoundTimeouts
 from specserve.orchestrator.scheduler import KCapCurve, SchedulerConfig
 from specserve.orchestrator.session_store import StoreTtls
-from specserve.serving.cli_args import flag_values
+from specserve.serving.cli_args import add_health_port_argument, flag_values
 from specserve.serving.server import ServerOptions
 from specserve.serving.tls import (
     LOOPBACK_HOSTS,
@@ -279,6 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         help="the model name traces report (gen_ai.request.model); default the tokenizer's",
     )
     add_tls_arguments(parser, env, role="orchestrator")
+    add_health_port_argument(parser, env)
     parser.add_argument_group("authentication").add_argument(
         "--api-keys-file",
         default=e("API_KEYS_FILE"),
@@ -370,6 +372,7 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
             grace_s=args.grace_s,
             replica_id=args.replica_id,
             tls=tls,
+            health_port=args.health_port,
             telemetry=telemetry_config(args),
         ),
         replica_tls=replica_tls,

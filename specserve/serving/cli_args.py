@@ -19,6 +19,7 @@ flag                      environment                     default
 ``--kv-budget``           ``SPECSERVE_KV_BUDGET``         per server
 ``--tls-cert/-key``       ``SPECSERVE_TLS_CERT/KEY``      none (plaintext)
 ``--tls-ca``              ``SPECSERVE_TLS_CA``            none (any client)
+``--health-port``         ``SPECSERVE_HEALTH_PORT``       none
 ========================  ==============================  =========================
 
 With ``--tls-ca`` a replica accepts only clients presenting a certificate from that CA
@@ -156,7 +157,20 @@ def add_server_arguments(
         help="testing: simulate a device failure after N model forwards",
     )
     add_tls_arguments(parser, env, role="replica")
+    add_health_port_argument(parser, env)
     add_telemetry_arguments(parser, env)
+
+
+def add_health_port_argument(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """``--health-port``: health alone on a plaintext port, for probes that cannot do TLS."""
+    port = _env(env, "HEALTH_PORT", None)
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=int(str(port)) if port else None,
+        help="also serve the health service alone, plaintext, on this port (Kubernetes "
+        "gRPC probes cannot speak TLS); default: none",
+    )
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -172,6 +186,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         replica_id=args.replica_id,
         threads=args.threads,
         tls=server_tls(args, check_clients=True),
+        health_port=args.health_port,
         telemetry=telemetry_config(args),
     )
 

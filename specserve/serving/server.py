@@ -64,6 +64,7 @@ class ServerOptions:
     replica_id: str = ""  # empty = host:port
     threads: int | None = None  # torch intra-op threads; None = torch's default
     tls: ServerTls | None = None  # None = plaintext (see specserve.serving.tls)
+    health_port: int | None = None  # a plaintext port serving health alone (probes); 0 = any
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
@@ -77,6 +78,8 @@ class ServerOptions:
             raise ValueError(f"max_batch_sessions must be >= 1, got {self.max_batch_sessions}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health_port must be in 0..65535, got {self.health_port}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
@@ -101,6 +104,8 @@ class RunningServer(Generic[B]):
         self.options = options
         self.replica_id = options.replica_id or f"{options.host}:{port}"
         self.metrics_port: int | None = None  # set once a metrics endpoint serves
+        self.health_server: grpc.aio.Server | None = None  # --health-port's plaintext server
+        self.health_port: int | None = None
         self._stop_requested = asyncio.Event()
         self._aborted = asyncio.Event()
         self._abort_reason = ""
@@ -136,6 +141,8 @@ class RunningServer(Generic[B]):
         for task in list(self._watchers):
             task.cancel()
         await self.health.enter_graceful_shutdown()
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         await self.server.stop(grace)
         await self.executor.close()
 
@@ -151,6 +158,12 @@ class RunningServer(Generic[B]):
             print(
                 f"{self.executor.name} metrics on http://{self.options.host}:{self.metrics_port}"
                 "/metrics",
+                flush=True,
+            )
+        if self.health_port is not None:
+            print(
+                f"{self.executor.name} health (plaintext) on {self.options.host}:"
+                f"{self.health_port}",
                 flush=True,
             )
 
@@ -237,10 +250,24 @@ async def start_server(
     reflection.enable_server_reflection(
         (*service_names, health_name, reflection.SERVICE_NAME), server
     )
+    if options.health_port is not None:
+        await _serve_health_alone(running, options.health_port)
     await running.set_serving(False)
     await server.start()
     executor.start(load, running.on_executor_state)
     return running
+
+
+async def _serve_health_alone(running: RunningServer[B], port: int) -> None:
+    """A second, plaintext server with only the health service, for probes that cannot
+    speak TLS (Kubernetes' gRPC probes): it tells whether the replica serves, nothing more."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(running.health, server)
+    bound = server.add_insecure_port(f"{running.options.host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the health port {running.options.host}:{port}")
+    await server.start()
+    running.health_server, running.health_port = server, bound
 
 
 def setup_process(options: ServerOptions, identity: ServiceIdentity) -> ProcessTelemetry:

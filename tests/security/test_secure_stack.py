@@ -29,7 +29,7 @@ from specserve.orchestrator.launch import OrchestratorProcess
 from specserve.serving.launch import ServerProcess
 from specserve.serving.tls import sync_channel
 from specserve.v1 import common_pb2, target_pb2_grpc
-from tests.orchestrator.redis_server import redis_server
+from tests.orchestrator.redis_server import free_port, redis_server
 from tests.orchestrator.stack import DRAFT, ENV, SERVER_ARGS, TARGET, Reference, stored_record
 from tests.security.certs import Issued, make_ca
 
@@ -50,6 +50,7 @@ class SecureStack:
     rogue_cert: Issued
     redis_url: str
     target: ServerProcess
+    target_health_port: int
     draft: ServerProcess
     orchestrator: OrchestratorProcess
 
@@ -76,10 +77,18 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureStack]:
         f"{KEY_GENERATE_ONLY} generate\n"
     )
     as_orchestrator = ClientTls(ca.ca_file, orch_cert.cert, orch_cert.key)
+    health_port = free_port()
     with redis_server() as url:
         target = ServerProcess(
             "target",
-            ["--model", TARGET, *SERVER_ARGS, *replica_flags(ca.issue("target"), ca.ca_file)],
+            [
+                "--model",
+                TARGET,
+                *SERVER_ARGS,
+                *replica_flags(ca.issue("target"), ca.ca_file),
+                "--health-port",
+                str(health_port),
+            ],
             env=ENV,
             tls=as_orchestrator,
         )
@@ -119,6 +128,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureStack]:
                 rogue.issue("intruder"),
                 url,
                 target,
+                health_port,
                 draft,
                 orchestrator,
             )
@@ -152,6 +162,7 @@ def test_plaintext_and_wrong_ca_clients_are_refused(secure: SecureStack) -> None
 
 
 def get_load(address: str, tls: ClientTls | None) -> int:
+    """GetLoad of a target: the sessions it holds."""
     with sync_channel(address, tls) as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
         return stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10).sessions
@@ -190,6 +201,19 @@ def test_an_orchestrator_without_a_client_certificate_cannot_use_the_replicas(
             c.generate(PROMPT, max_new_tokens=4)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
     assert "target" in e.value.details()
+
+
+def test_the_health_port_serves_health_alone_in_plaintext(secure: SecureStack) -> None:
+    """Kubernetes' gRPC probes cannot speak TLS: --health-port answers them, and only them."""
+    address = f"127.0.0.1:{secure.target_health_port}"
+    with sync_channel(address, None) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="specserve.v1.TargetService"), timeout=10
+        )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as e:
+        get_load(address, None)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_no_key_or_a_wrong_key_is_unauthenticated(secure: SecureStack) -> None:
