@@ -17,6 +17,9 @@ none means all. Text after ``#`` is a comment.
 * a key whose scopes do not include the method's: PERMISSION_DENIED.
 
 Health and reflection need no key (Kubernetes probes call health without one).
+The file is read again when it changes (:class:`KeysFile`, checked at most every
+``RELOAD_CHECK_S`` seconds), so a key is added or revoked without a restart; a file
+that no longer parses keeps the keys in force and logs why.
 Keys are never stored or logged: a caller is known by its key's SHA-256
 (:attr:`Caller.fingerprint`), which a session record keeps as its owner, and in logs
 by the first 8 hex digits of it (:attr:`Caller.key_id`).
@@ -25,7 +28,10 @@ by the first 8 hex digits of it (:attr:`Caller.key_id`).
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +42,9 @@ import grpc.aio
 
 from specserve.engine.errors import InvalidArgument
 
+log = logging.getLogger(__name__)
+
+RELOAD_CHECK_S = 2.0
 SCOPES = frozenset({"generate", "sessions"})
 # The scope each method of the public Generation service needs.
 METHOD_SCOPES = {
@@ -151,6 +160,40 @@ class ApiKeys:
         return caller
 
 
+class KeysFile:
+    """An ``--api-keys-file`` and the keys it held when last read; re-read when it changes."""
+
+    def __init__(self, path: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self.clock = clock
+        self._stamp = self._stat()
+        self.keys = ApiKeys.load(path)
+        self._checked = clock()
+
+    def _stat(self) -> tuple[int, int, int]:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return (0, 0, 0)
+        return (st.st_mtime_ns, st.st_size, st.st_ino)  # a Secret update swaps the file
+
+    def current(self) -> ApiKeys:
+        """The keys in force: the file's as last read, re-read if it changed since."""
+        now = self.clock()
+        if now - self._checked < RELOAD_CHECK_S:
+            return self.keys
+        self._checked = now
+        stamp = self._stat()
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self.keys = ApiKeys.load(self.path)
+                log.info("API keys reloaded: %d keys", len(self.keys))
+            except InvalidArgument as e:
+                log.error("keeping the %d API keys in force: %s", len(self.keys), e)
+        return self.keys
+
+
 def bearer_header(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
     """The value of the ``authorization`` metadata (None when absent or binary)."""
     for name, value in metadata or ():
@@ -159,7 +202,7 @@ def bearer_header(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
     return None
 
 
-def owner_of(keys: ApiKeys | None, metadata: Iterable[tuple[str, Any]] | None) -> bytes:
+def owner_of(keys: KeysFile | None, metadata: Iterable[tuple[str, Any]] | None) -> bytes:
     """The fingerprint a call's sessions belong to: b"" with no keys configured. Called by
     the servicer after :class:`AuthInterceptor` let the call in, so the key is valid."""
     if keys is None:
@@ -176,7 +219,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls to the Generation service without a valid key for the method;
     every other service (health, reflection) passes untouched."""
 
-    def __init__(self, keys: ApiKeys) -> None:
+    def __init__(self, keys: KeysFile) -> None:
         self.keys = keys
 
     async def intercept_service(
@@ -187,7 +230,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not method.startswith(PROTECTED_SERVICE):
             return handler
         try:
-            self.keys.authenticate(
+            self.keys.current().authenticate(
                 handler_call_details.invocation_metadata, method.removeprefix(PROTECTED_SERVICE)
             )
         except Refused as refused:

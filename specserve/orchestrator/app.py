@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import grpc.aio
 
-from specserve.orchestrator.api_keys import ApiKeys, AuthInterceptor
+from specserve.orchestrator.api_keys import AuthInterceptor, KeysFile
 from specserve.orchestrator.config import OrchestratorConfig
 from specserve.orchestrator.generation import Orchestrator
 from specserve.orchestrator.kv_snapshots import KvSnapshots
@@ -122,7 +122,7 @@ async def start(config: OrchestratorConfig) -> App:
         model_name=config.model_name,
     )
 
-    keys = ApiKeys.load(config.api_keys_file) if config.api_keys_file else None
+    keys = KeysFile(config.api_keys_file) if config.api_keys_file else None
 
     def register(server: grpc.aio.Server, running: RunningServer[Tokenization]) -> None:
         holder.append(running)
@@ -140,7 +140,7 @@ async def start(config: OrchestratorConfig) -> App:
     log.info(
         "public API: %s, %s; replicas: %s",
         "TLS" if config.server.tls else "plaintext",
-        f"{len(keys)} API keys" if keys is not None else "no API key needed",
+        f"{len(keys.keys)} API keys" if keys is not None else "no API key needed",
         "mutual TLS"
         if config.replica_tls and config.replica_tls.cert_file
         else "TLS"

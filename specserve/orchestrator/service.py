@@ -15,7 +15,7 @@ import grpc
 import grpc.aio
 
 from specserve.orchestrator import convert
-from specserve.orchestrator.api_keys import ApiKeys, owner_of
+from specserve.orchestrator.api_keys import KeysFile, owner_of
 from specserve.orchestrator.errors import status_for
 from specserve.orchestrator.generation import Orchestrator
 from specserve.v1 import generate_pb2, generate_pb2_grpc
@@ -43,7 +43,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     whose key it was, and a session of another key is NOT_FOUND (the orchestrator checks).
     """
 
-    def __init__(self, orchestrator: Orchestrator, keys: ApiKeys | None = None) -> None:
+    def __init__(self, orchestrator: Orchestrator, keys: KeysFile | None = None) -> None:
         self.orchestrator = orchestrator
         self.keys = keys
 

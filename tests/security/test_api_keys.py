@@ -12,7 +12,7 @@ import pytest
 from specserve.draft_service import config as draft_config
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator import config as orchestrator_config
-from specserve.orchestrator.api_keys import ApiKeys, Refused, owner_of
+from specserve.orchestrator.api_keys import RELOAD_CHECK_S, ApiKeys, KeysFile, Refused, owner_of
 from specserve.serving.tls import ClientTls
 from tests.security.certs import make_ca
 
@@ -119,3 +119,19 @@ def test_replica_flags(tmp_path: Path) -> None:
     assert tls is not None and tls.client_ca_file == ca.ca_file  # mutual TLS
     with pytest.raises(InvalidArgument, match="needs --tls-cert and --tls-key"):
         draft_config.from_args(parser.parse_args(["--model", "tiny:1", "--tls-ca", ca.ca_file]))
+
+
+def test_the_keys_file_is_reread_when_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY}\n{OTHER}\n")
+    now = [0.0]
+    keys_file = KeysFile(str(path), clock=lambda: now[0])
+    bearer = [("authorization", f"Bearer {OTHER}")]
+    assert keys_file.current().authenticate(bearer, "Generate")
+    path.write_text(f"{KEY}\n")  # OTHER revoked
+    assert keys_file.current().authenticate(bearer, "Generate")  # not checked again yet
+    now[0] += RELOAD_CHECK_S
+    assert refused(keys_file.current(), bearer, "Generate").code == grpc.StatusCode.UNAUTHENTICATED
+    path.write_text("not a key file at all\n")
+    now[0] += RELOAD_CHECK_S
+    assert len(keys_file.current()) == 1  # a broken file keeps the keys in force
