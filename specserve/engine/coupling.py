@@ -30,7 +30,9 @@ logits (products wrap modulo 2**64 as the hash needs; logical shifts are arithme
 shifts masked), so only one 64-bit key per row crosses from the host, never a
 vocabulary-sized tensor. The 23-bit uniform bounds g to [-2.8, 16.6]: each
 truncated tail has probability below 1e-7. The target's choice is computed as
-argmax(p / E) with E = -log(u) = exp(-g): the same token for one logarithm per id.
+argmax(p / E) with E = -log(u) = exp(-g): the same token for one logarithm per id
+(on a CPU with the engine's kernels, one fused pass that takes the logarithm only
+where an id may win: ``coupled_argmax`` in :mod:`specserve.engine.cpu_kernels`).
 :func:`noise` makes whole rows, :func:`noise_at` the same numbers at chosen ids (a
 draft needs only its candidates), :func:`reference_noise` is the plain-Python
 definition the tests check both against.
@@ -44,11 +46,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from specserve.engine import cpu_kernels, ops
 from specserve.engine.randomness import _GAMMA, _MASK, _MUL1, _MUL2, Stream, _mix, hashes_batch
 
 _BITS = 23
 _LOW = (1 << _BITS) - 1
 _SCALE = 2.0**-_BITS
+CPU = torch.device("cpu")
 
 
 def _signed(x: int) -> int:
@@ -92,7 +96,11 @@ def choose(
     """
     if probs.shape[0] == 0:
         return torch.zeros(0, dtype=torch.long, device=probs.device)
-    e = _exponentials(keys(seeds, positions), probs.shape[1], probs.device)  # [n, vocab]
+    row_keys = keys(seeds, positions)
+    kern = cpu_kernels.kernels() if probs.is_cpu and ops.kernels_on() else None
+    if kern is not None:  # one pass, a logarithm only where an id may win
+        return kern.coupled_argmax(probs.float().contiguous(), _key_column(row_keys, CPU)[:, 0])
+    e = _exponentials(row_keys, probs.shape[1], probs.device)  # [n, vocab]
     return (probs.float() / e).argmax(dim=-1)
 
 

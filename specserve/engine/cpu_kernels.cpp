@@ -531,9 +531,66 @@ at::Tensor rope_cache_attention(const at::Tensor& q, const at::Tensor& k, const 
   return out;
 }
 
+// Coupled sampling (specserve/engine/coupling.py): per row, argmax_v p[v] / E[v] with
+// E[v] = -log(u[v]) and u[v] from the SplitMix64 word mix(key + (v / 2 + 1) * GAMMA),
+// bits 41..63 for an even v and 0..22 for an odd one, u = (bits + 0.5) * 2^-23. As
+// -log(u) >= 1 - u, p / (1 - u) bounds the score: the logarithm is taken only where
+// that bound (less a 1e-3 margin for rounding) reaches the best score so far, about
+// twice a row. Ties go to the lower id, as torch.argmax.
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
+constexpr uint64_t kMul1 = 0xBF58476D1CE4E5B9ull;
+constexpr uint64_t kMul2 = 0x94D049BB133111EBull;
+constexpr uint32_t kLow23 = (1u << 23) - 1u;
+
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * kMul1;
+  z = (z ^ (z >> 27)) * kMul2;
+  return z ^ (z >> 31);
+}
+
+inline void coupled_visit(const float* p, int64_t v, uint32_t bits, float& best, int64_t& arg) {
+  const float pv = p[v];
+  if (!(pv > 0.0f)) return;  // no mass (filtered out): score 0, never above a positive one
+  const float u = (static_cast<float>(bits) + 0.5f) * (1.0f / 8388608.0f);
+  if (pv < best * (1.0f - u) * 0.999f) return;  // its score is below the best
+  const float score = pv / -std::log(u);
+  if (score > best) {
+    best = score;
+    arg = v;
+  }
+}
+
+int64_t coupled_row(const float* p, int64_t vocab, uint64_t key) {
+  float best = 0.0f;
+  int64_t arg = 0;
+  for (int64_t i = 0; 2 * i < vocab; ++i) {
+    const uint64_t h = mix64(key + static_cast<uint64_t>(i + 1) * kGamma);
+    coupled_visit(p, 2 * i, static_cast<uint32_t>(h >> 41), best, arg);
+    if (2 * i + 1 < vocab) coupled_visit(p, 2 * i + 1, static_cast<uint32_t>(h) & kLow23, best, arg);
+  }
+  return arg;
+}
+
+at::Tensor coupled_argmax(const at::Tensor& probs, const at::Tensor& keys) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.is_contiguous(),
+              "probs must be a contiguous float32 [n, vocab] tensor");
+  TORCH_CHECK(keys.dim() == 1 && keys.scalar_type() == at::kLong && keys.size(0) == probs.size(0),
+              "keys must be int64 [n]");
+  const int64_t n = probs.size(0), vocab = probs.size(1);
+  at::Tensor out = at::empty({n}, keys.options());
+  const float* p = probs.data_ptr<float>();
+  const int64_t* k = keys.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = coupled_row(p + r * vocab, vocab, static_cast<uint64_t>(k[r]));
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(LIBNAME, m) {
+  m.def("coupled_argmax(Tensor probs, Tensor keys) -> Tensor");
   m.def("linears(Tensor x, Tensor[] ws, Tensor?[] bs) -> Tensor[]");
   m.def("gate_up_silu(Tensor x, Tensor wg, Tensor wu) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
@@ -548,4 +605,5 @@ TORCH_LIBRARY_IMPL(LIBNAME, CPU, m) {
   m.impl("gate_up_silu", &gate_up_silu);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_cache_attention", &rope_cache_attention);
+  m.impl("coupled_argmax", &coupled_argmax);
 }

@@ -32,6 +32,10 @@ cache misses instead of ~10 us. The kernels here answer both:
 ``rope_cache_attention(q, k, v, ...)``
     RoPE, the paged KV-cache write and causal GQA attention (optional sliding
     window) for a few packed new tokens of a ragged batch: one op instead of ~35.
+``coupled_argmax(probs, keys)``
+    The coupled token of each row (:mod:`specserve.engine.coupling`) in one pass:
+    the noise is hashed id by id and a logarithm taken only where a bound says the
+    id could win, instead of ~20 torch ops over the vocabulary.
 
 One source serves two instruction sets, picked by torch's CPU capability: AVX-512
 (``-mavx512f -mfma``) or AVX2 + FMA (``-mavx2 -mfma``), each build in its own cache
@@ -81,6 +85,7 @@ class Kernels:
     gate_up_silu: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     rope_cache_attention: Callable[..., torch.Tensor]
+    coupled_argmax: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 _lock = threading.Lock()
@@ -148,6 +153,7 @@ def _build() -> Kernels | None:
         lib.gate_up_silu.default,
         lib.rms_norm.default,
         lib.rope_cache_attention.default,
+        lib.coupled_argmax.default,
     )
 
 

@@ -90,6 +90,11 @@ def kernels_enabled(enabled: bool) -> Iterator[None]:
         _enabled[0] = before
 
 
+def kernels_on() -> bool:
+    """Whether the CPU kernels may be used here (not turned off by :func:`kernels_enabled`)."""
+    return _enabled[0]
+
+
 def _kernels_for(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Kernels | None:
     """The kernels if they may compute ``x`` against ``weights``, else ``None``."""
     if (

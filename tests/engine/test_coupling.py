@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from specserve.engine import coupling
+from specserve.engine import coupling, cpu_kernels, ops
 from specserve.engine.rejection import Proposal, verify
 from specserve.engine.sampling import SamplingParams, batched_probabilities, probabilities
 
@@ -127,8 +127,12 @@ def test_a_token_depends_only_on_seed_and_position() -> None:
     ],
     ids=["t0.7", "t1.0", "top-k", "top-p", "top-k+top-p"],
 )
-def test_coupled_tokens_follow_p_at_each_position_and_in_pairs(params: SamplingParams) -> None:
-    tokens = draws(params, N)
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu kernel", "torch ops"])
+def test_coupled_tokens_follow_p_at_each_position_and_in_pairs(
+    params: SamplingParams, kernels: bool
+) -> None:
+    with ops.kernels_enabled(kernels):
+        tokens = draws(params, N)
     assert min(marginal_p_values(tokens, params)) > ALPHA
     assert pair_p_value(tokens, params) > ALPHA
 
@@ -181,3 +185,20 @@ def test_choose_among_candidates_is_choose_over_the_truncated_distribution() -> 
     seeds, positions = np.arange(64), np.full(64, 11)
     dense = coupling.choose(p, seeds, positions)
     assert torch.equal(coupling.choose_among(values, ids, seeds, positions), dense)
+
+
+def test_the_cpu_kernel_chooses_what_the_torch_ops_choose() -> None:
+    """The fused kernel (a logarithm only where an id may win) and the torch ops (noise
+    for every id) give the same tokens; rows with and without top-k / top-p filtering."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(96, 5003, generator=gen) * 4
+    params = [SamplingParams(1.0), SamplingParams(0.7, top_k=50), SamplingParams(1.3, top_p=0.9)]
+    p = batched_probabilities(logits, params, [32, 32, 32])
+    seeds, positions = np.arange(96) * 7, np.arange(96) + 1000
+    fused = coupling.choose(p, seeds, positions)
+    with ops.kernels_enabled(False):
+        plain = coupling.choose(p, seeds, positions)
+    assert torch.equal(fused, plain)
+    assert bool((p.gather(1, fused[:, None]) > 0).all())
