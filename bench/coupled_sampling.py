@@ -42,6 +42,7 @@ from bench.common import (
     reproduce_command,
     write_results,
 )
+from specserve.engine import ops
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.model_drafter import ModelDrafter
@@ -133,18 +134,23 @@ def run(engine: SpeculativeEngine, v: Variant, prompt: list[int], n: int, seed: 
 
 
 def sampler_cost(vocab: int, rows: int, device: torch.device) -> dict[str, float]:
-    """Milliseconds per verified position of :func:`verify` on random logits: coupled,
-    rejection (both with ``rows - 1`` point-mass drafts) and greedy (the floor)."""
+    """Milliseconds per verified position of :func:`verify` on random logits: coupled
+    (with the CPU kernel where it runs, and with torch ops alone), rejection (both with
+    ``rows - 1`` point-mass drafts) and greedy (the floor)."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, vocab, generator=gen).to(device) * 3
     draft = Proposal(tokens=[1] * (rows - 1))
     out = {}
-    for name, params in (
-        ("coupled", SamplingParams(1.0, seed=3)),
-        ("rejection", SamplingParams(1.0, seed=3, rule=SamplingRule.REJECTION)),
-        ("greedy", SamplingParams()),
+    for name, params, kernels in (
+        ("coupled", SamplingParams(1.0, seed=3), True),
+        ("coupled (torch ops)", SamplingParams(1.0, seed=3), False),
+        ("rejection", SamplingParams(1.0, seed=3, rule=SamplingRule.REJECTION), True),
+        ("greedy", SamplingParams(), True),
     ):
-        samples = median_time(lambda p=params: verify(logits, [draft], [p], [0], [100]), reps=15)
+        with ops.kernels_enabled(kernels):
+            samples = median_time(
+                lambda p=params: verify(logits, [draft], [p], [0], [100]), reps=15
+            )
         out[name] = 1e3 * samples.median / rows
     return out
 
