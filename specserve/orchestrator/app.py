@@ -85,7 +85,12 @@ async def start(config: OrchestratorConfig) -> App:
     if config.redis is None:
         store = SessionStore(embedded_client(), config.ttls, where="embedded store")
     else:
-        store = SessionStore(config.redis.client(), config.ttls, where=config.redis.display)
+        store = SessionStore(
+            config.redis.client(),
+            config.ttls,
+            where=config.redis.display,
+            retry_s=config.redis_retry_s,
+        )
     instrument_redis(store.redis, tracing)
     interceptors = client_interceptors(tracing)
     drafts = ReplicaPool(
@@ -118,7 +123,6 @@ async def start(config: OrchestratorConfig) -> App:
         runner,
         lambda: holder[0].executor.backend,
         k_max=config.scheduler.k_curve.k_max,
-        active_stale_s=config.active_stale_s,
         model_name=config.model_name,
     )
 

@@ -27,7 +27,7 @@ from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.errors import EngineError, InvalidArgument, NotFound
 from specserve.engine.k_policy import KPolicy
 from specserve.orchestrator import records
-from specserve.orchestrator.errors import SessionBusy
+from specserve.orchestrator.errors import SessionBusy, VersionConflict
 from specserve.orchestrator.request_span import (
     fail_request_span,
     finish_request_span,
@@ -36,9 +36,9 @@ from specserve.orchestrator.request_span import (
 from specserve.orchestrator.request_stats import RequestStats
 from specserve.orchestrator.rounds import RoundRunner
 from specserve.orchestrator.session import Ended, LiveSession
-from specserve.orchestrator.session_store import SessionStore, now_ms
+from specserve.orchestrator.session_store import SessionStore
 from specserve.orchestrator.text import TextStream, Tokenization
-from specserve.orchestrator.types import Chunk, GenerateParams, SessionSummary
+from specserve.orchestrator.types import Chunk, GenerateParams, SessionState, SessionSummary
 from specserve.v1 import session_pb2
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -63,14 +63,12 @@ class Orchestrator:
         text: Callable[[], Tokenization],
         *,
         k_max: int = 8,
-        active_stale_s: float = 120.0,
         model_name: str = "specserve",
     ) -> None:
         self.store = store
         self.runner = runner
         self.text = text  # the tokenizer may still be loading: ask each time
         self.k_max = k_max
-        self.active_stale_s = active_stale_s
         self.model_name = model_name  # what traces call the model (gen_ai.request.model)
         self.stats = RequestStats()
 
@@ -182,7 +180,8 @@ class Orchestrator:
                     f"session {params.session_id!r} does not exist: it was closed, expired, or "
                     "not kept (set keep_session to continue a session later)"
                 )
-            if records.is_active(pre_turn, now_ms(), self.active_stale_s):
+            leased = await self.store.leased(params.session_id)
+            if records.is_active(pre_turn, leased=leased):
                 raise SessionBusy(
                     f"session {params.session_id!r} is generating; wait for it to finish or "
                     "call CancelSession"
@@ -237,16 +236,35 @@ class Orchestrator:
         if record is None:
             raise NotFound(f"session {session_id!r} does not exist")
         local = self.runner.cancel(session_id)
-        if records.is_active(record, now_ms(), self.active_stale_s):
+        if records.is_active(record, leased=await self.store.leased(session_id)):
             await self.store.request_cancel(session_id)
             return True
+        if not local and record.state == records.STATES[SessionState.ACTIVE]:
+            # Its orchestrator died mid-turn (the lease ran out): nothing will see a
+            # cancel flag, so end the turn here.
+            return await self._cancel_orphan(record)
         return local
+
+    async def _cancel_orphan(self, record: session_pb2.SessionRecord) -> bool:
+        """Mark a session whose orchestrator died CANCELLED (if it is kept) or delete it;
+        False if someone else wrote it first (it was continued meanwhile)."""
+        try:
+            if record.keep:
+                await self.store.commit(
+                    records.ended(record, SessionState.CANCELLED, warm=False), final=True
+                )
+            else:
+                await self.store.delete(record.session_id, version=record.version)
+        except (VersionConflict, NotFound):
+            return False
+        await self.runner.release_owners(record)
+        return True
 
     async def get(self, session_id: str, owner: bytes = b"") -> SessionSummary:
         record = await self._owned(session_id, owner)
         if record is None:
             raise NotFound(f"session {session_id!r} does not exist")
-        return records.summary(record)
+        return records.summary(record, leased=await self.store.leased(session_id))
 
     async def close_session(self, session_id: str, owner: bytes = b"") -> bool:
         """Delete a session and free its caches; a generation in flight stops."""

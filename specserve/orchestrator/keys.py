@@ -3,19 +3,32 @@
 ==============================  =====================  ==========================================
 key                             type                   lifetime
 ==============================  =====================  ==========================================
-``specserve:session:{<id>}``    hash ``v``, ``r``      ``SESSION_TTL_S`` from the last write; a
-                                                       running generation rewrites it every round
+``specserve:session:{<id>}``    hash ``v``, ``r``,     ``SESSION_TTL_S`` from the last write; a
+                                ``t``, ``d``           running generation writes it every round
 ``specserve:cancel:{<id>}``     string (``1``)         ``CANCEL_TTL_S``; removed by the final write
+``specserve:lease:{<id>}``      string: the owning     ``LEASE_S`` (``--session-lease-s``) from
+                                orchestrator's id      its last renewal; only while ACTIVE
 ``specserve:kv:<chunk key>``    string: a serialized   ``KV_TTL_S`` (``--kv-snapshot-ttl-s``)
                                 ``KvChunk``            from its last write or read
 ==============================  =====================  ==========================================
 
 A session hash holds ``v``, the record's version as a decimal integer (what the
-commit script compares), and ``r``, the serialized ``specserve.v1.SessionRecord``.
-Keeping the version beside the bytes lets a Lua script check it without parsing
-protobuf. The ``{<id>}`` hash tag puts a session's two keys in one Redis Cluster
-slot, so one script may touch both. Nothing is stored without an expiry: a
-crashed orchestrator leaves nothing behind for longer than the TTL.
+commit script compares), ``r``, the serialized ``specserve.v1.SessionRecord`` as
+written when its turn began, and (record schema 2) ``t``, the tokens committed
+since, little-endian int32, appended by each round, and ``d``, the latest
+``specserve.v1.SessionDelta`` (state, round index, KV owners, usage). A round
+writes its new tokens and the delta, never the prompt, the stop strings or the
+sampling parameters again. Keeping the version beside the bytes lets a Lua
+script check it without parsing protobuf. The ``{<id>}`` hash tag puts a
+session's keys in one Redis Cluster slot, so one script may touch them all.
+Nothing is stored without an expiry: a crashed orchestrator leaves nothing
+behind for longer than the TTL.
+
+A generating (ACTIVE) session's lease names the orchestrator that runs it. The
+write that makes a record ACTIVE takes the lease, every later write of it and a
+renewal every third of ``LEASE_S`` keep it, and the write that ends the turn
+drops it. A record that says ACTIVE with no lease belongs to a dead orchestrator:
+another one may continue, cancel or close the session at once.
 
 KV snapshot chunks (``--kv-snapshots``, :mod:`specserve.orchestrator.kv_snapshots`)
 are content-addressed: ``<chunk key>`` is the hex of the chunk's chained hash
@@ -31,10 +44,13 @@ PREFIX = "specserve:"
 SESSION_PREFIX = PREFIX + "session:"
 CANCEL_PREFIX = PREFIX + "cancel:"
 KV_PREFIX = PREFIX + "kv:"
+LEASE_PREFIX = PREFIX + "lease:"
 
 # Hash fields of a session key.
 FIELD_VERSION = "v"
 FIELD_RECORD = "r"
+FIELD_TOKENS = "t"  # schema 2: tokens appended since ``r`` was written
+FIELD_DELTA = "d"  # schema 2: the latest SessionDelta
 
 # A kept session lives this long after its last write (every round and every turn writes).
 SESSION_TTL_S = 3600.0
@@ -43,9 +59,10 @@ CANCEL_TTL_S = 60.0
 # A KV snapshot chunk lives this long after it was last written or read (by a restore,
 # or by the export that found it present). Short: chunks are large and only a cache.
 KV_TTL_S = 900.0
-# An ACTIVE record not written for this long belongs to a dead orchestrator: another
-# replica may take the session over. Generous against slow rounds (a long prefill).
-ACTIVE_STALE_S = 120.0
+# A generating session's lease lasts this long unless its orchestrator renews it (every
+# third of it, whatever its rounds are doing): after a crash, another orchestrator may
+# take the session over this long after the last renewal.
+LEASE_S = 5.0
 
 
 def session_key(session_id: str) -> str:
@@ -56,6 +73,11 @@ def session_key(session_id: str) -> str:
 def cancel_key(session_id: str) -> str:
     """The flag CancelSession sets for whichever orchestrator replica runs the session."""
     return f"{CANCEL_PREFIX}{{{session_id}}}"
+
+
+def lease_key(session_id: str) -> str:
+    """The lease of the orchestrator generating a session (its value: that one's id)."""
+    return f"{LEASE_PREFIX}{{{session_id}}}"
 
 
 def kv_key(chunk_key: bytes) -> str:

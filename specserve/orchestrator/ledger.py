@@ -73,8 +73,11 @@ class Ledger:
             return []
         ending: list[Ending] = []
         try:
+            # Deltas from each session's last written record: a round writes its new
+            # tokens and a few small fields, never the turn's constant ones again.
             results = await self.store.commit_many(
-                [s.record_after_round(*self.ownership(s)) for s, _ in committed]
+                [s.record_after_round(*self.ownership(s)) for s, _ in committed],
+                after=[s.record for s, _ in committed],
             )
         except EngineError as e:
             return [(s, None, e) for s, _ in committed]
@@ -149,6 +152,8 @@ class Ledger:
                     if reason is FinishReason.CANCELLED
                     else SessionState.IDLE
                 )
-                await self.store.commit(records.ended(s.record, state, warm=warm), final=True)
+                await self.store.commit(
+                    records.ended(s.record, state, warm=warm), final=True, after=s.record
+                )
         except EngineError as e:
             log.warning("could not write the final record of session %s: %s", s.sid, e)

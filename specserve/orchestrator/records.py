@@ -119,10 +119,15 @@ def usage_pb(u: Usage) -> generate_pb2.Usage:
     )
 
 
-def summary(record: session_pb2.SessionRecord) -> SessionSummary:
+def summary(record: session_pb2.SessionRecord, *, leased: bool) -> SessionSummary:
+    """What GetSession reports; an ACTIVE record without a lease (its orchestrator died)
+    is IDLE: nothing generates it."""
+    state = STATE_NAMES.get(record.state, SessionState.IDLE)
+    if state is SessionState.ACTIVE and not leased:
+        state = SessionState.IDLE
     return SessionSummary(
         session_id=record.session_id,
-        state=STATE_NAMES.get(record.state, SessionState.IDLE),
+        state=state,
         tokens=len(record.tokens),
         turns=len(record.turn_starts),
         usage=usage_of(record),
@@ -131,7 +136,6 @@ def summary(record: session_pb2.SessionRecord) -> SessionSummary:
     )
 
 
-def is_active(record: session_pb2.SessionRecord, now_ms: int, stale_s: float) -> bool:
-    """A generation runs on it, and its orchestrator wrote it recently (so is alive)."""
-    fresh = now_ms - record.updated_unix_ms < stale_s * 1000
-    return record.state == STATES[SessionState.ACTIVE] and fresh
+def is_active(record: session_pb2.SessionRecord, *, leased: bool) -> bool:
+    """A generation runs on it: it is ACTIVE and its orchestrator holds the lease (is alive)."""
+    return record.state == STATES[SessionState.ACTIVE] and leased

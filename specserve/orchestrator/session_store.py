@@ -1,9 +1,12 @@
 """The session store: every Redis call of the orchestrator goes through :class:`SessionStore`.
 
 A session is one hash (see :mod:`specserve.orchestrator.keys`): the record's
-version ``v`` and the serialized ``SessionRecord`` ``r``. Every write is one Lua
-script, so it is atomic and complete — a record is either the old one or the new
-one, never half of each — and every write sets the expiry:
+version ``v``, the serialized ``SessionRecord`` ``r`` as written when its turn
+began, and since record schema 2 the tokens ``t`` and the latest
+``SessionDelta`` ``d`` its rounds wrote (:mod:`specserve.orchestrator.record_deltas`).
+Every write is one Lua script (:mod:`specserve.orchestrator.store_scripts`), so
+it is atomic and complete — a record is either the old one or the new one, never
+half of each — and every write sets the expiry:
 
 * :meth:`SessionStore.create` writes version 1 only if the key does not exist;
 * :meth:`SessionStore.commit` writes version ``v + 1`` only if the stored version
@@ -11,13 +14,24 @@ one, never half of each — and every write sets the expiry:
   both computed round r of a session cannot both commit it: the second gets
   :class:`~specserve.orchestrator.errors.VersionConflict` (or a ``CONFLICT``
   status from :meth:`SessionStore.commit_many`). A commit also reports whether a
-  cancel was requested, so the round loop learns it with no extra round trip;
-* :meth:`SessionStore.delete` removes the record and its cancel flag, optionally
-  only at a given version.
+  cancel was requested, so the round loop learns it with no extra round trip.
+  Given the record it last wrote (``after=``), a commit writes only the delta —
+  the new tokens and the few fields a round changes — never the prompt, the stop
+  strings or the sampling parameters again;
+* :meth:`SessionStore.delete` removes the record, its cancel flag and its lease,
+  optionally only at a given version.
 
-Every script is idempotent, so the client may retry a call whose reply was lost:
-a retried create or commit that finds its own bytes already stored succeeds.
-Redis being down raises :class:`~specserve.serving.errors.Unavailable`.
+A write that leaves a record ACTIVE takes this store's lease on it (``owner``,
+``StoreTtls.lease_s``); :meth:`SessionStore.renew` keeps it while the session
+generates; any other write drops it. :meth:`SessionStore.leased` tells whether
+an ACTIVE record's orchestrator is alive.
+
+Every script is idempotent, so a call whose reply was lost may be sent again: a
+retried create or commit that finds its own bytes already stored succeeds. Every
+call is retried on transient errors for ``retry_s`` seconds
+(:mod:`specserve.orchestrator.store_retry`): a Redis restart inside that window
+only pauses the streams. Past it, or on any other error,
+:class:`~specserve.serving.errors.Unavailable` is raised.
 
 A replica that lost a session re-prefills from the committed tokens held here,
 or, with ``--kv-snapshots``, first restores the KV chunks saved under
@@ -29,67 +43,25 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
-from redis.exceptions import RedisError
 
 from specserve.engine.errors import NotFound
-from specserve.orchestrator import keys
+from specserve.orchestrator import keys, store_scripts
 from specserve.orchestrator.errors import RecordError, VersionConflict
-from specserve.serving.errors import Unavailable
-from specserve.v1 import session_pb2
+from specserve.orchestrator.record_deltas import assemble, delta_of
+from specserve.orchestrator.store_retry import DEFAULT_WINDOW_S, RetryWindow
+from specserve.v1 import generate_pb2, session_pb2
 
-SCHEMA_VERSION = 1
+# 2: a record is stored as deltas (``r`` + ``t`` + ``d``); 1 (``r`` alone) is still read.
+SCHEMA_VERSION = 2
+_ACTIVE = generate_pb2.SESSION_STATE_ACTIVE
 
-# A retried call (the reply was lost, the script ran) finds its own bytes: success.
-_CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  if redis.call('HGET', KEYS[1], 'r') == ARGV[1] then return 1 end
-  return 0
-end
-redis.call('HSET', KEYS[1], 'v', '1', 'r', ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-
-# -> {status, stored version}; status 0 ok, 1 missing, 2 conflict, 3 ok but cancel requested
-_COMMIT = """
-local v = redis.call('HGET', KEYS[1], 'v')
-if not v then return {1, 0} end
-if v ~= ARGV[1] then
-  if v == ARGV[2] and redis.call('HGET', KEYS[1], 'r') == ARGV[3] then return {0, 0} end
-  return {2, tonumber(v)}
-end
-redis.call('HSET', KEYS[1], 'v', ARGV[2], 'r', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-if ARGV[5] == '1' then
-  redis.call('DEL', KEYS[2])
-  return {0, 0}
-end
-if redis.call('EXISTS', KEYS[2]) == 1 then return {3, 0} end
-return {0, 0}
-"""
-
-# -> 1 deleted, 0 missing, -1 version differs (nothing deleted)
-_DELETE = """
-local v = redis.call('HGET', KEYS[1], 'v')
-if not v then
-  redis.call('DEL', KEYS[2])
-  return 0
-end
-if ARGV[1] ~= '' and v ~= ARGV[1] then return -1 end
-redis.call('DEL', KEYS[1], KEYS[2])
-return 1
-"""
-
-_CANCEL = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('SET', KEYS[2], '1', 'PX', ARGV[1])
-return 1
-"""
+T = TypeVar("T")
 
 
 class CommitStatus(enum.Enum):
@@ -113,9 +85,10 @@ class StoreTtls:
 
     session_s: float = keys.SESSION_TTL_S
     cancel_s: float = keys.CANCEL_TTL_S
+    lease_s: float = keys.LEASE_S
 
     def __post_init__(self) -> None:
-        if self.session_s <= 0 or self.cancel_s <= 0:
+        if self.session_s <= 0 or self.cancel_s <= 0 or self.lease_s <= 0:
             raise ValueError("every Redis key needs a TTL > 0 seconds")
 
 
@@ -124,53 +97,105 @@ def now_ms() -> int:
 
 
 class SessionStore:
-    """Session records in Redis (or an embedded fakeredis), read and written atomically."""
+    """Session records in Redis (or an embedded fakeredis), read and written atomically.
 
-    def __init__(self, redis: Any, ttls: StoreTtls | None = None, *, where: str = "Redis") -> None:
+    ``owner`` names this orchestrator in the leases it takes (default: a fresh id).
+    """
+
+    def __init__(
+        self,
+        redis: Any,
+        ttls: StoreTtls | None = None,
+        *,
+        where: str = "Redis",
+        retry_s: float = DEFAULT_WINDOW_S,
+        owner: str | None = None,
+    ) -> None:
         self.redis = redis
         self.ttls = ttls or StoreTtls()
         self.where = where
-        self._create = redis.register_script(_CREATE)
-        self._commit = redis.register_script(_COMMIT)
-        self._delete = redis.register_script(_DELETE)
-        self._cancel = redis.register_script(_CANCEL)
+        self.owner = owner or uuid.uuid4().hex
+        self.retry = RetryWindow(f"the session store ({where})", retry_s)
+        self._create = redis.register_script(store_scripts.CREATE)
+        self._commit = redis.register_script(store_scripts.COMMIT)
+        self._delete = redis.register_script(store_scripts.DELETE)
+        self._cancel = redis.register_script(store_scripts.CANCEL)
+        self._renew = redis.register_script(store_scripts.RENEW)
 
     @property
     def _ttl_ms(self) -> int:
         return int(self.ttls.session_s * 1000)
 
+    @property
+    def _lease_ms(self) -> int:
+        return int(self.ttls.lease_s * 1000)
+
     async def close(self) -> None:
         await self.redis.aclose()
 
     async def ping(self) -> None:
-        """Raise Unavailable unless the store answers."""
-        await self._call(self.redis.ping())
+        """Raise Unavailable unless the store answers now (one attempt, no retries)."""
+        await self.retry.call(self.redis.ping, retry=False)
 
     async def create(self, record: session_pb2.SessionRecord) -> session_pb2.SessionRecord:
         """Store a new session at version 1; VersionConflict if the id is taken."""
         rec = _stamped(record, 1)
+        sid = rec.session_id
         created = await self._call(
-            self._create(keys=[keys.session_key(rec.session_id)], args=[_bytes(rec), self._ttl_ms])
+            lambda: self._create(
+                keys=[keys.session_key(sid), keys.lease_key(sid)],
+                args=[_bytes(rec), self._ttl_ms, self._lease_owner(rec), self._lease_ms],
+            )
         )
         if not created:
-            raise VersionConflict(f"session {rec.session_id!r} already exists")
+            raise VersionConflict(f"session {sid!r} already exists")
         return rec
 
     async def get(self, session_id: str) -> session_pb2.SessionRecord | None:
         """The stored record, or None."""
-        raw = await self._call(self.redis.hget(keys.session_key(session_id), keys.FIELD_RECORD))
-        return None if raw is None else parse(raw, session_id)
+        r, t, d = await self._call(
+            lambda: self.redis.hmget(
+                keys.session_key(session_id),
+                [keys.FIELD_RECORD, keys.FIELD_TOKENS, keys.FIELD_DELTA],
+            )
+        )
+        return None if r is None else assemble(parse(r, session_id), t, d)
+
+    async def leased(self, session_id: str) -> bool:
+        """Whether some orchestrator holds the session's lease (is generating it, alive)."""
+        return bool(await self._call(lambda: self.redis.exists(keys.lease_key(session_id))))
+
+    async def renew(self, session_ids: Sequence[str]) -> int:
+        """Extend this store's leases on sessions (one attempt); returns how many it held."""
+        if not session_ids:
+            return 0
+
+        async def attempt() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            for sid in session_ids:
+                await self._renew(
+                    keys=[keys.lease_key(sid)], args=[self.owner, self._lease_ms], client=pipe
+                )
+            return list(await pipe.execute())
+
+        return sum(int(r) for r in await self.retry.call(attempt, retry=False))
 
     async def commit(
-        self, record: session_pb2.SessionRecord, *, final: bool = False
+        self,
+        record: session_pb2.SessionRecord,
+        *,
+        final: bool = False,
+        after: session_pb2.SessionRecord | None = None,
     ) -> tuple[session_pb2.SessionRecord, bool]:
         """Write ``record`` if the stored version is still ``record.version``.
 
         Returns the written record (version + 1) and whether a cancel was requested.
-        ``final`` also removes the cancel flag. Raises VersionConflict when another
-        writer got there first, NotFound when the record is gone (closed or expired).
+        ``final`` also removes the cancel flag. ``after``: the record as this store
+        last wrote it, when ``record`` only appends tokens and changes delta fields
+        (then only those are written). Raises VersionConflict when another writer got
+        there first, NotFound when the record is gone (closed or expired).
         """
-        [(status, written)] = await self.commit_many([record], final=final)
+        [(status, written)] = await self.commit_many([record], final=final, after=[after])
         if status is CommitStatus.CONFLICT:
             raise VersionConflict(
                 f"session {record.session_id!r} changed since version {record.version} was read "
@@ -181,37 +206,68 @@ class SessionStore:
         return written, status is CommitStatus.CANCEL_REQUESTED
 
     async def commit_many(
-        self, records: Sequence[session_pb2.SessionRecord], *, final: bool = False
+        self,
+        records: Sequence[session_pb2.SessionRecord],
+        *,
+        final: bool = False,
+        after: Sequence[session_pb2.SessionRecord | None] | None = None,
     ) -> list[tuple[CommitStatus, session_pb2.SessionRecord]]:
         """Commit several sessions in one round trip; each is atomic on its own.
 
-        Each record's ``version`` is the version its writer read. Returns, per record,
-        the status and the record as written (version + 1, meaningful if written).
+        Each record's ``version`` is the version its writer read; ``after[i]``, if
+        given, is the record as last written, and record ``i`` is written as a delta
+        from it (see :meth:`commit`). Returns, per record, the status and the record as
+        written (version + 1, meaningful if written).
         """
         if not records:
             return []
-        pipe = self.redis.pipeline(transaction=False)
-        written = []
-        for record in records:
-            rec = _stamped(record, record.version + 1)
-            written.append(rec)
+        bases = list(after) if after is not None else [None] * len(records)
+        written = [_stamped(r, r.version + 1) for r in records]
+        calls = []
+        for read, rec, base in zip(records, written, bases, strict=True):
             sid = rec.session_id
-            await self._commit(
-                keys=[keys.session_key(sid), keys.cancel_key(sid)],
-                args=[record.version, rec.version, _bytes(rec), self._ttl_ms, int(final)],
-                client=pipe,
+            if base is None:
+                field, payload, appended = keys.FIELD_RECORD, _bytes(rec), b""
+            else:
+                delta, appended = delta_of(base, rec)
+                field, payload = keys.FIELD_DELTA, delta.SerializeToString(deterministic=True)
+            calls.append(
+                (
+                    [keys.session_key(sid), keys.cancel_key(sid), keys.lease_key(sid)],
+                    [
+                        read.version,
+                        rec.version,
+                        field,
+                        payload,
+                        appended,
+                        self._ttl_ms,
+                        int(final),
+                        self._lease_owner(rec),
+                        self._lease_ms,
+                    ],
+                )
             )
-        replies = await self._call(pipe.execute())
+
+        async def attempt() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            for call_keys, args in calls:
+                await self._commit(keys=call_keys, args=args, client=pipe)
+            return list(await pipe.execute())
+
+        replies = await self._call(attempt)
         return [(_STATUS[int(r[0])], rec) for r, rec in zip(replies, written, strict=True)]
 
     async def delete(self, session_id: str, *, version: int | None = None) -> bool:
-        """Remove a session and its cancel flag; with ``version``, only at that version.
-
-        Returns whether a record was deleted.
+        """Remove a session, its cancel flag and its lease; with ``version``, only at that
+        version. Returns whether a record was deleted.
         """
         done = await self._call(
-            self._delete(
-                keys=[keys.session_key(session_id), keys.cancel_key(session_id)],
+            lambda: self._delete(
+                keys=[
+                    keys.session_key(session_id),
+                    keys.cancel_key(session_id),
+                    keys.lease_key(session_id),
+                ],
                 args=["" if version is None else version],
             )
         )
@@ -222,7 +278,7 @@ class SessionStore:
     async def request_cancel(self, session_id: str) -> bool:
         """Flag a session for cancellation (seen at its next commit); False if it is unknown."""
         done = await self._call(
-            self._cancel(
+            lambda: self._cancel(
                 keys=[keys.session_key(session_id), keys.cancel_key(session_id)],
                 args=[int(self.ttls.cancel_s * 1000)],
             )
@@ -232,28 +288,31 @@ class SessionStore:
     async def touch(self, session_id: str) -> bool:
         """Restart a session's TTL; False if it is unknown."""
         return bool(
-            await self._call(self.redis.pexpire(keys.session_key(session_id), self._ttl_ms))
+            await self._call(lambda: self.redis.pexpire(keys.session_key(session_id), self._ttl_ms))
         )
 
     async def ttl_s(self, key: str) -> float:
         """Seconds until ``key`` expires: -1 = no expiry, -2 = no such key (for tests)."""
-        ms = int(await self._call(self.redis.pttl(key)))
+        ms = int(await self._call(lambda: self.redis.pttl(key)))
         return ms / 1000 if ms >= 0 else float(ms)
 
     async def keys(self) -> list[str]:
         """Every specserve key (SCAN, for tests and debugging)."""
-        found = []
-        async for key in self.redis.scan_iter(match=keys.PREFIX + "*", count=500):
-            found.append(key.decode() if isinstance(key, bytes) else str(key))
-        return sorted(found)
 
-    async def _call(self, awaitable: Any) -> Any:
-        try:
-            return await awaitable
-        except RedisError as e:
-            raise Unavailable(f"the session store ({self.where}) failed: {e}") from e
-        except OSError as e:
-            raise Unavailable(f"the session store ({self.where}) is unreachable: {e}") from e
+        async def attempt() -> list[str]:
+            found = []
+            async for key in self.redis.scan_iter(match=keys.PREFIX + "*", count=500):
+                found.append(key.decode() if isinstance(key, bytes) else str(key))
+            return sorted(found)
+
+        return await self._call(attempt)
+
+    def _lease_owner(self, record: session_pb2.SessionRecord) -> str:
+        """Who the write makes the session's lease holder: this store if ACTIVE, else none."""
+        return self.owner if record.state == _ACTIVE else ""
+
+    async def _call(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        return await self.retry.call(attempt)
 
 
 def parse(raw: bytes, session_id: str) -> session_pb2.SessionRecord:

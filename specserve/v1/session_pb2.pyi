@@ -75,3 +75,25 @@ class SessionRecord(_message.Message):
     kv_snapshot: KvSnapshot
     owner: bytes
     def __init__(self, schema_version: _Optional[int] = ..., session_id: _Optional[str] = ..., version: _Optional[int] = ..., state: _Optional[_Union[_generate_pb2.SessionState, str]] = ..., tokens: _Optional[_Iterable[int]] = ..., turn_starts: _Optional[_Iterable[int]] = ..., completion_start: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., drafter: _Optional[_Union[_common_pb2.Drafter, str]] = ..., k: _Optional[int] = ..., round_index: _Optional[int] = ..., draft: _Optional[_Union[KvOwnership, _Mapping]] = ..., target: _Optional[_Union[KvOwnership, _Mapping]] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., keep: _Optional[bool] = ..., kv_snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ..., owner: _Optional[bytes] = ...) -> None: ...
+
+class SessionDelta(_message.Message):
+    __slots__ = ("version", "state", "round_index", "draft", "target", "usage", "updated_unix_ms", "kv_snapshot", "tokens")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    state: _generate_pb2.SessionState
+    round_index: int
+    draft: KvOwnership
+    target: KvOwnership
+    usage: _generate_pb2.Usage
+    updated_unix_ms: int
+    kv_snapshot: KvSnapshot
+    tokens: int
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[_Union[_generate_pb2.SessionState, str]] = ..., round_index: _Optional[int] = ..., draft: _Optional[_Union[KvOwnership, _Mapping]] = ..., target: _Optional[_Union[KvOwnership, _Mapping]] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., updated_unix_ms: _Optional[int] = ..., kv_snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from specserve.engine.errors import NotFound
 from specserve.orchestrator import keys
 from specserve.orchestrator.errors import RecordError, VersionConflict
+from specserve.orchestrator.record_deltas import delta_of
 from specserve.orchestrator.session_store import (
     SCHEMA_VERSION,
     CommitStatus,
@@ -150,11 +152,13 @@ def test_every_key_has_a_ttl(make_store: StoreFactory) -> None:
         rec = await store.create(record(s, [1]))
         assert await store.request_cancel(s)
         mine = [k for k in await store.keys() if s in k]
-        assert sorted(mine) == sorted([keys.session_key(s), keys.cancel_key(s)])
+        # An ACTIVE record comes with its writer's lease.
+        assert sorted(mine) == sorted([keys.session_key(s), keys.cancel_key(s), keys.lease_key(s)])
         for key in mine:
             ttl = await store.ttl_s(key)
             assert 0 < ttl <= 50, (key, ttl)
         assert await store.ttl_s(keys.cancel_key(s)) <= 5
+        assert await store.ttl_s(keys.lease_key(s)) <= keys.LEASE_S
         # A commit restarts the session's TTL.
         await store.redis.pexpire(keys.session_key(s), 1000)
         await store.commit(rec)
@@ -204,34 +208,41 @@ def test_unreachable_redis_is_unavailable() -> None:
 
     async def body() -> None:
         settings = RedisSettings.from_url(f"redis://127.0.0.1:{free_port()}", connect_timeout_s=0.5)
-        store = SessionStore(settings.client(), where=settings.display)
-        with pytest.raises(Unavailable, match="session store"):
+        store = SessionStore(settings.client(), where=settings.display, retry_s=0.3)
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="session store .* unreachable for 0.3 s"):
             await store.get("x")
+        assert time.monotonic() - t0 < 3  # retried for the window, not for ever
         await store.close()
 
     asyncio.run(body())
 
 
 def test_a_retried_write_finds_its_own_bytes(make_store: StoreFactory) -> None:
-    """The reply of a write was lost and the client sends it again: it must not conflict."""
+    """The reply of a write was lost and the client sends it again: it must not conflict,
+    and a retried delta must not append its tokens twice."""
 
     async def body() -> None:
         store = make_store()
         s = sid()
         rec = await store.create(record(s, [1]))
-        rec.tokens.append(2)
-        [(status, written)] = await store.commit_many([rec])
+        nxt = session_pb2.SessionRecord()
+        nxt.CopyFrom(rec)
+        nxt.tokens.append(2)
+        [(status, written)] = await store.commit_many([nxt], after=[rec])
         assert status is CommitStatus.OK
-        payload = written.SerializeToString(deterministic=True)
-        again = await store._commit(  # the same script call, as a retry sends it
-            keys=[keys.session_key(s), keys.cancel_key(s)],
-            args=[rec.version, written.version, payload, 60_000, 0],
-        )
+        delta, appended = delta_of(rec, written)
+        payload = delta.SerializeToString(deterministic=True)
+        session_keys = [keys.session_key(s), keys.cancel_key(s), keys.lease_key(s)]
+
+        def args(sent: bytes) -> list[object]:  # as commit_many sends them
+            return [rec.version, written.version, "d", sent, appended, 60_000, 0, "me", 5000]
+
+        again = await store._commit(keys=session_keys, args=args(payload))
         assert int(again[0]) == 0
-        other = await store._commit(
-            keys=[keys.session_key(s), keys.cancel_key(s)],
-            args=[rec.version, written.version, payload + b"x", 60_000, 0],
-        )
+        got = await store.get(s)
+        assert got is not None and list(got.tokens) == [1, 2]  # not [1, 2, 2]
+        other = await store._commit(keys=session_keys, args=args(payload + b"x"))
         assert int(other[0]) == 2  # different bytes: a real conflict
         await store.delete(s)
         await store.close()
