@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from specserve.engine.drafter import Drafter, DraftInput, DraftOutcome
 from specserve.engine.errors import InvalidArgument
@@ -56,6 +57,10 @@ class DraftBackend:
         self._held: dict[str, set[str]] = {name: set() for name in self.drafters}
         self.load = DraftLoad()
         self._snapshot()
+
+    def progress_modules(self) -> list[Any]:
+        """The draft model's attention layers, for the progress counter (none: n-gram only)."""
+        return [] if self.model is None else self.model.model.attention_layers()
 
     def check_drafter(self, name: str, sid: str) -> None:
         if name not in self.drafters:

@@ -102,4 +102,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             kv_bytes_used=load.kv_bytes_used,
             kv_bytes_free=load.kv_bytes_free,
             queue_depth=self.executor.queue_depth(),
+            progress_steps=self.executor.progress.steps,
+            busy=self.executor.busy(),
         )

@@ -229,6 +229,11 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg)
         self.compute_dtype: torch.dtype | None = None  # None: the weights' dtype
 
+    def attention_layers(self) -> list[nn.Module]:
+        """Each layer's attention module: one forward each per layer of a model call
+        (what a server's progress counter counts, :mod:`specserve.serving.progress`)."""
+        return [layer.self_attn for layer in self.model.layers]
+
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the weight matrices."""

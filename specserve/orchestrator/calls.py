@@ -1,6 +1,8 @@
 """One batched Propose or Verify on one replica, and what its failures mean.
 
 * ``NEEDS_HISTORY`` answers are resent at once with the whole committed history.
+* A target whose model thread makes no progress for ``stall_s`` while a Verify is
+  out (hung, stopped: :mod:`specserve.orchestrator.stall`) is lost at once.
 * A transport failure (unreachable, past the deadline), or INTERNAL from a
   replica whose health then says NOT_SERVING (a device failure), takes the
   replica out of its pool for a backoff and is reported as ``lost``: drafts then
@@ -45,6 +47,7 @@ from specserve.orchestrator.replicas import (
     replica_lost,
 )
 from specserve.orchestrator.session import LiveSession
+from specserve.orchestrator.stall import Stalled, call_watched
 from specserve.serving.errors import Unavailable
 from specserve.target_service import convert as target_wire
 from specserve.v1 import common_pb2, draft_pb2, target_pb2
@@ -193,12 +196,15 @@ async def verify(
     timeout_s: float,
     *,
     deadline_cut: bool = False,
+    stall_s: float = 0.0,
 ) -> VerifyOutcome:
     """Verify one batch on one target replica (see the module docstring for failures).
 
     ``deadline_cut``: ``timeout_s`` is the batch's client deadline, shorter than the
     target timeout; if it passes while the replica still answers SERVING, the batch
     ``expired`` and the replica stays in the pool. Without the cut, the same is ``slow``.
+    ``stall_s`` > 0: a replica whose model thread makes no progress that long while the
+    call is out is ``lost`` at once (:mod:`specserve.orchestrator.stall`).
     """
     out = VerifyOutcome()
     replica = pool.get(endpoint)
@@ -218,16 +224,25 @@ async def verify(
         )
 
     sessions = [s for s, _ in items]
+
+    async def call(which: list[LiveSession], full: bool) -> target_pb2.VerifyResponse:
+        rpc = replica.stub.Verify(request(which, full), timeout=timeout_s)
+        return await call_watched(replica, rpc, stall_s)
+
     try:
-        response = await replica.stub.Verify(request(sessions, False), timeout=timeout_s)
+        response = await call(sessions, False)
         out.batch_sizes.append(response.batch_size)
         results = dict(zip([s.sid for s in sessions], response.results, strict=True))
         stale = [s for s in sessions if results[s.sid].status == NEEDS_HISTORY]
         if stale:
-            again = await replica.stub.Verify(request(stale, True), timeout=timeout_s)
+            again = await call(stale, True)
             out.resent += len(stale)
             out.batch_sizes.append(again.batch_size)
             results.update(zip([s.sid for s in stale], again.results, strict=True))
+    except Stalled as e:  # hung: as good as lost, without waiting for the timeout
+        out.lost, out.why = True, f"Verify on {endpoint}: {e}"
+        pool.mark_failed(endpoint, out.why)
+        return out
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and await is_serving(replica):
             if deadline_cut:
@@ -246,7 +261,9 @@ async def verify(
         if len(items) == 1:
             out.errors[sessions[0].sid] = engine_error(e, "target")
             return out
-        alone = await asyncio.gather(*(verify(pool, endpoint, [item], timeout_s) for item in items))
+        alone = await asyncio.gather(
+            *(verify(pool, endpoint, [item], timeout_s, stall_s=stall_s) for item in items)
+        )
         for part in alone:
             out.verdicts.update(part.verdicts)
             out.errors.update(part.errors)

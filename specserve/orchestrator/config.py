@@ -14,6 +14,9 @@ flag                            environment                      default
 ``--redis-password``            (none: warns, process list)      from the URL
 ``--redis-tls-ca``              ``SPECSERVE_REDIS_TLS_CA``        system CAs
 ``--redis-tls-cert/-key``       ``SPECSERVE_REDIS_TLS_CERT/KEY``  none
+``--redis-retry-s``             ``SPECSERVE_REDIS_RETRY_S``      10 (transient errors)
+``--session-lease-s``           ``SPECSERVE_SESSION_LEASE_S``    5
+``--target-stall-s``            ``SPECSERVE_TARGET_STALL_S``     5 (a hung target)
 ``--tokenizer``                 ``SPECSERVE_TOKENIZER``          none (token ids only)
 ``--host`` / ``--port``         ``SPECSERVE_HOST`` / ``_PORT``   127.0.0.1 / 50051
 ``--served-model-name``         ``SPECSERVE_SERVED_MODEL_NAME``  the tokenizer's model
@@ -58,6 +61,8 @@ from specserve.orchestrator.replicas import EndpointSpec
 from specserve.orchestrator.rounds import RoundTimeouts
 from specserve.orchestrator.scheduler import KCapCurve, SchedulerConfig
 from specserve.orchestrator.session_store import StoreTtls
+from specserve.orchestrator.stall import DEFAULT_STALL_S
+from specserve.orchestrator.store_retry import DEFAULT_WINDOW_S as DEFAULT_REDIS_RETRY_S
 from specserve.serving.cli_args import add_health_port_argument, flag_values
 from specserve.serving.server import ServerOptions
 from specserve.serving.tls import (
@@ -83,7 +88,7 @@ class OrchestratorConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     timeouts: RoundTimeouts = field(default_factory=RoundTimeouts)
     ttls: StoreTtls = field(default_factory=StoreTtls)
-    active_stale_s: float = keys.ACTIVE_STALE_S
+    redis_retry_s: float = DEFAULT_REDIS_RETRY_S  # transient Redis errors retried this long
     dns_refresh_s: float = 10.0
     served_model_name: str | None = None  # gen_ai.request.model; None = the tokenizer's spec
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
@@ -96,8 +101,10 @@ class OrchestratorConfig:
     def __post_init__(self) -> None:
         if not self.targets:
             raise ValueError("the orchestrator needs at least one target endpoint (--target)")
-        if self.dns_refresh_s <= 0 or self.active_stale_s <= 0:
-            raise ValueError("dns_refresh_s and active_stale_s must be > 0")
+        if self.dns_refresh_s <= 0:
+            raise ValueError("dns_refresh_s must be > 0")
+        if self.redis_retry_s < 0:
+            raise ValueError("--redis-retry-s must be >= 0")
 
     @property
     def metrics_port(self) -> int | None:
@@ -161,6 +168,20 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     g.add_argument(
         "--session-ttl-s", type=float, default=float(str(e("SESSION_TTL_S", keys.SESSION_TTL_S)))
     )
+    g.add_argument(
+        "--session-lease-s",
+        type=float,
+        default=float(str(e("SESSION_LEASE_S", keys.LEASE_S))),
+        help="a generating session's lease, renewed by its orchestrator; after a crash "
+        "another orchestrator may take the session over this long after the last renewal",
+    )
+    g.add_argument(
+        "--redis-retry-s",
+        type=float,
+        default=float(str(e("REDIS_RETRY_S", DEFAULT_REDIS_RETRY_S))),
+        help="retry reads and writes on transient Redis errors (a restart) this long before "
+        "failing the request",
+    )
     g = parser.add_argument_group("scheduling")
     g.add_argument(
         "--k-max",
@@ -223,6 +244,13 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     g.add_argument("--draft-timeout-s", type=float, default=float(str(e("DRAFT_TIMEOUT_S", 2.0))))
     g.add_argument(
         "--target-timeout-s", type=float, default=float(str(e("TARGET_TIMEOUT_S", 60.0)))
+    )
+    g.add_argument(
+        "--target-stall-s",
+        type=float,
+        default=float(str(e("TARGET_STALL_S", DEFAULT_STALL_S))),
+        help="fail a target over when its model thread made no progress for this long while "
+        "it held a round (a hung replica); a slow but progressing one is waited for",
     )
     g.add_argument(
         "--failover-s",
@@ -353,8 +381,10 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
             draft_s=args.draft_timeout_s,
             target_s=args.target_timeout_s,
             failover_s=args.failover_s,
+            stall_s=args.target_stall_s,
         ),
-        ttls=StoreTtls(session_s=args.session_ttl_s),
+        ttls=StoreTtls(session_s=args.session_ttl_s, lease_s=args.session_lease_s),
+        redis_retry_s=args.redis_retry_s,
         dns_refresh_s=args.dns_refresh_s,
         served_model_name=args.served_model_name or None,
         snapshots=SnapshotConfig(

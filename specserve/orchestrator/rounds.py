@@ -67,12 +67,14 @@ from specserve.orchestrator.draft_ahead import Outcome
 from specserve.orchestrator.errors import VersionConflict
 from specserve.orchestrator.goodput import GoodputCaps, Outlook, Prospect
 from specserve.orchestrator.kv_snapshots import KvSnapshots
+from specserve.orchestrator.leases import LeaseKeeper
 from specserve.orchestrator.ledger import Ending, Ledger
 from specserve.orchestrator.replicas import ReplicaPool
 from specserve.orchestrator.round_spans import RoundSpans
 from specserve.orchestrator.scheduler import LaneKey, Placement, Scheduler
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.session_store import SessionStore
+from specserve.orchestrator.stall import DEFAULT_STALL_S
 from specserve.orchestrator.warm_payback import WarmPayback
 from specserve.serving.errors import Unavailable
 from specserve.telemetry import attributes as attr
@@ -81,13 +83,16 @@ from specserve.v1 import session_pb2
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, kw_only=True)  # five floats: never positional
+@dataclass(frozen=True, kw_only=True)  # six floats: never positional
 class RoundTimeouts:
     draft_s: float = 2.0  # a Propose slower than this costs the round its drafts
     draft_warm_s: float = 120.0  # a draft replica's prefill of a session's history
     target_s: float = 60.0  # a Verify slower than this is replayed, twice: a lost target
     failover_s: float = 20.0  # how long a session waits for some target to come back
     release_s: float = 2.0
+    # A target whose model thread stood still this long while it held a round is lost
+    # (hung); 0 = wait for target_s alone.
+    stall_s: float = DEFAULT_STALL_S
 
 
 @dataclass
@@ -177,6 +182,7 @@ class RoundRunner:
         self.ledger = Ledger(
             scheduler, drafts, targets, store, self.sessions, self.timeouts.release_s
         )
+        self.leases = LeaseKeeper(store, self.sessions.keys)
 
     # -- entering and leaving ------------------------------------------------------------
 
@@ -197,6 +203,7 @@ class RoundRunner:
         )
         live.state.draft_start = rec.draft.tokens if placement.draft == rec.draft.endpoint else 0
         self.sessions[live.sid] = live
+        self.leases.start()
         self._run_lane(self.scheduler.join(live.sid, placement))
 
     async def abandon(self, live: LiveSession, error: BaseException) -> None:
@@ -225,6 +232,7 @@ class RoundRunner:
             task.cancel()
         await asyncio.gather(*self._lanes.values(), return_exceptions=True)
         self.bets.close()
+        await self.leases.close()
         down = Unavailable("the orchestrator is shutting down; retry on another replica")
         await self.ledger.finish([(s, None, down) for s in list(self.sessions.values())])
 
@@ -767,7 +775,9 @@ class RoundRunner:
         while todo:
             timeout = self._timeout(self.timeouts.target_s, [s for s, _ in todo])
             cut = timeout < self.timeouts.target_s
-            out = await calls.verify(self.targets, target, todo, timeout, deadline_cut=cut)
+            out = await calls.verify(
+                self.targets, target, todo, timeout, deadline_cut=cut, stall_s=self.timeouts.stall_s
+            )
             if out.expired:  # the clients left, not the target: no failover
                 total.expired = True
                 break

@@ -126,6 +126,8 @@ def load_report(
     tp_size: int = 1,
     kv_fingerprint: bytes = b"",
     kv_bytes_per_token: int = 0,
+    progress_steps: int = 0,
+    busy: bool = False,
 ) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         replica_id=replica_id,
@@ -139,4 +141,6 @@ def load_report(
         dtype=dtype,
         kv_fingerprint=kv_fingerprint,
         kv_bytes_per_token=kv_bytes_per_token,
+        progress_steps=progress_steps,
+        busy=busy,
     )

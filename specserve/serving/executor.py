@@ -54,6 +54,7 @@ from specserve.engine.errors import EngineError
 from specserve.serving.batch_stats import BatchStats
 from specserve.serving.batch_window import WindowGate
 from specserve.serving.errors import Unavailable
+from specserve.serving.progress import ModelProgress
 from specserve.telemetry import attributes as attr
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,8 @@ class ModelExecutor(Generic[B]):
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()  # set once loading ended, either way
         self.stats = BatchStats()
+        self.progress = ModelProgress()  # reported by GetLoad: a hung thread stops it
+        self._running = False  # the model thread is inside a batch
         self._gates: dict[str, WindowGate] = {}  # per coalescing key (model thread only)
 
     # -- life cycle (event loop side) -------------------------------------------------
@@ -190,6 +193,10 @@ class ModelExecutor(Generic[B]):
         """Jobs waiting for the model thread (not counting the batch it is running)."""
         return len(self._queue)
 
+    def busy(self) -> bool:
+        """Whether the model thread runs a batch or has jobs waiting."""
+        return self._running or bool(self._queue)
+
     # -- submitting (event loop side) -----------------------------------------------
 
     async def submit(
@@ -241,10 +248,18 @@ class ModelExecutor(Generic[B]):
             self._set_state(State.FAILED)
             self.ready.set()
             return
+        watched = getattr(self._backend, "progress_modules", None)
+        if callable(watched):
+            self.progress.watch(watched())
         self._set_state(State.READY)
         self.ready.set()
         while (batch := self._next_batch()) is not None:
-            self._execute(batch)
+            self._running = True
+            try:
+                self._execute(batch)
+            finally:
+                self._running = False
+                self.progress.step()
         self._close_backend()
 
     def _close_backend(self) -> None:

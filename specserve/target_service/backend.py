@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from specserve.engine.errors import FailedPrecondition
 from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk, KvTransfer
@@ -68,6 +69,13 @@ class TargetBackend:
         self.vocab = verifier.vocab_limit  # token ids a request may name
         self.load = TargetLoad()
         self._snapshot()
+
+    def progress_modules(self) -> list[Any]:
+        """The in-process model's attention layers, for the progress counter (none when
+        the model runs in other processes: tensor-parallel ranks)."""
+        model = getattr(self.verifier, "model", None)
+        layers = getattr(model, "attention_layers", None)
+        return layers() if callable(layers) else []
 
     def verify(self, calls: Sequence[Sequence[VerifyInput]]) -> list[Verified]:
         """Outcomes for several coalesced calls, from one batched forward."""

@@ -144,6 +144,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             kv_bytes_used=load.kv_bytes_used,
             kv_bytes_free=load.kv_bytes_free,
             queue_depth=self.executor.queue_depth(),
+            progress_steps=self.executor.progress.steps,
+            busy=self.executor.busy(),
             tp_size=backend.tp_size,
             kv_fingerprint=kv.fingerprint if kv is not None else b"",
             kv_bytes_per_token=kv.bytes_per_token if kv is not None else 0,

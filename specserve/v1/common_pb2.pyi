@@ -77,7 +77,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("replica_id", "role", "model", "sessions", "kv_bytes_used", "kv_bytes_free", "queue_depth", "tp_size", "dtype", "kv_fingerprint", "kv_bytes_per_token")
+    __slots__ = ("replica_id", "role", "model", "sessions", "kv_bytes_used", "kv_bytes_free", "queue_depth", "tp_size", "dtype", "kv_fingerprint", "kv_bytes_per_token", "progress_steps", "busy")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,8 @@ class LoadReport(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     role: str
     model: str
@@ -100,4 +102,6 @@ class LoadReport(_message.Message):
     dtype: str
     kv_fingerprint: bytes
     kv_bytes_per_token: int
-    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_fingerprint: _Optional[bytes] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
+    progress_steps: int
+    busy: bool
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_fingerprint: _Optional[bytes] = ..., kv_bytes_per_token: _Optional[int] = ..., progress_steps: _Optional[int] = ..., busy: _Optional[bool] = ...) -> None: ...

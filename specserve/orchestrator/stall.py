@@ -1,0 +1,93 @@
+"""Noticing a hung replica in seconds, not at the end of the target timeout.
+
+While a call to a replica is outstanding, :func:`call_watched` asks the replica
+for its model thread's progress counter (``GetLoad``'s ``progress_steps``,
+:mod:`specserve.serving.progress`) every fifth of ``stall_s``. If the counter
+has not moved — or the replica has not answered at all (a stopped process, a
+partition) — for ``stall_s`` seconds while the call is still out, the call is
+cancelled and :class:`Stalled` raised: the caller fails the replica over as if
+it were lost. A slow call on a replica whose counter keeps moving (a long
+prefill steps once per attention layer) is waited for, up to the call's own
+timeout. A replica that answers ``GetLoad`` with an error (it cannot report
+progress) is taken to be alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from specserve.orchestrator.replicas import Replica
+from specserve.v1 import common_pb2
+
+T = TypeVar("T")
+
+# --target-stall-s: a target whose model thread stood still this long while it held a
+# round is failed over. 0 turns the watch off (only the target timeout then applies).
+DEFAULT_STALL_S = 5.0
+_NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
+
+
+class Stalled(Exception):
+    """The replica's model thread made no progress for the stall time; the call was cancelled."""
+
+
+async def call_watched(replica: Replica, call: Awaitable[T], stall_s: float) -> T:
+    """``await call``, cancelling it and raising :class:`Stalled` if ``replica`` hangs.
+
+    ``stall_s <= 0``: no watch (just ``await call``).
+    """
+    if stall_s <= 0:
+        return await call
+    task: asyncio.Future[T] = asyncio.ensure_future(call)
+    why: list[str] = []
+    watcher = asyncio.ensure_future(_watch(replica, task, stall_s, why))
+    try:
+        return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if why and (current is None or not current.cancelling()):
+            raise Stalled(why[0]) from None
+        raise
+    finally:
+        watcher.cancel()
+
+
+async def _watch(
+    replica: Replica, task: asyncio.Future[Any], stall_s: float, why: list[str]
+) -> None:
+    poll_s = max(0.05, stall_s / 5)
+    last_steps: int | None = None
+    since = time.monotonic()  # when the counter last moved (or the watch began)
+    while not task.done():
+        await asyncio.sleep(poll_s)
+        steps = await progress_steps(replica, poll_s)
+        now = time.monotonic()
+        if steps is not None and steps != last_steps:
+            last_steps, since = steps, now
+            continue
+        if now - since >= stall_s and not task.done():
+            seen = "did not answer" if steps is None else f"stayed at step {steps}"
+            why.append(
+                f"{replica.endpoint} made no progress for {now - since:.1f} s "
+                f"(--target-stall-s {stall_s:g}): its model thread {seen}"
+            )
+            task.cancel()
+            return
+
+
+async def progress_steps(replica: Replica, timeout_s: float) -> int | None:
+    """The replica's progress counter; None if it did not answer in time. A replica that
+    answers with an error (it cannot report progress) gets a fresh value: alive."""
+    try:
+        report = await replica.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=timeout_s)
+    except grpc.aio.AioRpcError as e:
+        if e.code() in _NO_ANSWER:
+            return None
+        return time.monotonic_ns()
+    return int(report.progress_steps)
