@@ -210,7 +210,7 @@ def test_unreachable_redis_is_unavailable() -> None:
         settings = RedisSettings.from_url(f"redis://127.0.0.1:{free_port()}", connect_timeout_s=0.5)
         store = SessionStore(settings.client(), where=settings.display, retry_s=0.3)
         t0 = time.monotonic()
-        with pytest.raises(Unavailable, match="session store .* unreachable for 0.3 s"):
+        with pytest.raises(Unavailable, match=r"session store .* unreachable for 0\.3 s"):
             await store.get("x")
         assert time.monotonic() - t0 < 3  # retried for the window, not for ever
         await store.close()
