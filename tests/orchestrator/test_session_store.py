@@ -248,3 +248,44 @@ def test_a_retried_write_finds_its_own_bytes(make_store: StoreFactory) -> None:
         await store.close()
 
     asyncio.run(body())
+
+
+def test_rounds_are_deltas_over_a_record_written_once(make_store: StoreFactory) -> None:
+    """A schema-1 record (the whole record in ``r``) is read; rounds committed over it append
+    tokens to ``t`` and leave ``r`` alone; a whole write folds them back into ``r``."""
+
+    async def body() -> None:
+        store = make_store()
+        s = sid()
+        old = record(s, [1, 2])
+        old.schema_version, old.version = 1, 1
+        old.stop.append("x" * 1000)
+        r = old.SerializeToString()
+        await store.redis.hset(keys.session_key(s), mapping={"v": "1", "r": r})
+        await store.redis.pexpire(keys.session_key(s), 60_000)
+        got = await store.get(s)
+        assert got == old
+        written = got
+        for token in (3, 4):
+            nxt = session_pb2.SessionRecord()
+            nxt.CopyFrom(written)
+            nxt.tokens.append(token)
+            nxt.round_index += 1
+            nxt.target.endpoint = f"t{token}"
+            [(status, written)] = await store.commit_many([nxt], after=[written])
+            assert status is CommitStatus.OK
+        assert await store.redis.hget(keys.session_key(s), "r") == r  # written once
+        got = await store.get(s)
+        assert got is not None and list(got.tokens) == [1, 2, 3, 4]
+        assert (got.version, got.round_index, got.target.endpoint) == (3, 2, "t4")
+        assert list(got.stop) == ["x" * 1000]
+        whole, _ = await store.commit(got)
+        fields = await store.redis.hgetall(keys.session_key(s))
+        assert set(fields) == {b"v", b"r"} and await store.get(s) == whole
+        await store.redis.hset(keys.session_key(s), "t", b"\x01\x02\x03")  # not whole int32s
+        with pytest.raises(RecordError, match="corrupt"):
+            await store.get(s)
+        await store.delete(s)
+        await store.close()
+
+    asyncio.run(body())

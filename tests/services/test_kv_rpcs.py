@@ -181,3 +181,15 @@ def test_an_import_past_the_budget_is_resource_exhausted(
     )
     released = stub.Release(common_pb2.ReleaseRequest(session_ids=[session]), timeout=10)
     assert released.released == 0  # nothing was left half-built
+
+
+def test_load_report_counts_the_model_threads_progress(
+    stub: target_pb2_grpc.TargetServiceStub,
+) -> None:
+    """Every attention layer of a forward, and every batch, moves the counter (what tells a
+    slow replica from a hung one); the thread is idle once the call answered."""
+    before = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10)
+    prefill(stub, sid("progress"), PROMPT[:8])
+    after = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10)
+    assert after.progress_steps >= before.progress_steps + 2 + 1  # 2 layers, 1 batch
+    assert not after.busy
