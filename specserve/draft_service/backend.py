@@ -59,8 +59,10 @@ class DraftBackend:
         self._snapshot()
 
     def progress_modules(self) -> list[Any]:
-        """The draft model's attention layers, for the progress counter (none: n-gram only)."""
-        return [] if self.model is None else self.model.model.attention_layers()
+        """The draft model's attention layers, for the progress counter (none: n-gram only,
+        or a drafter that is not a local model)."""
+        layers = getattr(getattr(self.model, "model", None), "attention_layers", None)
+        return layers() if callable(layers) else []
 
     def check_drafter(self, name: str, sid: str) -> None:
         if name not in self.drafters:

@@ -239,6 +239,9 @@ class ModelExecutor(Generic[B]):
     def _main(self, load: Callable[[], B]) -> None:
         try:
             self._backend = load()
+            watched = getattr(self._backend, "progress_modules", None)
+            if callable(watched):  # count its layers' forwards (GetLoad's progress_steps)
+                self.progress.watch(watched())
         except BaseException as e:
             if isinstance(e, EngineError):  # a bad spec or checkpoint: the message says it all
                 log.error("loading the %s model failed: %s", self.name, e)
@@ -248,9 +251,6 @@ class ModelExecutor(Generic[B]):
             self._set_state(State.FAILED)
             self.ready.set()
             return
-        watched = getattr(self._backend, "progress_modules", None)
-        if callable(watched):
-            self.progress.watch(watched())
         self._set_state(State.READY)
         self.ready.set()
         while (batch := self._next_batch()) is not None:
