@@ -6,11 +6,14 @@ cleanly without it. Helpers here only read documents; the checks live in the tes
 
 from __future__ import annotations
 
+import argparse
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import yaml
@@ -103,3 +106,26 @@ def expand(argv: list[str], env: dict[str, str]) -> list[str]:
             a = a.replace(f"$({name})", value)
         out.append(a)
     return out
+
+
+def cli_args(argv: list[str], env: dict[str, str]) -> argparse.Namespace:
+    """The real ``specserve`` parser's reading of ``argv`` with the container's environment
+    (flags default from ``SPECSERVE_*`` variables, so both forms are read alike)."""
+    from specserve.cli import build_parser
+
+    with mock.patch.dict(os.environ, env):
+        return build_parser().parse_args(expand(argv, env))
+
+
+def throwaway_overlay(directory: Path, overlay: str, components: list[str]) -> Path:
+    """A kustomization in ``directory`` of ``k8s/overlays/<overlay>`` with the named
+    ``k8s/components``, for rendering combinations no overlay in the repository has."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rel = Path(os.path.relpath(K8S, directory))
+    spec = {
+        "namespace": "specserve",
+        "resources": [str(rel / "overlays" / overlay)],
+        "components": [str(rel / "components" / c) for c in components],
+    }
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    return directory

@@ -2,10 +2,12 @@
 
 Every container command is parsed by the real ``specserve`` argument parser with
 the container's environment and turned into its config (so a renamed flag or a bad
-value fails here, not in a cluster); Services select pods and name ports that
+value fails here, not in a cluster; files from mounted Secrets are replaced by local
+stand-ins, which the config reads); Services select pods and name ports that
 exist; probes and the orchestrator's DNS endpoints point at the ports the servers
-bind; the model-cache Job fetches every model a pod loads into the volume the pods
-mount; the HPAs read metrics the adapter derives from series the servers export.
+bind (a TLS server's probes at its plaintext health port); the model-cache Job
+fetches every model a pod loads into the volume the pods mount; the HPAs read
+metrics the adapter derives from series the servers export.
 The overlays are rendered with ``kubectl kustomize`` where kubectl is installed.
 """
 
@@ -34,6 +36,7 @@ from tests.deploy.manifests import (
     render_overlay,
     specserve_argv,
 )
+from tests.deploy.secret_mounts import StandIns
 from tests.orchestrator.redis_server import free_port
 
 BASE_FILES = [
@@ -84,7 +87,7 @@ def claim_mounts(pod_spec: Doc, c: Doc) -> dict[str, tuple[str, bool]]:
     }
 
 
-def check_docs(docs: list[Doc], monkeypatch: pytest.MonkeyPatch) -> None:
+def check_docs(docs: list[Doc], monkeypatch: pytest.MonkeyPatch, stand_ins: StandIns) -> None:
     deployments = by_kind(docs, "Deployment")
     services = by_kind(docs, "Service")
     bound: dict[str, int] = {}  # deployment -> gRPC port its server binds
@@ -94,19 +97,25 @@ def check_docs(docs: list[Doc], monkeypatch: pytest.MonkeyPatch) -> None:
         argv = specserve_argv(c)
         if argv is None:
             continue
-        env = container_env(c)
-        args, _config = parse(argv, env, monkeypatch)
+        pod = deployments[dep_name]["spec"]["template"]["spec"]
+        local = stand_ins.local_paths(pod, c)
+        env = {k: local.get(v, v) for k, v in container_env(c).items()}
+        args, _config = parse([local.get(a, a) for a in argv], env, monkeypatch)
         assert args.host == "0.0.0.0", f"{dep_name} must bind every interface in a pod"
         bound[dep_name] = args.port
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports["grpc"] == args.port, f"{dep_name}: container port != --port"
+        # The kubelet's gRPC probes speak plaintext: a TLS server's go to --health-port.
+        assert not args.tls_cert or args.health_port, f"{dep_name}: TLS without --health-port"
+        probed = args.port if args.health_port is None else args.health_port
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             if probe in c:
-                assert c[probe]["grpc"]["port"] == args.port, f"{dep_name} {probe}"
+                assert c[probe]["grpc"]["port"] == probed, f"{dep_name} {probe}"
+        if args.health_port is not None:
+            assert ports["health"] == args.health_port, f"{dep_name}: no health container port"
         metrics_port = env.get("SPECSERVE_METRICS_PORT")
         assert metrics_port is not None and int(metrics_port) == ports["metrics"], dep_name
         # Drain time: the pod outlives the preStop pause plus the server's own drain.
-        pod = deployments[dep_name]["spec"]["template"]["spec"]
         grace = pod["terminationGracePeriodSeconds"]
         assert grace >= 60 and prestop_sleep_s(c) > 0, f"{dep_name}: grace 60 s and a preStop"
         assert grace > prestop_sleep_s(c) + args.grace_s, f"{dep_name}: grace < preStop + drain"
@@ -150,6 +159,7 @@ def check_docs(docs: list[Doc], monkeypatch: pytest.MonkeyPatch) -> None:
         else:
             assert len(selected) == 1, f"Service {svc_name} selects {len(selected)} Deployments"
             assert "metrics" not in names, f"{svc_name}: metrics only on the metrics Service"
+            assert "health" not in names, f"{svc_name}: the health port is for the kubelet"
         for dep in selected:
             pod_ports = {
                 p["name"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c["ports"]
@@ -218,29 +228,39 @@ def hpa_metrics_exported(docs: list[Doc], exported: set[str]) -> None:
             assert not missing, f"HPA {hpa_name} reads {name}; not served: {missing}"
 
 
-def test_base_manifests_match_the_code(monkeypatch: pytest.MonkeyPatch, exported: set[str]) -> None:
+def test_base_manifests_match_the_code(
+    monkeypatch: pytest.MonkeyPatch, exported: set[str], stand_ins: StandIns
+) -> None:
     docs = load_docs([K8S / "base" / f for f in BASE_FILES])
-    check_docs(docs, monkeypatch)
+    check_docs(docs, monkeypatch, stand_ins)
     hpa_metrics_exported(docs, exported)
 
 
 @needs_kubectl
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_overlays_render_and_match_the_code(overlay: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_overlays_render_and_match_the_code(
+    overlay: str, monkeypatch: pytest.MonkeyPatch, stand_ins: StandIns
+) -> None:
     docs = render_overlay(overlay)
-    check_docs(docs, monkeypatch)
+    check_docs(docs, monkeypatch, stand_ins)
     assert all(
         d["metadata"].get("namespace") == "specserve" for d in docs if d["kind"] != "Namespace"
     )
 
 
 @needs_kubectl
-def test_gpu_overlay_runs_a_tp2_target_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_overlay_runs_a_tp2_target_under_torchrun(
+    monkeypatch: pytest.MonkeyPatch, stand_ins: StandIns
+) -> None:
     docs = render_overlay("gpu")
     (target,) = [c for n, c in containers(docs) if n == "specserve-target"]
     argv = specserve_argv(target)
     assert argv is not None and target["command"][0] == "torchrun"
-    args, config = parse(argv, container_env(target), monkeypatch)
+    local = stand_ins.local_paths(
+        by_kind(docs, "Deployment")["specserve-target"]["spec"]["template"]["spec"], target
+    )
+    env = {k: local.get(v, v) for k, v in container_env(target).items()}
+    args, config = parse(argv, env, monkeypatch)
     nproc = next(a for a in target["command"] if a.startswith("--nproc-per-node="))
     assert config.tp.world_size == int(nproc.split("=")[1]) == 2
     assert target["resources"]["limits"]["nvidia.com/gpu"] == "2"

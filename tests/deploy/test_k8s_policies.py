@@ -32,7 +32,9 @@ from tests.deploy.manifests import (
     render,
     render_overlay,
     specserve_argv,
+    throwaway_overlay,
 )
+from tests.deploy.secret_mounts import StandIns
 
 pytestmark = needs_kubectl
 K8S_VERSIONS = ("1.25.0", "1.30.0", "1.37.0")
@@ -133,7 +135,7 @@ def uses_cuda(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPa
 
 
 def test_a_requested_gpu_implies_a_cuda_process(
-    rendered: dict[str, list[Doc]], monkeypatch: pytest.MonkeyPatch
+    rendered: dict[str, list[Doc]], monkeypatch: pytest.MonkeyPatch, stand_ins: StandIns
 ) -> None:
     requested = 0
     for docs in rendered.values():
@@ -144,7 +146,8 @@ def test_a_requested_gpu_implies_a_cuda_process(
                 if gpus == 0 or argv is None:
                     continue
                 requested += 1
-                env = container_env(c)
+                local = stand_ins.local_paths(template["spec"], c)  # the TLS files
+                env = {k: local.get(v, v) for k, v in container_env(c).items()}
                 assert uses_cuda(argv, env, monkeypatch), f"{where}: a GPU it never uses"
                 if argv[0] == "target-server":
                     nproc = [a for a in c["command"] if a.startswith("--nproc-per-node=")]
@@ -236,7 +239,15 @@ def test_the_dockerfile_runs_as_a_numeric_user_without_compilers() -> None:
 
 
 # Custom resources: the validator has no schemas for them (their operators validate).
-CRD_KINDS = {"GRPCRoute", "PodMonitor"}
+CRD_KINDS = {"GRPCRoute", "PodMonitor", "Certificate", "Issuer"}
+# Overlays with the optional components, as an operator would compose them.
+COMPOSED = {
+    "cpu+gateway": ("cpu", ["gateway"]),
+    "cpu+cert-manager+tls+api-keys+gateway": (
+        "cpu",
+        ["cert-manager", "tls", "api-keys", "gateway"],
+    ),
+}
 
 
 def to_validate(docs: list[Doc]) -> list[Doc]:
@@ -244,27 +255,18 @@ def to_validate(docs: list[Doc]) -> list[Doc]:
     return [d for d in docs if d["kind"] not in CRD_KINDS]
 
 
-def gateway_overlay(tmp_path: Path) -> Path:
-    """A throwaway overlay: the cpu overlay with the gateway component."""
-    here = tmp_path / "with-gateway"
-    here.mkdir()
-    rel = Path("..") / ".." / Path(*[".."] * (len(here.parts) - 3))
-    spec = {
-        "resources": [str(rel / K8S.relative_to("/") / "overlays" / "cpu")],
-        "components": [str(rel / K8S.relative_to("/") / "components" / "gateway")],
-    }
-    (here / "kustomization.yaml").write_text(yaml.safe_dump(spec))
-    return here
-
-
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_everything_validates_strictly(
     rendered: dict[str, list[Doc]], version: str, tmp_path: Path
 ) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    extra = render(gateway_overlay(tmp_path))
-    assert "GRPCRoute" in {d["kind"] for d in extra}
-    for docs in [*rendered.values(), extra]:
+    composed = [
+        render(throwaway_overlay(tmp_path / name, overlay, components))
+        for name, (overlay, components) in COMPOSED.items()
+    ]
+    kinds = {d["kind"] for docs in composed for d in docs}
+    assert {"GRPCRoute", "Certificate", "Issuer"} <= kinds
+    for docs in [*rendered.values(), *composed]:
         for doc in to_validate(docs):
             kubernetes_validate.validate(doc, version, strict=True)
 
