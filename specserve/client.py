@@ -125,9 +125,12 @@ def request(
     session_id: str = "",
     keep_session: bool = False,
     rule: str | None = None,
+    ignore_eos: bool = False,
+    logprobs: int | None = None,
 ) -> generate_pb2.GenerateRequest:
     """The GenerateRequest for these arguments (``max_new_tokens`` 0 = the server's default;
-    ``rule`` "coupled" or "rejection", None = the server's default, coupled)."""
+    ``rule`` "coupled" or "rejection", None = the server's default, coupled; ``logprobs``:
+    alternatives per token, None = no log-probabilities)."""
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of model, ngram, none; got {drafter!r}")
     if rule not in RULES:
@@ -146,6 +149,9 @@ def request(
     if seed is not None:
         s.seed = seed
     s.rule = RULES[rule]
+    s.ignore_eos = ignore_eos
+    if logprobs is not None:
+        s.logprobs = logprobs
     req.speculation.drafter = DRAFTERS[drafter]
     if k is not None:
         req.speculation.k = k

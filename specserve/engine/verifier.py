@@ -17,6 +17,7 @@ import torch
 
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.kv_cache import KVStats
+from specserve.engine.logprobs import TokenLogprob, token_logprobs
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.rejection import Proposal, Verdict, verify
 from specserve.engine.sampling import SamplingParams
@@ -33,6 +34,7 @@ class VerifyInput:
     params: SamplingParams
     round_index: int
     want_logprobs: bool = False
+    top_logprobs: int | None = None  # None = no TokenLogprobs; else alternatives per token
 
     def __post_init__(self) -> None:
         if self.start < 0:
@@ -56,6 +58,8 @@ class VerifyOutcome:
     stale: bool = False
     # log p of each emitted token (accepted drafts, then the next token), temperature 1
     logprobs: tuple[float, ...] = ()
+    # when top_logprobs was asked for: one per emitted token, under the session's params
+    token_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class TargetVerifier:
@@ -152,6 +156,11 @@ class TargetVerifier:
                 emitted = [*x.proposal.tokens[: v.accepted], v.next_token]
                 rows = torch.log_softmax(logits[row : row + len(emitted)], dim=-1)
                 logprobs = tuple(float(rows[i, t]) for i, t in enumerate(emitted))
-            out[x.session_id] = VerifyOutcome(verdict=v, logprobs=logprobs)
+            detailed: tuple[TokenLogprob, ...] = ()
+            if x.top_logprobs is not None:
+                n = v.accepted + 1
+                emitted = [*x.proposal.tokens[: v.accepted], v.next_token]
+                detailed = token_logprobs(logits[row : row + n], emitted, x.params, x.top_logprobs)
+            out[x.session_id] = VerifyOutcome(v, logprobs=logprobs, token_logprobs=detailed)
             row += len(x.proposal.tokens) + 1
         return out

@@ -39,6 +39,7 @@ import grpc.aio
 
 from specserve.draft_service import convert as draft_wire
 from specserve.engine.errors import EngineError, InvalidArgument, KVBudgetExceeded, NotFound
+from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.orchestrator.replicas import (
     TRANSPORT_CODES,
@@ -72,6 +73,8 @@ class Plan:
 @dataclass
 class VerifyOutcome:
     verdicts: dict[str, Verdict] = field(default_factory=dict)
+    # per session that asked for them: a TokenLogprob per emitted token of its verdict
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     errors: dict[str, EngineError] = field(default_factory=dict)
     lost: bool = False  # the replica failed: nothing was verified
     slow: bool = False  # past the target timeout, the replica still SERVING: nothing verified
@@ -214,14 +217,15 @@ async def verify(
     plans = {s.sid: p for s, p in items}
 
     def request(which: list[LiveSession], full: bool) -> target_pb2.VerifyRequest:
-        return target_pb2.VerifyRequest(
-            sessions=[
-                target_wire.verify_session(
-                    s.state.verify_input(plans[s.sid].proposal, full=full), plans[s.sid].draft
-                )
-                for s in which
-            ]
-        )
+        sessions = []
+        for s in which:
+            pb = target_wire.verify_session(
+                s.state.verify_input(plans[s.sid].proposal, full=full), plans[s.sid].draft
+            )
+            if s.top_logprobs is not None:
+                pb.top_logprobs = s.top_logprobs
+            sessions.append(pb)
+        return target_pb2.VerifyRequest(sessions=sessions)
 
     sessions = [s for s, _ in items]
 
@@ -266,6 +270,7 @@ async def verify(
         )
         for part in alone:
             out.verdicts.update(part.verdicts)
+            out.logprobs.update(part.logprobs)
             out.errors.update(part.errors)
             out.lost |= part.lost
             out.why = out.why or part.why
@@ -283,4 +288,6 @@ async def verify(
             out.errors[s.sid] = EngineError("the target replica asked twice for the full history")
             continue
         out.verdicts[s.sid] = verdict
+        if s.top_logprobs is not None:
+            out.logprobs[s.sid] = target_wire.token_logprobs(results[s.sid])
     return out

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from specserve.engine.decode_state import FinishReason
 from specserve.engine.drafter import MAX_K
 from specserve.engine.errors import InvalidArgument
+from specserve.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from specserve.engine.sampling import SamplingParams
 from specserve.orchestrator import records
 from specserve.orchestrator.types import (
@@ -21,6 +22,9 @@ from specserve.orchestrator.types import (
 )
 from specserve.serving.convert import DRAFTER_NAMES, RULE_ENUMS, sampling_rule
 from specserve.v1 import common_pb2, generate_pb2
+
+# The OpenAI range; higher temperatures give noise, and the bound catches unit mistakes.
+MAX_TEMPERATURE = 2.0
 
 FINISH = {
     FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
@@ -52,6 +56,16 @@ def generate_params(
     """A GenerateRequest -> validated GenerateParams (raises InvalidArgument); ``owner`` is
     the caller's key fingerprint."""
     s = request.sampling
+    if not 0 <= s.temperature <= MAX_TEMPERATURE:  # NaN fails both comparisons
+        raise InvalidArgument(
+            f"sampling.temperature must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), "
+            f"got {s.temperature!r}"
+        )
+    if s.HasField("logprobs") and s.logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(
+            f"sampling.logprobs must be in 0..{MAX_TOP_LOGPROBS} (alternatives per token), "
+            f"got {s.logprobs}"
+        )
     sampling = SamplingParams(
         temperature=float(s.temperature),
         top_k=int(s.top_k),
@@ -77,6 +91,8 @@ def generate_params(
         keep_session=request.keep_session,
         deadline=deadline,
         owner=owner,
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
 
 
@@ -84,7 +100,25 @@ def usage_pb(usage: Usage | None) -> generate_pb2.Usage | None:
     return None if usage is None else records.usage_pb(usage)
 
 
-def stream_response(chunk: Chunk) -> generate_pb2.GenerateStreamResponse:
+TokenText = Callable[[int], str]  # one token id decoded alone
+
+
+def logprobs_pb(
+    token_ids: Sequence[int], logprobs: Sequence[TokenLogprob], token_text: TokenText
+) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            logprob=t.logprob,
+            top_ids=[i for i, _ in t.top],
+            top_logprobs=[lp for _, lp in t.top],
+            token=token_text(token_id),
+            top_tokens=[token_text(i) for i, _ in t.top],
+        )
+        for token_id, t in zip(token_ids, logprobs, strict=True)
+    ]
+
+
+def stream_response(chunk: Chunk, token_text: TokenText) -> generate_pb2.GenerateStreamResponse:
     return generate_pb2.GenerateStreamResponse(
         session_id=chunk.session_id,
         text=chunk.text,
@@ -92,10 +126,13 @@ def stream_response(chunk: Chunk) -> generate_pb2.GenerateStreamResponse:
         finish_reason=FINISH[chunk.finish_reason] if chunk.finish_reason else 0,
         usage=usage_pb(chunk.usage),
         seed=chunk.seed,
+        logprobs=logprobs_pb(chunk.token_ids[: len(chunk.logprobs)], chunk.logprobs, token_text),
     )
 
 
-def generate_response(chunks: Sequence[Chunk]) -> generate_pb2.GenerateResponse:
+def generate_response(
+    chunks: Sequence[Chunk], token_text: TokenText
+) -> generate_pb2.GenerateResponse:
     """The chunks of one turn, whole (the last chunk carries the finish)."""
     last = chunks[-1]
     return generate_pb2.GenerateResponse(
@@ -107,6 +144,11 @@ def generate_response(chunks: Sequence[Chunk]) -> generate_pb2.GenerateResponse:
         time_to_first_token_ns=last.time_to_first_token_ns,
         duration_ns=last.duration_ns,
         seed=last.seed,
+        logprobs=logprobs_pb(
+            [t for c in chunks for t in c.token_ids[: len(c.logprobs)]],
+            [t for c in chunks for t in c.logprobs],
+            token_text,
+        ),
     )
 
 

@@ -105,7 +105,8 @@ class Orchestrator:
             raise InvalidArgument(
                 f"max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got {params.max_new_tokens}"
             )
-        stop = StopCriteria(params.max_new_tokens, text.eos_ids, params.stop)
+        eos_ids = frozenset() if params.ignore_eos else text.eos_ids
+        stop = StopCriteria(params.max_new_tokens, eos_ids, params.stop)
         # Shielded: a client that leaves while the record is being written must not
         # leave an ACTIVE record without a runner; the session then ends at its first
         # round boundary instead, and the ledger cleans up. The task starts in the
@@ -146,9 +147,10 @@ class Orchestrator:
                     first_ns = now
                     self.stats.first_token((now - t0) / 1e9)
                 last_ns = now
+                logprobs = tuple(live.logprobs[delivered : delivered + len(item)])
                 delivered += len(item)
                 delta = stream.push(live.state.completion[:delivered])
-                yield Chunk(live.sid, delta, tuple(item), seed=seed)
+                yield Chunk(live.sid, delta, tuple(item), seed=seed, logprobs=logprobs)
         finally:
             if not live.done:  # the client went away: stop at the next round boundary
                 self.runner.cancel(live.sid)
@@ -219,7 +221,12 @@ class Orchestrator:
             pre_turn=pre_turn,
             deadline=params.deadline,
             trace_context=otel_context.get_current(),
+            top_logprobs=params.logprobs,
         )
+
+    def token_text(self, token_id: int) -> str:
+        """One token id decoded alone (the text of a logprobs entry)."""
+        return self.text().decode([token_id])
 
     async def _owned(self, session_id: str, owner: bytes) -> session_pb2.SessionRecord | None:
         """The session's record, or None when it does not exist *or belongs to another

@@ -357,7 +357,9 @@ class RoundRunner:
             self.stats.note_verdict(drafted, verdict.accepted)
             self.prior.observe(s.state.drafter, s.state.params.greedy, drafted, verdict.accepted)
             spans.verdict(s, drafted, verdict.accepted)
-            committed.append((s, s.state.commit(plan.proposal, verdict)))
+            kept = s.state.commit(plan.proposal, verdict)
+            s.logprobs.extend(outcome.logprobs.get(s.sid, ())[: len(kept)])
+            committed.append((s, kept))
         self._move(target, moved)
         depth = max((len(p.proposal.tokens) for p in plans.values()), default=0)
         drafts = sum(len(p.proposal.tokens) for p in plans.values())
@@ -793,6 +795,7 @@ class RoundRunner:
                 out.lost = True  # twice: as good as lost for these sessions
                 self.targets.mark_failed(target, out.why)
             total.verdicts.update(out.verdicts)
+            total.logprobs.update(out.logprobs)
             total.errors.update(out.errors)
             total.batch_sizes.extend(out.batch_sizes)
             for size in out.batch_sizes:

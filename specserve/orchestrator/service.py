@@ -56,7 +56,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             params = convert.generate_params(request, deadline_of(context), self._owner(context))
             chunks = [c async for c in self.orchestrator.generate(params)]
-            return convert.generate_response(chunks)
+            return convert.generate_response(chunks, self.orchestrator.token_text)
         except Exception as e:
             await _abort(context, "Generate", e)
             raise  # unreachable: abort raises
@@ -67,7 +67,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             params = convert.generate_params(request, deadline_of(context), self._owner(context))
             async for chunk in self.orchestrator.generate(params):
-                yield convert.stream_response(chunk)
+                yield convert.stream_response(chunk, self.orchestrator.token_text)
         except Exception as e:
             await _abort(context, "GenerateStream", e)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 
 from specserve.engine.decode_state import DecodeState, FinishReason
+from specserve.engine.logprobs import TokenLogprob
 from specserve.orchestrator import records
 from specserve.orchestrator.types import Usage
 from specserve.v1 import session_pb2
@@ -43,6 +44,7 @@ class LiveSession:
         pre_turn: session_pb2.SessionRecord | None,
         deadline: float | None,
         trace_context: otel_context.Context | None = None,
+        top_logprobs: int | None = None,
     ) -> None:
         self.sid = record.session_id
         self.record = record  # the last version written (record.version is the stored one)
@@ -67,6 +69,10 @@ class LiveSession:
         self.started_ns = time.perf_counter_ns()
         # The request's tracing context: its round spans are children of the request span.
         self.trace_context = trace_context
+        # Alternatives per token the client asked for (None: no log-probabilities), and
+        # the TokenLogprob of each completion token committed so far.
+        self.top_logprobs = top_logprobs
+        self.logprobs: list[TokenLogprob] = []
 
     @property
     def is_new(self) -> bool:

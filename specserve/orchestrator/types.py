@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from specserve.engine.decode_state import FinishReason
+from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sampling import SamplingParams, SamplingRule
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -45,6 +46,8 @@ class GenerateParams:
     keep_session: bool = False
     deadline: float | None = None  # time.monotonic() by which the client stops waiting
     owner: bytes = b""  # the caller's API key fingerprint (b"": keys are off)
+    ignore_eos: bool = False  # generate past end-of-sequence tokens up to max_new_tokens
+    logprobs: int | None = None  # alternatives per token (0..20); None = no logprobs
 
 
 @dataclass
@@ -84,6 +87,7 @@ class Chunk:
     token_ids: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None  # this turn's, on the last chunk
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when asked for
     time_to_first_token_ns: int = 0
     duration_ns: int = 0
     seed: int = 0  # the turn's seed (the request's or the server's), on every chunk

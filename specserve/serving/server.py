@@ -32,10 +32,10 @@ from typing import Any, Generic, TypeVar
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from specserve.serving.errors import ErrorInterceptor
 from specserve.serving.executor import ModelExecutor, State
+from specserve.serving.reflection import enable_reflection
 from specserve.serving.tls import ServerTls, warn_if_exposed
 from specserve.telemetry.config import TelemetryConfig
 from specserve.telemetry.process import ProcessTelemetry, setup_telemetry
@@ -247,9 +247,7 @@ async def start_server(
     running = RunningServer(server, port, health_servicer, executor, service_names, options)
     register(server, running)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-    reflection.enable_server_reflection(
-        (*service_names, health_name, reflection.SERVICE_NAME), server
-    )
+    enable_reflection((*service_names, health_name), server)
     if options.health_port is not None:
         await _serve_health_alone(running, options.health_port)
     await running.set_serving(False)

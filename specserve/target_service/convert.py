@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.kv_chunks import KvLayout
 from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk
+from specserve.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.verifier import VerifyInput, VerifyOutcome
 from specserve.serving import convert, sparse_q
@@ -39,6 +40,7 @@ def verify_inputs(request: target_pb2.VerifyRequest, vocab: int) -> list[VerifyI
             convert.sampling_params(s.sampling, s.session_id),
             s.round_index,
             s.return_logprobs,
+            _top_logprobs(s, s.session_id),
         )
         for s, p in zip(sessions, proposals, strict=True)
     ]
@@ -56,7 +58,14 @@ def prefill_inputs(request: target_pb2.PrefillRequest, vocab: int) -> list[Verif
         params = convert.sampling_params(s.sampling, sid)
         out.append(
             VerifyInput(
-                sid, 0, tokens, Proposal(tokens=[]), params, s.round_index, s.return_logprobs
+                sid,
+                0,
+                tokens,
+                Proposal(tokens=[]),
+                params,
+                s.round_index,
+                s.return_logprobs,
+                _top_logprobs(s, sid),
             )
         )
     return out
@@ -77,7 +86,24 @@ def verify_response(
         r.accepted = o.verdict.accepted
         r.next_token = o.verdict.next_token
         r.logprobs.extend(o.logprobs)
+        for t in o.token_logprobs:
+            r.token_logprobs.add(
+                logprob=t.logprob,
+                top_ids=[i for i, _ in t.top],
+                top_logprobs=[lp for _, lp in t.top],
+            )
     return response
+
+
+def _top_logprobs(s: target_pb2.VerifySession | target_pb2.PrefillSession, sid: str) -> int | None:
+    """The alternatives asked for per emitted token; None = no TokenLogprobs."""
+    if not s.HasField("top_logprobs"):
+        return None
+    if s.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(
+            f"session {sid!r}: top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {s.top_logprobs}"
+        )
+    return s.top_logprobs
 
 
 def export_input(request: target_pb2.ExportKvRequest, vocab: int) -> ExportInput:
@@ -142,6 +168,7 @@ def verify_session(
         sampling=convert.sampling_pb(x.params),
         round_index=x.round_index,
         return_logprobs=x.want_logprobs,
+        top_logprobs=x.top_logprobs,
     )
     if draft is not None and draft.HasField("q"):
         s.q.CopyFrom(draft.q)  # as it came: the target validates it
@@ -164,3 +191,11 @@ def verdict(result: target_pb2.VerifyResult, drafted: int) -> Verdict | None:
             f"session {sid!r}: the target accepted {result.accepted} of {drafted} draft tokens"
         )
     return Verdict(accepted=result.accepted, next_token=result.next_token)
+
+
+def token_logprobs(result: target_pb2.VerifyResult) -> list[TokenLogprob]:
+    """A VerifyResult's TokenLogprobs (empty when none were asked for)."""
+    return [
+        TokenLogprob(t.logprob, tuple(zip(t.top_ids, t.top_logprobs, strict=True)))
+        for t in result.token_logprobs
+    ]

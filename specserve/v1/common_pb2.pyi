@@ -50,6 +50,20 @@ class SamplingConfig(_message.Message):
     rule: SamplingRule
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., rule: _Optional[_Union[SamplingRule, str]] = ...) -> None: ...
 
+class TokenLogprob(_message.Message):
+    __slots__ = ("logprob", "top_ids", "top_logprobs", "token", "top_tokens")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    token: str
+    top_tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., token: _Optional[str] = ..., top_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class SparseQ(_message.Message):
     __slots__ = ("support", "ids", "probs")
     SUPPORT_FIELD_NUMBER: _ClassVar[int]

@@ -53,7 +53,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SamplingParameters(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop", "rule")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop", "rule", "ignore_eos", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,8 @@ class SamplingParameters(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     RULE_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -68,7 +70,9 @@ class SamplingParameters(_message.Message):
     max_new_tokens: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     rule: _common_pb2.SamplingRule
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., rule: _Optional[_Union[_common_pb2.SamplingRule, str]] = ...) -> None: ...
+    ignore_eos: bool
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., rule: _Optional[_Union[_common_pb2.SamplingRule, str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class SpeculationParameters(_message.Message):
     __slots__ = ("drafter", "k")
@@ -115,7 +119,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("session_id", "text", "token_ids", "finish_reason", "usage", "time_to_first_token_ns", "duration_ns", "seed")
+    __slots__ = ("session_id", "text", "token_ids", "finish_reason", "usage", "time_to_first_token_ns", "duration_ns", "seed", "logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +128,7 @@ class GenerateResponse(_message.Message):
     TIME_TO_FIRST_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
     DURATION_NS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -132,23 +137,26 @@ class GenerateResponse(_message.Message):
     time_to_first_token_ns: int
     duration_ns: int
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., time_to_first_token_ns: _Optional[int] = ..., duration_ns: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., time_to_first_token_ns: _Optional[int] = ..., duration_ns: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("session_id", "text", "token_ids", "finish_reason", "usage", "seed")
+    __slots__ = ("session_id", "text", "token_ids", "finish_reason", "usage", "seed", "logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     usage: Usage
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, session_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., seed: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class CancelSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifySession(_message.Message):
-    __slots__ = ("session_id", "start", "new_tokens", "draft_tokens", "q", "sampling", "round_index", "return_logprobs")
+    __slots__ = ("session_id", "start", "new_tokens", "draft_tokens", "q", "sampling", "round_index", "return_logprobs", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class VerifySession(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +26,8 @@ class VerifySession(_message.Message):
     sampling: _common_pb2.SamplingConfig
     round_index: int
     return_logprobs: bool
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.SparseQ, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., round_index: _Optional[int] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.SparseQ, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., round_index: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("sessions", "strict")
@@ -36,18 +38,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[VerifySession, _Mapping]]] = ..., strict: _Optional[bool] = ...) -> None: ...
 
 class PrefillSession(_message.Message):
-    __slots__ = ("session_id", "tokens", "sampling", "round_index", "return_logprobs")
+    __slots__ = ("session_id", "tokens", "sampling", "round_index", "return_logprobs", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingConfig
     round_index: int
     return_logprobs: bool
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., round_index: _Optional[int] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., round_index: _Optional[int] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("sessions",)
@@ -56,18 +60,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[PrefillSession, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("session_id", "status", "accepted", "next_token", "logprobs")
+    __slots__ = ("session_id", "status", "accepted", "next_token", "logprobs", "token_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     status: _common_pb2.SessionStatus
     accepted: int
     next_token: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    token_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, session_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.SessionStatus, str]] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "compute_ns", "batch_size", "replica_id")

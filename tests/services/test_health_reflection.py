@@ -12,6 +12,7 @@ import threading
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
@@ -155,6 +156,25 @@ def test_reflection_lists_the_services(pair: tuple[ServerProcess, ServerProcess]
         with grpc.insecure_channel(server.address) as channel:
             services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
         assert services >= expected | {name}
+
+
+def test_reflection_v1_answers_as_v1alpha_does(pair: tuple[ServerProcess, ServerProcess]) -> None:
+    """grpcurl and grpc-js ask grpc.reflection.v1 first; it lists the services and the file."""
+    target, _ = pair
+    with grpc.insecure_channel(target.address) as channel:
+        call = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        asks = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE_NAME),
+        ]
+        listed, found = list(call(iter(asks), timeout=10))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.reflection.v1.ServerReflection"} <= names
+    assert found.file_descriptor_response.file_descriptor_proto
 
 
 def test_a_generic_reflection_client_calls_get_load(
