@@ -11,7 +11,7 @@ from specserve.engine.errors import EngineError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specserve import cli_generate, cli_models, cli_orchestrator, cli_servers
+    from specserve import cli_generate, cli_http, cli_models, cli_orchestrator, cli_servers
 
     parser = argparse.ArgumentParser(
         prog="specserve", description="Speculative-decoding serving: draft, target, orchestrator."
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_generate.add_parser(sub)
     cli_servers.add_parsers(sub)
     cli_orchestrator.add_parsers(sub)
+    cli_http.add_parser(sub)
     return parser
 
 
