@@ -12,7 +12,7 @@ import pytest
 from specserve.engine.tiny_tokenizer import write_tiny_tokenizer
 from specserve.openai_api.launch import HttpServerProcess
 from tests.orchestrator.conftest import redis_url  # noqa: F401  (the session's Redis)
-from tests.orchestrator.stack import ENV, Stack
+from tests.orchestrator.stack import ENV, Reference, Stack
 
 MODEL = "tiny-pair"
 
@@ -52,3 +52,8 @@ def http_stack(redis_url: str, tokenizer_dir: Path) -> Iterator[HttpStack]:  # n
         if http is not None:
             http.stop()
         stack.stop()
+
+
+@pytest.fixture(scope="session")
+def reference() -> Reference:
+    return Reference()
