@@ -34,7 +34,7 @@ from specserve.openai_api.config import HttpServerConfig
 from specserve.openai_api.errors import ApiError, bad_request
 from specserve.openai_api.metrics import HttpMetrics
 from specserve.openai_api.requests import ParsedRequest, parse_chat, parse_completion
-from specserve.openai_api.upstream import Metadata, Upstream
+from specserve.openai_api.upstream import Metadata, StreamItem, Upstream
 
 tracer = trace.get_tracer(__name__)
 T = TypeVar("T")
@@ -137,7 +137,11 @@ class Api:
                 f"{kind}-{uuid.uuid4().hex}", int(time.time()), parsed.model, parsed.chat
             )
             if parsed.stream:
-                events = self._events(parsed, env, metadata, endpoint, started, span)
+                # The first message before the headers: a refusal (a bad key, a prompt the
+                # orchestrator rejects) is then an HTTP status, not an event in a 200 stream.
+                upstream = self.upstream.stream(parsed.calls, metadata)
+                first = await _unless_disconnected(request, anext(upstream, None))
+                events = self._events(parsed, env, first, upstream, endpoint, started, span)
                 streaming = True
                 status = "200"
                 return StreamingResponse(
@@ -169,7 +173,8 @@ class Api:
         self,
         parsed: ParsedRequest,
         env: responses.Envelope,
-        metadata: Metadata,
+        first_item: StreamItem | None,
+        upstream: AsyncIterator[StreamItem],
         endpoint: str,
         started: float,
         span: trace.Span,
@@ -185,7 +190,7 @@ class Api:
             if parsed.chat:
                 for c in parsed.calls:
                     yield sse(responses.chunk(env, c.index, role=True, include_usage=usage_null))
-            async for index, message in self.upstream.stream(parsed.calls, metadata):
+            async for index, message in _chain(first_item, upstream):
                 tokens += len(message.token_ids)
                 if message.text or message.logprobs:
                     if first:
@@ -221,6 +226,7 @@ class Api:
             yield sse(e.body())
             yield DONE
         finally:
+            await upstream.aclose()  # type: ignore[attr-defined]  # cancels the gRPC calls
             self.metrics.tokens.labels(endpoint).inc(tokens)
             self._finish(endpoint, started, span)
 
@@ -263,6 +269,16 @@ def _metadata(request: Request, span: trace.Span) -> Metadata:
             )
         items.append(("authorization", auth))
     return tuple(items)
+
+
+async def _chain(
+    first: StreamItem | None, rest: AsyncIterator[StreamItem]
+) -> AsyncIterator[StreamItem]:
+    if first is None:
+        return
+    yield first
+    async for item in rest:
+        yield item
 
 
 async def _json(request: Request) -> object:
