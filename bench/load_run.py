@@ -18,8 +18,8 @@ side, and the headline is on/off output throughput per concurrency.
 guidellm pulls a CUDA build of torch: install it in a venv of its own, never the
 project's, and pass its executable:
 
-    python -m venv /tmp/gl && /tmp/gl/bin/pip install guidellm
-    .venv/bin/python -m bench.load_run --guidellm /tmp/gl/bin/guidellm \\
+    python -m venv ../guidellm-venv && ../guidellm-venv/bin/pip install guidellm
+    .venv/bin/python -m bench.load_run --guidellm ../guidellm-venv/bin/guidellm \\
         --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
         --draft-dtype bfloat16 --threads 2
 
