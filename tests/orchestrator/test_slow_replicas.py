@@ -120,7 +120,12 @@ def live(sid: str, tokens: list[int], policy: KPolicy | None = None) -> LiveSess
     return cast(
         LiveSession,
         SimpleNamespace(
-            sid=sid, state=state, deadline=None, draft_warming=False, warm_declined_at=None
+            sid=sid,
+            state=state,
+            deadline=None,
+            draft_warming=False,
+            warm_declined_at=None,
+            top_logprobs=None,
         ),
     )
 
