@@ -77,19 +77,20 @@ def test_chat_streamed_and_not_agree(http_stack: HttpStack) -> None:
     assert stream[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+@pytest.mark.parametrize("drafter", ["model", "none"])
 def test_n_choices_with_a_seed_are_reproducible_and_each_is_its_own_sample(
-    http_stack: HttpStack,
+    http_stack: HttpStack, drafter: str
 ) -> None:
     c = http_stack.client()
-    # Plain decoding: with drafts, which tokens a seed gives depends on how many drafts
-    # each round verified (batching, the k cap), until coupled sampling (issue 23) lands.
+    # With drafts too: coupled sampling makes the tokens a function of the seed alone,
+    # however many drafts each round verified.
     args = {
         "model": MODEL,
         "prompt": "Once",
         "max_tokens": 12,
         "temperature": 1.0,
         "seed": 7,
-        "extra_body": {"speculation": {"drafter": "none"}},
+        "extra_body": {"speculation": {"drafter": drafter}},
     }
     first = c.completions.create(**args, n=3)
     again = c.completions.create(**args, n=3)
@@ -100,6 +101,8 @@ def test_n_choices_with_a_seed_are_reproducible_and_each_is_its_own_sample(
     alone = c.completions.create(**{**args, "seed": 8})  # choice 1 is seed 7 + 1
     assert alone.choices[0].text == texts[1]
     assert first.usage is not None and first.usage.prompt_tokens == len("Once")  # counted once
+    drafted = first.usage.model_extra["speculation"]["drafted_tokens"]  # type: ignore[index]
+    assert (drafted > 0) == (drafter == "model")
     singles = [c.completions.create(**{**args, "seed": 7 + i}).usage for i in range(3)]
     assert first.usage.completion_tokens == sum(u.completion_tokens for u in singles)  # type: ignore[union-attr]
     streamed = list(c.completions.create(**args, n=3, stream=True))
