@@ -16,6 +16,11 @@ from specserve.engine.drafter import Drafter, DraftInput, DraftOutcome
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.ngram import NgramDrafter
+from specserve.serving.convert import SessionLimit
+
+# A replica without a draft model (n-gram only) holds no KV: its histories are bounded
+# only so that no call can make it scan without end (above what an orchestrator admits).
+NGRAM_SESSION_TOKENS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,12 @@ class DraftBackend:
         self.model_name = model_name
         self.dtype = dtype
         self.vocab = vocab  # token ids a request may name
+        self.limit = SessionLimit(NGRAM_SESSION_TOKENS, NGRAM_SESSION_TOKENS)
+        if model is not None:  # tokens one session may hold, checked before the model thread
+            kv = model.kv_stats()
+            self.limit = SessionLimit(
+                int(model.model.config.max_position_embeddings), kv.blocks_total * kv.block_size
+            )
         self._held: dict[str, set[str]] = {name: set() for name in self.drafters}
         self.load = DraftLoad()
         self._snapshot()

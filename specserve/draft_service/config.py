@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
 from specserve.serving.cli_args import DTYPES, add_server_arguments, flag_values, server_options
 from specserve.serving.server import ServerOptions
 
@@ -26,6 +27,7 @@ class DraftServerConfig:
     max_support: int = 64  # sparse q entries per sampled draft token
     min_confidence: float = 0.0  # stop drafting a session below this top probability
     fail_after_forwards: int | None = None  # testing: simulated device failure
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # 0: a prompt in one forward
     server: ServerOptions = field(default_factory=ServerOptions)
 
     def __post_init__(self) -> None:
@@ -33,6 +35,10 @@ class DraftServerConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_budget_bytes < 1:
             raise ValueError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(
+                f"prefill_chunk_tokens must be >= 0 (0: off), got {self.prefill_chunk_tokens}"
+            )
         if self.max_support < 1:
             raise ValueError(f"max_support must be >= 1, got {self.max_support}")
         if not 0 <= self.min_confidence < 1:
@@ -71,5 +77,6 @@ def from_args(args: argparse.Namespace) -> DraftServerConfig:
         max_support=args.max_support,
         min_confidence=args.min_confidence,
         fail_after_forwards=args.fail_after_forwards,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         server=server_options(args),
     )

@@ -14,7 +14,9 @@ from specserve.v1 import common_pb2, draft_pb2
 # -- server side ---------------------------------------------------------------------
 
 
-def draft_calls(request: draft_pb2.ProposeRequest, vocab: int) -> list[DraftCall]:
+def draft_calls(
+    request: draft_pb2.ProposeRequest, vocab: int, limit: convert.SessionLimit
+) -> list[DraftCall]:
     """A ProposeRequest -> validated engine inputs (raises InvalidArgument)."""
     convert.check_session_ids([s.session_id for s in request.sessions])
     calls = []
@@ -28,6 +30,7 @@ def draft_calls(request: draft_pb2.ProposeRequest, vocab: int) -> list[DraftCall
             )
         if s.k > MAX_K:
             raise InvalidArgument(f"session {sid!r}: k must be between 0 and {MAX_K}, got {s.k}")
+        limit.check(sid, s.start, len(s.new_tokens), s.k)
         tokens = convert.check_tokens(s.new_tokens, vocab, "new_tokens", sid)
         params = convert.sampling_params(s.sampling, sid)
         try:

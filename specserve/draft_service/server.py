@@ -30,7 +30,12 @@ def load_backend(config: DraftServerConfig) -> DraftBackend:
     """Build the drafters (runs on the model thread)."""
     if config.model is None:
         return DraftBackend(None, model_name="ngram", dtype=config.dtype, vocab=2**31 - 1)
-    loaded = load_model(config.model, config.dtype, fail_after=config.fail_after_forwards)
+    loaded = load_model(
+        config.model,
+        config.dtype,
+        fail_after=config.fail_after_forwards,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
+    )
     drafter = ModelDrafter(
         loaded.model,
         config.kv_budget_bytes,

@@ -42,7 +42,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:
         backend = self.executor.backend
-        calls = wire.draft_calls(request, backend.vocab)
+        calls = wire.draft_calls(request, backend.vocab, backend.limit)
         for c in calls:
             backend.check_drafter(c.drafter, c.input.session_id)
         done = await self.executor.submit(
@@ -104,4 +104,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             queue_depth=self.executor.queue_depth(),
             progress_steps=self.executor.progress.steps,
             busy=self.executor.busy(),
+            limit=backend.limit,
         )

@@ -14,12 +14,18 @@ A session's cache is the prefix of its tokens that the model has already seen.
 the free list at once. ``read`` and ``write`` copy a token range of a session's
 K/V out and in, layer-major (what KV snapshot chunks hold, see
 :mod:`specserve.engine.kv_chunks`).
+
+The pool also keeps the token id at each cached position (given to
+:meth:`KVPool.advance` by the forward that wrote it, or to :meth:`KVPool.set_tokens`
+by an import; -1 where unknown), so that an export can check that the tokens a
+caller names are the ones the cache was computed from.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -214,6 +220,7 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.device = torch.device(device)
         self.dtype = dtype
+        self._tokens: dict[str, array[int]] = {}  # token id per cached position, -1 unknown
 
     @classmethod
     def for_model(
@@ -241,7 +248,10 @@ class KVPool:
 
     def reserve(self, needs: dict[str, int], protect: Collection[str] = ()) -> list[str]:
         """See :meth:`BlockAllocator.reserve`; returns the evicted session ids."""
-        return self.alloc.reserve(needs, protect)
+        victims = self.alloc.reserve(needs, protect)
+        for sid in victims:
+            self._tokens.pop(sid, None)
+        return victims
 
     def slots(self, session_id: str, start: int, end: int) -> torch.Tensor:
         """Flat slot ids of positions ``[start, end)``; the blocks must be reserved."""
@@ -253,8 +263,22 @@ class KVPool:
         # [end - start]
         return (blocks[pos // bs] * bs + pos % bs).to(self.device)
 
-    def advance(self, session_id: str, n: int) -> None:
+    def advance(self, session_id: str, n: int, token_ids: Sequence[int] | None = None) -> None:
+        """Record that ``n`` more positions were written, holding ``token_ids`` (if known)."""
+        assert token_ids is None or len(token_ids) == n
         self.alloc.advance(session_id, n)
+        ids = self._tokens.setdefault(session_id, array("i"))
+        ids.extend(token_ids if token_ids is not None else [-1] * n)
+
+    def tokens(self, session_id: str) -> array[int]:
+        """The token id at each cached position (-1 where unknown); do not modify."""
+        self.alloc.block_table(session_id)  # NotFound if absent
+        return self._tokens.setdefault(session_id, array("i"))
+
+    def set_tokens(self, session_id: str, token_ids: Sequence[int]) -> None:
+        """Name the token ids of the cached positions (after an import wrote them)."""
+        assert len(token_ids) == self.length(session_id)
+        self._tokens[session_id] = array("i", token_ids)
 
     def read(self, session_id: str, start: int, end: int) -> torch.Tensor:
         """A copy of positions ``[start, end)``: ``[layers, 2 (K, V), end - start,
@@ -290,14 +314,16 @@ class KVPool:
         """Truncate to ``length``, or advance to it over reserved, written positions."""
         have = self.length(session_id)
         if length <= have:
-            self.alloc.truncate(session_id, length)
+            self.truncate(session_id, length)
         else:
-            self.alloc.advance(session_id, length - have)
+            self.advance(session_id, length - have)
 
     def truncate(self, session_id: str, length: int) -> None:
         self.alloc.truncate(session_id, length)
+        del self._tokens.setdefault(session_id, array("i"))[length:]
 
     def release(self, session_id: str) -> bool:
+        self._tokens.pop(session_id, None)
         return self.alloc.release(session_id)
 
     def stats(self) -> KVStats:

@@ -106,7 +106,8 @@ class KvTransfer:
         """Chunks ``first_chunk .. len(tokens) / chunk_tokens - 1`` of a session's cache.
 
         ``tokens`` are the session's committed tokens from position 0 through the last
-        chunk; they name the chunks (the cache keeps no token ids to check them by).
+        chunk; they name the chunks, so they must be the tokens the cache was computed
+        from (InvalidArgument naming the first position that differs otherwise).
         """
         check_chunk_tokens(chunk_tokens)
         count, rest = divmod(len(tokens), chunk_tokens)
@@ -137,6 +138,15 @@ class KvTransfer:
                 f"session {session_id!r}: the cache holds {have} tokens, fewer than the "
                 f"{len(tokens)} to export"
             )
+        held = self.pool.tokens(session_id)[: len(tokens)]
+        if held.tolist() != list(tokens):
+            at = next(i for i, (a, b) in enumerate(zip(held, tokens, strict=True)) if a != b)
+            raise InvalidArgument(
+                f"session {session_id!r}: token {at} of the export is {tokens[at]}, but the "
+                f"cache at that position was computed from {held[at]}"
+                + (" (not known here)" if held[at] < 0 else "")
+                + "; export only the tokens the cache holds"
+            )
         keys = chain_keys(self.fingerprint, tokens, chunk_tokens, first=first_chunk)
         out = []
         for i, key in enumerate(keys, start=first_chunk):
@@ -164,12 +174,18 @@ class KvTransfer:
                 f"session {session_id!r}: an import from position {start} continues a "
                 f"cache, but this replica holds {have} tokens of it; import from 0"
             )
+        if start > 0 and pool.tokens(session_id)[:start].tolist() != list(tokens[:start]):
+            raise InvalidArgument(
+                f"session {session_id!r}: the tokens before position {start} differ from "
+                "the ones this replica's cache was computed from; import from 0"
+            )
         pool.reserve({session_id: max(0, end - have)})  # KVBudgetExceeded: nothing changed
         pos = start
         for kv in views:
             pool.write(session_id, pos, kv)
             pos += kv.shape[2]
         pool.set_length(session_id, end)
+        pool.set_tokens(session_id, tokens[:end])
         return end
 
     def check(
@@ -216,7 +232,13 @@ class KvTransfer:
                     f"{where} has key {chunk.key.hex()[:12]}, but the tokens given make "
                     f"{key.hex()[:12]}: it holds the K/V of another token prefix"
                 )
-            views.append(kv_from_bytes(chunk.data, chunk.layout, size))
+            kv = kv_from_bytes(chunk.data, chunk.layout, size)
+            if not bool(torch.isfinite(kv).all()):
+                raise InvalidArgument(
+                    f"{where} holds non-finite values (NaN or infinity): K/V a model "
+                    "computed are finite; re-prefill instead"
+                )
+            views.append(kv)
         return views
 
     def _check_vocab(self, session_id: str, tokens: Sequence[int]) -> None:

@@ -6,6 +6,13 @@ tokens to verify). New tokens of all sessions are packed into one ``[tokens,
 hidden]`` matrix so every projection is a single matrix product; attention reads
 each session's keys from the pool through one padded, masked SDPA call per layer.
 
+Memory stays linear in the context: a session with more than
+:attr:`CausalLM.prefill_chunk_tokens` new tokens runs them in chunks (each chunk
+attends to the cache the earlier ones wrote), and a chunk over a cache longer than
+:data:`~specserve.engine.attention.BLOCKED_ABOVE_KEYS` attends in key blocks
+(:mod:`specserve.engine.attention`). Forwards of fewer new tokens run exactly as
+without either.
+
 Module names follow the Hugging Face checkpoints so weights load by name. The
 model knows nothing of tensor parallelism: :mod:`specserve.engine.tp` shards
 the projections after loading and adds the all-reduce as forward hooks on
@@ -21,10 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.engine.attention import BLOCKED_ABOVE_KEYS, blocked_attention
 from specserve.engine.config import ModelConfig
 from specserve.engine.kv_cache import KVPool
 from specserve.engine.ops import gate_up_silu, linear, linears, rms_norm, rope_cache_attention
 from specserve.engine.rope import RotaryEmbedding
+
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -177,9 +187,12 @@ class Attention(nn.Module):
         slots, shape = plan.read_slots.view(-1), (*plan.read_slots.shape, *k_cache.shape[1:])
         keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2).to(q.dtype)
         values = v_cache.index_select(0, slots).view(shape).transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=plan.mask, enable_gqa=heads != keys.shape[1]
-        )
+        if n > 1 and keys.shape[2] > BLOCKED_ABOVE_KEYS:  # a chunk over a long cache
+            out = blocked_attention(q, keys, values, plan.mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=plan.mask, enable_gqa=heads != keys.shape[1]
+            )
         out = out.transpose(1, 2).reshape(b * n, heads * hd)  # [batch * max_new, q_dim]
         if plan.pad_index is not None:
             out = out.index_select(0, plan.pad_index)
@@ -228,6 +241,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg)
         self.compute_dtype: torch.dtype | None = None  # None: the weights' dtype
+        # A session's new tokens run in chunks of at most this many (None: in one).
+        self.prefill_chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK_TOKENS
 
     def attention_layers(self) -> list[nn.Module]:
         """Each layer's attention module: one forward each per layer of a model call
@@ -283,7 +298,28 @@ class CausalLM(nn.Module):
 
         Space must be reserved beforehand (:meth:`KVPool.reserve`). Returns float32
         logits ``[sum(num_logits), vocab]`` in the order of ``seqs``.
+
+        A session with more than :attr:`prefill_chunk_tokens` new tokens first runs
+        its leading tokens alone, a chunk at a time, writing their K/V; the batch's
+        forward then holds at most a chunk of it (and at least its ``num_logits``).
         """
+        seqs = [self._prefill_head(s, kv) for s in seqs]
+        return self._forward(seqs, kv)
+
+    def _prefill_head(self, seq: SeqInput, kv: KVPool) -> SeqInput:
+        """Run all but the last chunk of ``seq`` alone; return what is left of it."""
+        chunk = self.prefill_chunk_tokens
+        tokens = seq.token_ids
+        done = 0
+        while chunk and len(tokens) - done > chunk:
+            step = min(chunk, len(tokens) - done - seq.num_logits)
+            if step <= 0:
+                break
+            self._forward([SeqInput(seq.session_id, tokens[done : done + step], 0)], kv)
+            done += step
+        return seq if done == 0 else SeqInput(seq.session_id, tokens[done:], seq.num_logits)
+
+    def _forward(self, seqs: Sequence[SeqInput], kv: KVPool) -> torch.Tensor:
         plan = _plan(seqs, kv, self.config.sliding_window)
         ids = torch.tensor(
             [t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device
@@ -293,6 +329,6 @@ class CausalLM(nn.Module):
             h = h + layer.self_attn(layer.input_layernorm(h), plan, self.rope, kv.k[i], kv.v[i])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         for s in seqs:
-            kv.advance(s.session_id, len(s.token_ids))
+            kv.advance(s.session_id, len(s.token_ids), s.token_ids)
         h = self.model.norm(h.index_select(0, plan.logit_rows))
         return linear(h, self.lm_head.weight).float()

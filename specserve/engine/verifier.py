@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.engine.config import ModelConfig
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.kv_cache import KVStats
 from specserve.engine.logprobs import TokenLogprob, token_logprobs
@@ -71,6 +72,10 @@ class TargetVerifier:
         self.model = model
         self.kv = model.new_kv_pool(kv_budget_bytes)
         self.vocab_limit = vocab_limit or model.config.vocab_size
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
 
     def kv_stats(self) -> KVStats:
         return self.kv.stats()

@@ -124,6 +124,7 @@ async def start(config: OrchestratorConfig) -> App:
         lambda: holder[0].executor.backend,
         k_max=config.scheduler.k_curve.k_max,
         model_name=config.model_name,
+        limits=config.admission,
     )
 
     keys = KeysFile(config.api_keys_file) if config.api_keys_file else None

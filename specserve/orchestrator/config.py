@@ -36,7 +36,10 @@ TLS towards the replicas and is the CA their certificates must chain to;
 (:mod:`specserve.orchestrator.api_keys`). Secrets come from files or the environment:
 a password on the command line works but warns (``warnings``, logged at start).
 
-the scheduling knobs below (``--k-max``, ``--k-full-below``, ``--k-zero-at``,
+the admission bounds (``--max-prompt-tokens``, ``--max-prompt-bytes``,
+``--max-stop-strings``, ``--max-stop-bytes``, ``--max-stop-total-bytes``; see
+:mod:`specserve.orchestrator.admission`), the scheduling knobs below (``--k-max``,
+``--k-full-below``, ``--k-zero-at``,
 ``--pipeline-groups``, ``--max-batch``, ``--max-prefill-tokens``,
 ``--admission-window-ms``, ``--draft-ahead``,
 ``--draft-timeout-s``, ...), the KV
@@ -54,6 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from specserve.orchestrator import keys
+from specserve.orchestrator.admission import AdmissionConfig
 from specserve.orchestrator.api_keys import ApiKeys
 from specserve.orchestrator.kv_snapshots import SnapshotConfig
 from specserve.orchestrator.redis_settings import RedisSettings, password_from, url_warning
@@ -86,6 +90,7 @@ class OrchestratorConfig:
     redis: RedisSettings | None = None  # None = the embedded store
     tokenizer: str | None = None  # model whose tokenizer serves text prompts
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     timeouts: RoundTimeouts = field(default_factory=RoundTimeouts)
     ttls: StoreTtls = field(default_factory=StoreTtls)
     redis_retry_s: float = DEFAULT_REDIS_RETRY_S  # transient Redis errors retried this long
@@ -182,6 +187,22 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         help="retry reads and writes on transient Redis errors (a restart) this long before "
         "failing the request",
     )
+    g = parser.add_argument_group("admission (see docs/robustness.md)")
+    defaults = AdmissionConfig()
+    for flag, name, what in (
+        ("--max-prompt-tokens", "MAX_PROMPT_TOKENS", "tokens of a session after its prompt"),
+        ("--max-prompt-bytes", "MAX_PROMPT_BYTES", "UTF-8 bytes of a text or chat prompt"),
+        ("--max-stop-strings", "MAX_STOP_STRINGS", "stop strings of a request"),
+        ("--max-stop-bytes", "MAX_STOP_BYTES", "bytes of one stop string"),
+        ("--max-stop-total-bytes", "MAX_STOP_TOTAL_BYTES", "bytes of a request's stop strings"),
+    ):
+        default = getattr(defaults, name.lower())
+        g.add_argument(
+            flag,
+            type=int,
+            default=int(str(e(name, default))),
+            help=f"refuse a request past this many {what} (default {default})",
+        )
     g = parser.add_argument_group("scheduling")
     g.add_argument(
         "--k-max",
@@ -376,6 +397,13 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
             k_curve=KCapCurve(args.k_max, args.k_full_below, args.k_zero_at),
             draft_ahead=args.draft_ahead == "on",
             measured_k_cap=args.k_cap == "measured",
+        ),
+        admission=AdmissionConfig(
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_prompt_bytes=args.max_prompt_bytes,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_bytes=args.max_stop_bytes,
+            max_stop_total_bytes=args.max_stop_total_bytes,
         ),
         timeouts=RoundTimeouts(
             draft_s=args.draft_timeout_s,

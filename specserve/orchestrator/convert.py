@@ -10,6 +10,7 @@ from specserve.engine.errors import InvalidArgument
 from specserve.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from specserve.engine.sampling import SamplingParams
 from specserve.orchestrator import records
+from specserve.orchestrator.text import MAX_PROMPT_TOKENS
 from specserve.orchestrator.types import (
     DEFAULT_MAX_NEW_TOKENS,
     ChatMessage,
@@ -44,7 +45,12 @@ def prompt(request: generate_pb2.GenerateRequest) -> Prompt:
     if which == "text":
         return Prompt(text=request.text)
     if which == "token_ids":
-        return Prompt(token_ids=tuple(request.token_ids.ids))
+        ids = request.token_ids.ids
+        if len(ids) > MAX_PROMPT_TOKENS:  # before copying millions of ids on the event loop
+            raise InvalidArgument(
+                f"the prompt has {len(ids)} tokens; at most {MAX_PROMPT_TOKENS} are accepted"
+            )
+        return Prompt(token_ids=tuple(ids))
     if which == "chat":
         return Prompt(chat=tuple(ChatMessage(m.role, m.content) for m in request.chat.messages))
     raise InvalidArgument("the request has no prompt: set text, token_ids or chat")

@@ -26,7 +26,8 @@ from opentelemetry import trace
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.errors import EngineError, InvalidArgument, NotFound
 from specserve.engine.k_policy import KPolicy
-from specserve.orchestrator import records
+from specserve.orchestrator import admission, records
+from specserve.orchestrator.admission import AdmissionConfig, TargetLimits
 from specserve.orchestrator.errors import SessionBusy, VersionConflict
 from specserve.orchestrator.request_span import (
     fail_request_span,
@@ -64,6 +65,7 @@ class Orchestrator:
         *,
         k_max: int = 8,
         model_name: str = "specserve",
+        limits: AdmissionConfig | None = None,
     ) -> None:
         self.store = store
         self.runner = runner
@@ -71,6 +73,8 @@ class Orchestrator:
         self.k_max = k_max
         self.model_name = model_name  # what traces call the model (gen_ai.request.model)
         self.stats = RequestStats()
+        self.admission = limits or AdmissionConfig()
+        self.target_limits = TargetLimits(runner.targets)
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[Chunk]:
         """Run one turn; yields chunks as rounds commit, the last one with the finish."""
@@ -99,12 +103,15 @@ class Orchestrator:
     async def _generate(
         self, params: GenerateParams, span: trace.Span, t0: int
     ) -> AsyncIterator[Chunk]:
-        text = self.text()
-        prompt = text.encode(params.prompt, continuing=bool(params.session_id))
         if not 1 <= params.max_new_tokens <= MAX_NEW_TOKENS:
             raise InvalidArgument(
                 f"max_new_tokens must be in 1..{MAX_NEW_TOKENS}, got {params.max_new_tokens}"
             )
+        admission.check_request(params, self.admission)  # sizes first: before tokenizing
+        text = self.text()
+        prompt = await admission.encode(text, params.prompt, continuing=bool(params.session_id))
+        if not params.session_id:  # a continued session is checked once its history is read
+            admission.check_tokens(0, len(prompt), self.admission, await self.target_limits.get())
         eos_ids = frozenset() if params.ignore_eos else text.eos_ids
         stop = StopCriteria(params.max_new_tokens, eos_ids, params.stop)
         # Shielded: a client that leaves while the record is being written must not
@@ -193,6 +200,13 @@ class Orchestrator:
         else:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             base = records.new_record(uuid.uuid4().hex, params.owner)
+        history = len(base.tokens)
+        limit = await self.target_limits.get()
+        admission.check_tokens(history, len(prompt), self.admission, limit)
+        new_max = admission.max_new_tokens(params.max_new_tokens, history, len(prompt), limit)
+        if new_max != params.max_new_tokens:  # the session must stay within the context
+            params = dataclasses.replace(params, max_new_tokens=new_max)
+            stop = dataclasses.replace(stop, max_new_tokens=new_max)
         sampling = dataclasses.replace(params.sampling, seed=seed)
         turn = records.start_turn(base, prompt, params, sampling)
         state = DecodeState(

@@ -20,6 +20,7 @@ flag                      environment                     default
 ``--tls-cert/-key``       ``SPECSERVE_TLS_CERT/KEY``      none (plaintext)
 ``--tls-ca``              ``SPECSERVE_TLS_CA``            none (any client)
 ``--health-port``         ``SPECSERVE_HEALTH_PORT``       none
+``--prefill-chunk-tokens`` ``SPECSERVE_PREFILL_CHUNK_TOKENS`` 512 (0: no chunking)
 ========================  ==============================  =========================
 
 With ``--tls-ca`` a replica accepts only clients presenting a certificate from that CA
@@ -39,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from specserve.engine.errors import EngineError, InvalidArgument
+from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
 from specserve.serving.server import MAX_MESSAGE_BYTES, ServerOptions
 from specserve.serving.tls import add_tls_arguments, server_tls
 from specserve.telemetry.config import add_telemetry_arguments, telemetry_config
@@ -148,6 +150,13 @@ def add_server_arguments(
         type=parse_bytes,
         default=parse_bytes(str(_env(env, "KV_BUDGET", kv_budget))),
         help=f"KV cache memory budget (default {kv_budget})",
+    )
+    g.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=int(str(_env(env, "PREFILL_CHUNK_TOKENS", DEFAULT_PREFILL_CHUNK_TOKENS))),
+        help="a long prompt runs through the model this many tokens at a time, so "
+        "attention memory grows linearly with it (0: in one forward)",
     )
     g.add_argument(
         "--fail-after-forwards",

@@ -7,6 +7,8 @@ sentence naming it and never spoils a batch it would have shared a forward with:
 * session ids: not empty, not twice in one batch; at most ``MAX_SESSIONS`` per call;
 * enums: a value the contract does not define is rejected (proto3 lets it through);
 * ``k`` in 0..16; token ids inside the vocabulary; sampling parameters valid;
+* a session's tokens (``start`` + new + drafts) within the replica's
+  :class:`SessionLimit`: the model's context and what its KV budget can ever hold;
 * sparse q: see :mod:`specserve.serving.sparse_q`.
 
 The client side of the same messages (used by :mod:`specserve.serving.round_client`)
@@ -16,6 +18,7 @@ is here too, so both ends of a field are read and written in one place.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.sampling import SamplingParams, SamplingRule
@@ -46,6 +49,32 @@ DRAFTER_ENUMS = {
 
 
 # -- shared checks -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionLimit:
+    """How many tokens one session may hold on a replica, and why."""
+
+    context: int  # positions the model serves (max_position_embeddings)
+    kv_tokens: int  # tokens the whole KV pool holds, with every other session evicted
+
+    @property
+    def tokens(self) -> int:
+        return min(self.context, self.kv_tokens)
+
+    def check(self, sid: str, start: int, new: int, drafts: int = 0) -> None:
+        """InvalidArgument, before any work, when the session would pass the limit."""
+        total = start + new + drafts
+        if total > self.tokens:
+            why = (
+                f"the model's context of {self.context} tokens"
+                if self.context <= self.kv_tokens
+                else f"what this replica's KV budget can hold ({self.kv_tokens} tokens)"
+            )
+            raise InvalidArgument(
+                f"session {sid!r}: {total} tokens (start {start} + {new} new + {drafts} "
+                f"drafts) exceed {why}; send a shorter prompt"
+            )
 
 
 def check_session_ids(ids: Sequence[str]) -> None:
@@ -128,6 +157,7 @@ def load_report(
     kv_bytes_per_token: int = 0,
     progress_steps: int = 0,
     busy: bool = False,
+    limit: SessionLimit | None = None,
 ) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         replica_id=replica_id,
@@ -143,4 +173,6 @@ def load_report(
         kv_bytes_per_token=kv_bytes_per_token,
         progress_steps=progress_steps,
         busy=busy,
+        max_context_tokens=limit.context if limit is not None else 0,
+        kv_capacity_tokens=limit.kv_tokens if limit is not None else 0,
     )

@@ -15,15 +15,18 @@ error                     code                     when
 anything else             ``INTERNAL``             a bug or a device failure
 ========================  =======================  ==============================================
 
-The message is the error's own sentence, so a caller reads what is wrong. Only
-unary-unary handlers are wrapped: the health ``Watch`` stream and reflection pass
-through untouched.
+The message is the error's own sentence, so a caller reads what is wrong. Errors
+are mapped for unary-unary handlers; the health ``Watch`` stream and reflection
+pass through untouched. Every unary-request handler (unary-unary and
+unary-stream, such as ``GenerateStream``) gets a tolerant deserializer: bytes
+that do not parse as its request message are answered ``INVALID_ARGUMENT`` with
+one rate-limited WARNING line (:mod:`specserve.serving.malformed`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -37,6 +40,7 @@ from specserve.engine.errors import (
     ModelLoadError,
     NotFound,
 )
+from specserve.serving.malformed import Malformed, refuse, tolerant
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,8 @@ Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 def _wrap(method: str, inner: Handler) -> Handler:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Malformed):
+            await refuse(method, request, context)
         try:
             return await inner(request, context)
         except grpc.aio.AbortError:
@@ -98,13 +104,36 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
+        method = handler_call_details.method
+        if handler is None:
             return handler
-        return grpc.unary_unary_rpc_method_handler(
-            _wrap(handler_call_details.method, handler.unary_unary),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap(method, handler.unary_unary),
+                request_deserializer=tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(method, handler.unary_stream),
+                request_deserializer=tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _wrap_stream(
+    method: str, inner: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+    """A unary-stream handler that refuses a malformed request (its own errors are its own)."""
+
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, Malformed):
+            await refuse(method, request, context)
+        async for item in inner(request, context):
+            yield item
+
+    return handler
 
 
 def check_strict(stale: list[str], unknown: frozenset[str], role: str) -> None:

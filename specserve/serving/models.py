@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.engine.model import CausalLM
+from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS, CausalLM
 from specserve.serving.faults import fail_after_forwards
 
 
@@ -18,11 +18,19 @@ class LoadedModel:
     vocab: int  # ids the tokenizer can produce (embedding matrices are often padded past it)
 
 
-def load_model(spec: str, dtype: str, *, fail_after: int | None = None) -> LoadedModel:
-    """Load ``spec`` in ``dtype``; ``fail_after`` arms a simulated device failure (tests)."""
+def load_model(
+    spec: str,
+    dtype: str,
+    *,
+    fail_after: int | None = None,
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+) -> LoadedModel:
+    """Load ``spec`` in ``dtype``; ``fail_after`` arms a simulated device failure (tests);
+    ``prefill_chunk_tokens`` (0: off) is :attr:`CausalLM.prefill_chunk_tokens`."""
     from specserve.local import load  # tiny specs, the model store and the loader in one place
 
     model, tokenizer = load(spec, dtype)
+    model.prefill_chunk_tokens = prefill_chunk_tokens or None
     vocab = model.config.vocab_size
     if tokenizer is not None:
         vocab = min(vocab, int(tokenizer.vocab_size))  # type: ignore[attr-defined]

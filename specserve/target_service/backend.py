@@ -27,6 +27,7 @@ from typing import Any
 from specserve.engine.errors import FailedPrecondition
 from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk, KvTransfer
 from specserve.engine.verifier import VerifyInput, VerifyOutcome
+from specserve.serving.convert import SessionLimit
 from specserve.target_service.tp_worker import Verifier
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,11 @@ class TargetBackend:
         self.tp_size = tp_size  # ranks behind this replica, reported by GetLoad
         self.kv_transfer = kv_transfer  # None: ExportKv / ImportKv are not supported
         self.vocab = verifier.vocab_limit  # token ids a request may name
+        kv = verifier.kv_stats()
+        # Tokens one session may hold: checked before a call reaches the model thread.
+        self.limit = SessionLimit(
+            int(verifier.config.max_position_embeddings), kv.blocks_total * kv.block_size
+        )
         self.load = TargetLoad()
         self._snapshot()
 

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
 from specserve.serving.cli_args import DTYPES, add_server_arguments, flag_values, server_options
 from specserve.serving.server import ServerOptions
 from specserve.target_service.tp_config import TPSettings, add_tp_arguments, tp_settings
@@ -22,6 +23,7 @@ class TargetServerConfig:
     dtype: str = "float32"
     kv_budget_bytes: int = 2 << 30
     fail_after_forwards: int | None = None  # testing: simulated device failure
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # 0: a prompt in one forward
     server: ServerOptions = field(default_factory=ServerOptions)
     tp: TPSettings = field(default_factory=TPSettings)  # world_size 1: no tensor parallelism
 
@@ -32,6 +34,10 @@ class TargetServerConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_budget_bytes < 1:
             raise ValueError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(
+                f"prefill_chunk_tokens must be >= 0 (0: off), got {self.prefill_chunk_tokens}"
+            )
 
 
 def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
@@ -57,6 +63,7 @@ def from_args(args: argparse.Namespace) -> TargetServerConfig:
         dtype=args.dtype,
         kv_budget_bytes=args.kv_budget,
         fail_after_forwards=args.fail_after_forwards,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         server=server_options(args),
         tp=tp_settings(args, num_threads=args.threads),
     )

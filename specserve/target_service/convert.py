@@ -16,7 +16,9 @@ from specserve.v1 import common_pb2, draft_pb2, target_pb2
 # -- server side ---------------------------------------------------------------------
 
 
-def verify_inputs(request: target_pb2.VerifyRequest, vocab: int) -> list[VerifyInput]:
+def verify_inputs(
+    request: target_pb2.VerifyRequest, vocab: int, limit: convert.SessionLimit
+) -> list[VerifyInput]:
     """A VerifyRequest -> validated engine inputs (raises InvalidArgument)."""
     sessions = request.sessions
     convert.check_session_ids([s.session_id for s in sessions])
@@ -28,6 +30,7 @@ def verify_inputs(request: target_pb2.VerifyRequest, vocab: int) -> list[VerifyI
                 f"session {sid!r}: new_tokens is empty; a verify needs at least one new "
                 "committed token (the last round's recovered or bonus token, or the prompt)"
             )
+        limit.check(sid, s.start, len(s.new_tokens), len(s.draft_tokens))
         drafts = convert.check_tokens(s.draft_tokens, vocab, "draft_tokens", sid)
         wire.append(sparse_q.WireQ.of(sid, drafts, s.q if s.HasField("q") else None))
     proposals = sparse_q.proposals(wire, vocab)
@@ -46,7 +49,9 @@ def verify_inputs(request: target_pb2.VerifyRequest, vocab: int) -> list[VerifyI
     ]
 
 
-def prefill_inputs(request: target_pb2.PrefillRequest, vocab: int) -> list[VerifyInput]:
+def prefill_inputs(
+    request: target_pb2.PrefillRequest, vocab: int, limit: convert.SessionLimit
+) -> list[VerifyInput]:
     """A PrefillRequest -> verify inputs with start 0 and no drafts (replacing any cache)."""
     convert.check_session_ids([s.session_id for s in request.sessions])
     out = []
@@ -54,6 +59,7 @@ def prefill_inputs(request: target_pb2.PrefillRequest, vocab: int) -> list[Verif
         sid = s.session_id
         if not s.tokens:
             raise InvalidArgument(f"session {sid!r}: the prompt is empty; send at least one token")
+        limit.check(sid, 0, len(s.tokens))
         tokens = convert.check_tokens(s.tokens, vocab, "tokens", sid)
         params = convert.sampling_params(s.sampling, sid)
         out.append(

@@ -34,7 +34,12 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 def load_backend(config: TargetServerConfig) -> TargetBackend:
     """Load the target model and its KV pool (runs on the model thread)."""
-    loaded = load_model(config.model, config.dtype, fail_after=config.fail_after_forwards)
+    loaded = load_model(
+        config.model,
+        config.dtype,
+        fail_after=config.fail_after_forwards,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
+    )
     verifier = TargetVerifier(loaded.model, config.kv_budget_bytes, vocab_limit=loaded.vocab)
     # An ExportKv answer's chunk data stays a little under the message limit.
     kv = KvTransfer.for_model(

@@ -55,13 +55,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Prefill(
         self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
-        inputs = wire.prefill_inputs(request, self.executor.backend.vocab)
+        backend = self.executor.backend
+        inputs = wire.prefill_inputs(request, backend.vocab, backend.limit)
         return await self._verify(inputs, strict=False)
 
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
-        inputs = wire.verify_inputs(request, self.executor.backend.vocab)
+        backend = self.executor.backend
+        inputs = wire.verify_inputs(request, backend.vocab, backend.limit)
         return await self._verify(inputs, strict=request.strict)
 
     async def _verify(
@@ -149,4 +151,5 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             tp_size=backend.tp_size,
             kv_fingerprint=kv.fingerprint if kv is not None else b"",
             kv_bytes_per_token=kv.bytes_per_token if kv is not None else 0,
+            limit=backend.limit,
         )

@@ -60,6 +60,9 @@ class Verifier(Protocol):
     vocab_limit: int  # token ids a request may name
 
     @property
+    def config(self) -> Any: ...  # the model's ModelConfig (its context, for the limits)
+
+    @property
     def kv(self) -> Container[str]: ...  # ``session_id in verifier.kv``: a cache is held
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyOutcome]: ...

@@ -91,7 +91,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("replica_id", "role", "model", "sessions", "kv_bytes_used", "kv_bytes_free", "queue_depth", "tp_size", "dtype", "kv_fingerprint", "kv_bytes_per_token", "progress_steps", "busy")
+    __slots__ = ("replica_id", "role", "model", "sessions", "kv_bytes_used", "kv_bytes_free", "queue_depth", "tp_size", "dtype", "kv_fingerprint", "kv_bytes_per_token", "progress_steps", "busy", "max_context_tokens", "kv_capacity_tokens")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,8 @@ class LoadReport(_message.Message):
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_STEPS_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     role: str
     model: str
@@ -118,4 +120,6 @@ class LoadReport(_message.Message):
     kv_bytes_per_token: int
     progress_steps: int
     busy: bool
-    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_fingerprint: _Optional[bytes] = ..., kv_bytes_per_token: _Optional[int] = ..., progress_steps: _Optional[int] = ..., busy: _Optional[bool] = ...) -> None: ...
+    max_context_tokens: int
+    kv_capacity_tokens: int
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_fingerprint: _Optional[bytes] = ..., kv_bytes_per_token: _Optional[int] = ..., progress_steps: _Optional[int] = ..., busy: _Optional[bool] = ..., max_context_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...

@@ -16,6 +16,7 @@ from specserve.engine.kv_cache import KVStats
 from specserve.engine.kv_transfer import ExportInput, ImportInput
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.sampling import SamplingParams
+from specserve.engine.tiny import tiny_config
 from specserve.engine.verifier import VerifyInput, VerifyOutcome
 from specserve.target_service.backend import TargetBackend
 
@@ -24,6 +25,7 @@ class CountingVerifier:
     """A verifier that holds ``held``, answers start > 0 as stale, and counts calls."""
 
     vocab_limit = 256
+    config = tiny_config()
 
     def __init__(self, held: set[str]) -> None:
         self.held = held
