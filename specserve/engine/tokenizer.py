@@ -40,9 +40,13 @@ class Tokenizer:
         """
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added beyond the tokenizer's defaults)."""
-        return list(self.hf.encode(text))
+    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Token ids of ``text`` (no special tokens added beyond the tokenizer's defaults),
+        at most ``max_tokens`` of them (the rest of the text is still read, in Rust, but
+        never becomes Python ints: a prompt over a limit costs the caller little)."""
+        if max_tokens is None:
+            return list(self.hf.encode(text))
+        return list(self.hf.encode(text, truncation=True, max_length=max_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``."""

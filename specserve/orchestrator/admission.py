@@ -68,6 +68,19 @@ class AdmissionConfig:
             )
 
 
+def request_bytes(config: AdmissionConfig) -> int:
+    """The most bytes a GenerateRequest within ``config`` can take on the wire (generous:
+    twice the prompt bytes for chat framing, 5 bytes a token id, 64 KiB for the rest).
+    A larger one is refused before it is parsed."""
+    return (
+        2 * config.max_prompt_bytes
+        + 5 * config.max_prompt_tokens
+        + config.max_stop_total_bytes
+        + 8 * config.max_stop_strings
+        + (64 << 10)
+    )
+
+
 def check_request(params: GenerateParams, config: AdmissionConfig) -> None:
     """The checks on a request's sizes that need neither tokenizer nor store."""
     size = prompt_bytes(params.prompt)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc.aio
 
+from specserve.orchestrator import admission
 from specserve.orchestrator.api_keys import AuthInterceptor, KeysFile
 from specserve.orchestrator.config import OrchestratorConfig
 from specserve.orchestrator.generation import Orchestrator
@@ -141,6 +142,10 @@ async def start(config: OrchestratorConfig) -> App:
         register,
         [SERVICE_NAME],
         interceptors=[AuthInterceptor(keys)] if keys is not None else [],
+        request_bytes={
+            f"/{SERVICE_NAME}/{method}": admission.request_bytes(config.admission)
+            for method in ("Generate", "GenerateStream")
+        },
     )
     log.info(
         "public API: %s, %s; replicas: %s",

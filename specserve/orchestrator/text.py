@@ -53,12 +53,14 @@ class Tokenization:
             messages = [{"role": m.role, "content": m.content} for m in prompt.chat]
             ids = self.tokenizer.apply_chat_template(messages)
         else:
-            ids = self.tokenizer.encode(prompt.text or "")
+            # One past the limit is enough to refuse it; the rest never becomes a list.
+            ids = self.tokenizer.encode(prompt.text or "", max_tokens=MAX_PROMPT_TOKENS + 1)
         if not ids and not continuing:
             raise InvalidArgument("the prompt is empty: give at least one token")
         if len(ids) > MAX_PROMPT_TOKENS:
             raise InvalidArgument(
-                f"the prompt has {len(ids)} tokens; at most {MAX_PROMPT_TOKENS} are accepted"
+                f"the prompt has more than {MAX_PROMPT_TOKENS} tokens; at most "
+                f"{MAX_PROMPT_TOKENS} are accepted"
             )
         if self.vocab_size is not None and ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)

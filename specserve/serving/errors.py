@@ -26,7 +26,7 @@ one rate-limited WARNING line (:mod:`specserve.serving.malformed`).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -40,7 +40,7 @@ from specserve.engine.errors import (
     ModelLoadError,
     NotFound,
 )
-from specserve.serving.malformed import Malformed, refuse, tolerant
+from specserve.serving.malformed import Malformed, Oversized, refuse, tolerant
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 def _wrap(method: str, inner: Handler) -> Handler:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, Malformed):
+        if isinstance(request, Malformed | Oversized):
             await refuse(method, request, context)
         try:
             return await inner(request, context)
@@ -96,7 +96,14 @@ def _wrap(method: str, inner: Handler) -> Handler:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Answers every unary-unary call that raises with the status :func:`status_for` picks."""
+    """Answers every unary-unary call that raises with the status :func:`status_for` picks.
+
+    ``request_bytes`` caps the request size of some methods (full method name ->
+    bytes): a larger request is refused before it is parsed.
+    """
+
+    def __init__(self, request_bytes: Mapping[str, int] | None = None) -> None:
+        self.request_bytes = dict(request_bytes or {})
 
     async def intercept_service(
         self,
@@ -107,16 +114,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None:
             return handler
+        limit = self.request_bytes.get(method)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap(method, handler.unary_unary),
-                request_deserializer=tolerant(handler.request_deserializer),
+                request_deserializer=tolerant(handler.request_deserializer, limit),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(method, handler.unary_stream),
-                request_deserializer=tolerant(handler.request_deserializer),
+                request_deserializer=tolerant(handler.request_deserializer, limit),
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -128,7 +136,7 @@ def _wrap_stream(
     """A unary-stream handler that refuses a malformed request (its own errors are its own)."""
 
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        if isinstance(request, Malformed):
+        if isinstance(request, Malformed | Oversized):
             await refuse(method, request, context)
         async for item in inner(request, context):
             yield item

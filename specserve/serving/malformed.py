@@ -4,9 +4,11 @@ gRPC parses a request before the handler runs; a parse error escaping there is
 answered ``UNKNOWN`` with an ERROR traceback in the log, per call: a cheap log
 flood for anyone who can open a connection. :func:`tolerant` wraps a method's
 deserializer so that bytes that do not parse become a :class:`Malformed` value
-instead; the error interceptor answers it with :func:`refuse` (``INVALID_ARGUMENT``
-and a sentence) and logs through :class:`RateLimitedWarning` (one line per
-``interval_s`` for the whole process, with the count of calls it stands for).
+instead (and, where the method has a byte limit, more bytes than it an
+:class:`Oversized` one, refused without parsing); the error interceptor
+answers it with :func:`refuse` (``INVALID_ARGUMENT`` and a sentence) and logs
+through :class:`RateLimitedWarning` (one line per ``interval_s`` for the whole
+process, with the count of calls it stands for).
 """
 
 from __future__ import annotations
@@ -35,8 +37,20 @@ class Malformed:
     why: str  # the parser's complaint
 
 
-def tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    """``deserialize``, returning :class:`Malformed` instead of raising."""
+@dataclass(frozen=True)
+class Oversized:
+    """What a request larger than its method's byte limit is handed to the handler as
+    (never parsed: parsing 10 MB takes the event loop 25-70 ms here)."""
+
+    size: int
+    limit: int
+
+
+def tolerant(
+    deserialize: Callable[[bytes], Any] | None, max_bytes: int | None = None
+) -> Callable[[bytes], Any] | None:
+    """``deserialize``, returning :class:`Malformed` instead of raising, and
+    :class:`Oversized` for more than ``max_bytes`` (None: no limit but the transport's)."""
     if deserialize is None:
         return None
     owner = getattr(deserialize, "__self__", None)
@@ -44,6 +58,8 @@ def tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     name = getattr(descriptor, "full_name", "the method's request message")
 
     def parse(data: bytes) -> Any:
+        if max_bytes is not None and len(data) > max_bytes:
+            return Oversized(len(data), max_bytes)
         try:
             return deserialize(data)
         except Exception as e:  # DecodeError, or anything a custom parser raises
@@ -78,8 +94,17 @@ class RateLimitedWarning:
 _warning = RateLimitedWarning(log)
 
 
-async def refuse(method: str, request: Malformed, context: grpc.aio.ServicerContext) -> None:
-    """Answer a malformed request INVALID_ARGUMENT (raises ``AbortError``, as abort does)."""
+async def refuse(
+    method: str, request: Malformed | Oversized, context: grpc.aio.ServicerContext
+) -> None:
+    """Answer a malformed or oversized request INVALID_ARGUMENT (raises ``AbortError``,
+    as abort does); only a malformed one is logged (rate-limited)."""
+    if isinstance(request, Oversized):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is {request.size} bytes; this method accepts at most "
+            f"{request.limit} (see the prompt and stop-string limits)",
+        )
     peer = context.peer() if hasattr(context, "peer") else "?"
     _warning.warn(
         f"{method}: refused a request of {request.size} bytes from {peer} that is not a "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -203,8 +203,12 @@ async def start_server(
     register: Callable[[grpc.aio.Server, RunningServer[B]], None],
     service_names: Sequence[str],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    request_bytes: Mapping[str, int] | None = None,
 ) -> RunningServer[B]:
     """Bind, serve health (NOT_SERVING) at once, and load the model on the executor thread.
+
+    ``request_bytes``: methods (full names) whose requests are refused past a size,
+    before they are parsed (see :class:`~specserve.serving.errors.ErrorInterceptor`).
 
     ``register`` adds the servicers; it receives the running server, whose
     ``executor`` and ``replica_id`` the servicers use. ``service_names`` are the
@@ -220,7 +224,7 @@ async def start_server(
     chain = [
         *server_interceptors(options.telemetry.tracing),
         *interceptors,
-        ErrorInterceptor(),
+        ErrorInterceptor(request_bytes),
     ]
     server = grpc.aio.server(interceptors=chain, options=limits)
     health_servicer = health.aio.HealthServicer()
