@@ -13,6 +13,7 @@ import pytest
 
 from specserve.orchestrator.redis_settings import RedisSettings
 from specserve.orchestrator.session_store import SessionStore, StoreTtls
+from tests.orchestrator.byte_tokenizer import write_byte_tokenizer
 from tests.orchestrator.redis_server import redis_server
 from tests.orchestrator.stack import Reference, Stack
 
@@ -48,6 +49,22 @@ def make_store(request: pytest.FixtureRequest) -> StoreFactory:
 def stack(redis_url: str) -> Iterator[Stack]:
     """One target, one draft and an orchestrator on the real Redis (shared by the session)."""
     s = Stack(redis_url)
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def small_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack whose target's KV budget is 2 MiB (4,096 tiny-model tokens) and whose
+    orchestrator has a byte-level tokenizer (text prompts): the admission tests' stack."""
+    tokenizer = write_byte_tokenizer(tmp_path_factory.mktemp("byte-tokenizer"))
+    s = Stack(
+        redis_url,
+        orchestrator_args=["--tokenizer", str(tokenizer)],
+        target_args=[["--kv-budget", "2MiB"]],
+    )
     try:
         yield s.start()
     finally:

@@ -20,7 +20,6 @@ import multiprocessing
 import random
 import threading
 import time
-from collections.abc import Iterator
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -31,27 +30,12 @@ from grpc_health.v1 import health_pb2
 
 from specserve.client import Client, request
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from tests.orchestrator.byte_tokenizer import write_byte_tokenizer
 from tests.orchestrator.stack import Reference, Stack
 
 pytestmark = pytest.mark.redis
 
-KV_TOKENS = 4096  # what the target's 2 MiB budget holds
+KV_TOKENS = 4096  # what the small stack's target holds (2 MiB of KV)
 PEAK_BOUND = 300 << 20  # bytes of VmHWM growth allowed over a test
-
-
-@pytest.fixture(scope="module")
-def small_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tokenizer = write_byte_tokenizer(tmp_path_factory.mktemp("byte-tokenizer"))
-    s = Stack(
-        redis_url,
-        orchestrator_args=["--tokenizer", str(tokenizer)],
-        target_args=[["--kv-budget", "2MiB"]],
-    )
-    try:
-        yield s.start()
-    finally:
-        s.stop()
 
 
 def peak_rss(pid: int) -> int:
