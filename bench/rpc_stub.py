@@ -31,6 +31,7 @@ from specserve.engine.sampling import SamplingParams
 from specserve.engine.verifier import VerifyInput, VerifyOutcome
 from specserve.serving import sparse_q
 from specserve.serving.cli_args import add_server_arguments, server_options
+from specserve.serving.convert import SessionLimit
 from specserve.serving.server import ServerOptions, identity_of, run_process
 from specserve.target_service.backend import TargetBackend, TargetLoad, Verified
 from specserve.target_service.config import TargetServerConfig
@@ -47,6 +48,7 @@ class StubDrafter:
     """Proposes k tokens per session, each with a fixed sparse q of SUPPORT entries."""
 
     name = "model"
+    context_tokens = 1 << 20  # no session limit in the way
 
     def __init__(self, vocab: int = VOCAB, support: int = SUPPORT) -> None:
         gen = torch.Generator().manual_seed(0)
@@ -67,8 +69,8 @@ class StubDrafter:
     def sessions(self) -> int:
         return 0
 
-    def kv_stats(self) -> KVStats:
-        return KVStats(0, 0, 0, 0, 16, 0)
+    def kv_stats(self) -> KVStats:  # a pool of 2^16 blocks: no session limit in the way
+        return KVStats(0, 0, 0, 1 << 16, 16, 0)
 
 
 class StubTarget(TargetBackend):
@@ -81,6 +83,7 @@ class StubTarget(TargetBackend):
         self.tp_size = 1
         self.load = TargetLoad()
         self.kv_transfer = None  # no ExportKv / ImportKv
+        self.limit = SessionLimit(1 << 20, 1 << 20)  # no session limit in the way
 
     def verify(self, calls: Sequence[Sequence[VerifyInput]]) -> list[Verified]:
         return [

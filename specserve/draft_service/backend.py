@@ -62,9 +62,7 @@ class DraftBackend:
         self.limit = SessionLimit(NGRAM_SESSION_TOKENS, NGRAM_SESSION_TOKENS)
         if model is not None:  # tokens one session may hold, checked before the model thread
             kv = model.kv_stats()
-            self.limit = SessionLimit(
-                int(model.model.config.max_position_embeddings), kv.blocks_total * kv.block_size
-            )
+            self.limit = SessionLimit(model.context_tokens, kv.blocks_total * kv.block_size)
         self._held: dict[str, set[str]] = {name: set() for name in self.drafters}
         self.load = DraftLoad()
         self._snapshot()

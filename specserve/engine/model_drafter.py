@@ -85,6 +85,11 @@ class ModelDrafter:
     def sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def context_tokens(self) -> int:
+        """Positions the draft model serves (its ``max_position_embeddings``)."""
+        return int(self.model.config.max_position_embeddings)
+
     def kv_stats(self) -> KVStats:
         return self.kv.stats()
 
