@@ -17,8 +17,8 @@ class ByteTokenizer:
     vocab_size = 256
     eos_token_ids = (0,)
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
+    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+        return list(text.encode())[:max_tokens]
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
