@@ -8,8 +8,8 @@ tokenizing, store write or replica call, when
 * its stop strings are too many, one is longer than ``max_stop_bytes`` or all of
   them together are longer than ``max_stop_total_bytes``;
 * its tokens (a continued session's history plus the new prompt) are more than
-  ``max_prompt_tokens``, or more than one session may hold on the targets: the
-  model's context or what a target's KV budget can ever hold (a
+  ``max_prompt_tokens`` or the model's context, or (``RESOURCE_EXHAUSTED``) more
+  than a target's KV budget can ever hold for one session (a
   :class:`~specserve.serving.convert.SessionLimit`, which the targets report in
   ``GetLoad`` and :class:`TargetLimits` keeps).
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import grpc.aio
 
-from specserve.engine.errors import InvalidArgument
+from specserve.engine.errors import InvalidArgument, KVBudgetExceeded
 from specserve.orchestrator.replicas import ReplicaPool
 from specserve.orchestrator.text import MAX_PROMPT_TOKENS, Tokenization
 from specserve.orchestrator.types import GenerateParams, Prompt
@@ -141,17 +141,16 @@ def check_tokens(
             + (f" ({history} of the session and {prompt} new)" if history else "")
             + f"; at most {config.max_prompt_tokens} are accepted"
         )
-    if limit is not None and total > limit.tokens:
-        why = (
-            f"the model's context is {limit.context} tokens"
-            if limit.context <= limit.kv_tokens
-            else f"the targets' KV budget holds at most {limit.kv_tokens} tokens per session"
-        )
-        raise InvalidArgument(
-            f"the prompt has {total} tokens"
-            + (f" ({history} of the session and {prompt} new)" if history else "")
-            + f"; {why}"
-        )
+    if limit is None or total <= limit.tokens:
+        return
+    what = f"the prompt has {total} tokens" + (
+        f" ({history} of the session and {prompt} new)" if history else ""
+    )
+    if total > limit.context:
+        raise InvalidArgument(f"{what}; the model's context is {limit.context} tokens")
+    raise KVBudgetExceeded(
+        f"{what}; the targets' KV budget can hold at most {limit.kv_tokens} tokens of one session"
+    )
 
 
 def max_new_tokens(requested: int, history: int, prompt: int, limit: SessionLimit | None) -> int:

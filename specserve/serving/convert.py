@@ -8,7 +8,8 @@ sentence naming it and never spoils a batch it would have shared a forward with:
 * enums: a value the contract does not define is rejected (proto3 lets it through);
 * ``k`` in 0..16; token ids inside the vocabulary; sampling parameters valid;
 * a session's tokens (``start`` + new + drafts) within the replica's
-  :class:`SessionLimit`: the model's context and what its KV budget can ever hold;
+  :class:`SessionLimit`: the model's context (else INVALID_ARGUMENT) and what its
+  KV budget can ever hold (else RESOURCE_EXHAUSTED);
 * sparse q: see :mod:`specserve.serving.sparse_q`.
 
 The client side of the same messages (used by :mod:`specserve.serving.round_client`)
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.engine.errors import InvalidArgument
+from specserve.engine.errors import InvalidArgument, KVBudgetExceeded
 from specserve.engine.sampling import SamplingParams, SamplingRule
 from specserve.v1 import common_pb2
 
@@ -63,18 +64,20 @@ class SessionLimit:
         return min(self.context, self.kv_tokens)
 
     def check(self, sid: str, start: int, new: int, drafts: int = 0) -> None:
-        """InvalidArgument, before any work, when the session would pass the limit."""
+        """Before any work: InvalidArgument past the model's context (no replica of this
+        model can serve it), KVBudgetExceeded past what the KV pool can ever hold."""
         total = start + new + drafts
-        if total > self.tokens:
-            why = (
-                f"the model's context of {self.context} tokens"
-                if self.context <= self.kv_tokens
-                else f"what this replica's KV budget can hold ({self.kv_tokens} tokens)"
-            )
+        if total <= self.tokens:
+            return
+        what = f"session {sid!r}: {total} tokens (start {start} + {new} new + {drafts} drafts)"
+        if total > self.context:
             raise InvalidArgument(
-                f"session {sid!r}: {total} tokens (start {start} + {new} new + {drafts} "
-                f"drafts) exceed {why}; send a shorter prompt"
+                f"{what} exceed the model's context of {self.context} tokens; send a shorter prompt"
             )
+        raise KVBudgetExceeded(
+            f"{what} exceed what this replica's KV budget can ever hold ({self.kv_tokens} "
+            "tokens); send a shorter prompt"
+        )
 
 
 def check_session_ids(ids: Sequence[str]) -> None:

@@ -25,6 +25,7 @@ one rate-limited WARNING line (:mod:`specserve.serving.malformed`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
@@ -130,10 +131,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def _wrap_stream(
-    method: str, inner: Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
-) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
-    """A unary-stream handler that refuses a malformed request (its own errors are its own)."""
+def _wrap_stream(method: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+    """A unary-stream handler that refuses a malformed request (its own errors are its
+    own): an async generator for an async generator (``GenerateStream``), a coroutine
+    for a coroutine that writes with ``context.write`` (health ``Watch``)."""
+    if not inspect.isasyncgenfunction(inner):
+
+        async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if isinstance(request, Malformed | Oversized):
+                await refuse(method, request, context)
+            await inner(request, context)
+
+        return writer
 
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         if isinstance(request, Malformed | Oversized):

@@ -263,8 +263,8 @@ class _StepPool:
         pos = torch.arange(start, end, dtype=torch.long)
         return (blocks[pos // bs] * bs + pos % bs).to(self.device)
 
-    def advance(self, session_id: str, n: int) -> None:
-        self._lengths[session_id] += n
+    def advance(self, session_id: str, n: int, token_ids: Sequence[int] | None = None) -> None:
+        self._lengths[session_id] += n  # a chunk of a chunked prefill, or the whole step
 
 
 def run_worker(model: CausalLM, kv_budget_bytes: int, ctx: TPContext) -> None:

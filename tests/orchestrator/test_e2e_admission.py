@@ -71,7 +71,7 @@ def test_a_100k_token_prompt_is_refused_at_once_and_the_target_keeps_serving(
         took = time.monotonic() - t0
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "100000 tokens" in info.value.details()
-    assert f"at most {KV_TOKENS} tokens per session" in info.value.details()
+    assert "the model's context is 32768 tokens" in info.value.details()
     assert took < 5, f"refusing took {took:.1f} s"
     # The internal calls refuse the same, before any work, whoever sends them.
     with grpc.insecure_channel(small_stack.target_procs[0].address) as channel:
@@ -80,11 +80,14 @@ def test_a_100k_token_prompt_is_refused_at_once_and_the_target_keeps_serving(
         prefill.sessions.add(session_id="huge", tokens=[7] * 100_000)
         verify = target_pb2.VerifyRequest()
         verify.sessions.add(session_id="huge", start=0, new_tokens=[7] * 20_000)
-        for call, req in ((target.Prefill, prefill), (target.Verify, verify)):
+        for call, req, code in (
+            (target.Prefill, prefill, grpc.StatusCode.INVALID_ARGUMENT),  # past the context
+            (target.Verify, verify, grpc.StatusCode.RESOURCE_EXHAUSTED),  # past the KV budget
+        ):
             t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
                 call(req, timeout=30)
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.code() == code
             assert "exceed" in info.value.details()
             assert time.monotonic() - t0 < 5
         load = target.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
@@ -116,7 +119,8 @@ def test_a_prompt_that_fills_the_kv_budget_is_served(
         assert shorter.token_ids == reference.decode(prompt[:-3], 4)
         with pytest.raises(grpc.RpcError) as info:
             c.generate([*prompt, 5], max_new_tokens=1, drafter="none")
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"at most {KV_TOKENS} tokens of one session" in info.value.details()
     grown = peak_rss(target_pid(small_stack)) - before
     assert grown < PEAK_BOUND, f"the target's peak RSS grew by {grown >> 20} MiB"
     assert serving(small_stack)
