@@ -50,7 +50,7 @@ class AdmissionConfig:
     max_prompt_bytes: int = 1 << 20  # 8 bytes per token of the default token limit
     max_stop_strings: int = 16
     max_stop_bytes: int = 1024  # one stop string
-    max_stop_total_bytes: int = 4096  # all of a request's stop strings
+    max_stop_total_bytes: int = 16 << 10  # all of a request's stop strings (16 x 1 KiB)
 
     def __post_init__(self) -> None:
         for name in (
