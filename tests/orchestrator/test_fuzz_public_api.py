@@ -79,6 +79,9 @@ FIELDS = {
             max_size=18,
         ),
     ),
+    "rule": (st.sampled_from([0, 1, 2]), st.sampled_from([3, -1, 2**31 - 1])),
+    "ignore_eos": (st.booleans(), st.booleans()),
+    "logprobs": (st.none() | st.integers(0, 5), st.sampled_from([21, 1000, 2**32 - 1])),
     "drafter": (st.sampled_from([0, 1, 2, 3]), st.sampled_from([4, -1, 2**31 - 1])),
     "k": (st.none() | st.integers(0, 8), st.sampled_from([16, 17, 2**32 - 1])),
     "session_id": (
@@ -109,6 +112,9 @@ def requests(draw: st.DrawFn, kept: list[str]) -> tuple[generate_pb2.GenerateReq
         s.seed = v["seed"]
     s.max_new_tokens = v["max_new_tokens"]
     s.stop.extend(utf8(t) for t in v["stop"])
+    s.rule, s.ignore_eos = v["rule"], v["ignore_eos"]
+    if v["logprobs"] is not None:
+        s.logprobs = v["logprobs"]
     req.speculation.drafter = v["drafter"]
     if v["k"] is not None:
         req.speculation.k = v["k"]
