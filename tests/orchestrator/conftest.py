@@ -55,6 +55,16 @@ def stack(redis_url: str) -> Iterator[Stack]:
         s.stop()
 
 
+@pytest.fixture
+def two_targets(redis_url: str) -> Iterator[Stack]:
+    """Two target replicas, one draft and an orchestrator: the failover tests' stack."""
+    s = Stack(redis_url, targets=2)
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
 @pytest.fixture(scope="session")
 def small_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A stack whose target's KV budget is 2 MiB (4,096 tiny-model tokens) and whose

@@ -142,15 +142,6 @@ def test_a_requested_k_is_drafted_under_load(loaded: Stack, reference: Reference
     assert caps.get('{cap="0"}', 0) > 0, caps  # the load cap was 0 in some rounds
 
 
-@pytest.fixture
-def two_targets(redis_url: str) -> Iterator[Stack]:
-    s = Stack(redis_url, targets=2)
-    try:
-        yield s.start()
-    finally:
-        s.stop()
-
-
 def test_a_killed_target_changes_no_sampled_token(two_targets: Stack, reference: Reference) -> None:
     p, seed, n = prompt(31), 31, 300
     expected = reference.decode(p, n, params=params(SAMPLED["model"], seed))

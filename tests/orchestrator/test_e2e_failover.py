@@ -32,15 +32,6 @@ def draft_stack(redis_url: str) -> Iterator[Stack]:
         s.stop()
 
 
-@pytest.fixture
-def two_targets(redis_url: str) -> Iterator[Stack]:
-    s = Stack(redis_url, targets=2)
-    try:
-        yield s.start()
-    finally:
-        s.stop()
-
-
 def test_frozen_then_killed_draft_changes_nothing(draft_stack: Stack, reference: Reference) -> None:
     expected = reference.decode(PROMPT, LONG)
     draft = draft_stack.draft
