@@ -1,11 +1,12 @@
 """Tiny random models for tests and demos without weights: seeded, float32.
 
 Spec strings name them on the command line:
-``tiny:<seed>[:<model_type>][:noise=<x>][:vocab=<n>]``. ``noise`` perturbs every
+``tiny:<seed>[:<model_type>][:noise=<x>][:vocab=<n>][:ctx=<n>]``. ``noise`` perturbs every
 weight of the seed's model by ``x`` times its standard deviation, which makes a
 draft that agrees with the ``noise``-free target often but not always. ``vocab``
 widens the vocabulary (default 256), e.g. to 150000 to measure what a real
-vocabulary costs on the wire.
+vocabulary costs on the wire. ``ctx`` sets the context (``max_position_embeddings``,
+default 32768); the weights do not depend on it.
 """
 
 from __future__ import annotations
@@ -68,14 +69,17 @@ def tiny_from_spec(spec: str) -> CausalLM:
         model_type = "qwen2"
         noise = 0.0
         vocab = VOCAB
+        overrides: dict[str, object] = {}
         for part in parts[2:]:
             if part.startswith("noise="):
                 noise = float(part.removeprefix("noise="))
             elif part.startswith("vocab="):
                 vocab = int(part.removeprefix("vocab="))
+            elif part.startswith("ctx="):
+                overrides["max_position_embeddings"] = int(part.removeprefix("ctx="))
             else:
                 model_type = part
     except ValueError as e:
         raise InvalidArgument(f"bad tiny model spec {spec!r}: {e}") from None
-    model = tiny_model(seed, model_type, vocab_size=vocab)
+    model = tiny_model(seed, model_type, vocab_size=vocab, **overrides)
     return noisy_copy(model, noise, seed + 1000) if noise else model

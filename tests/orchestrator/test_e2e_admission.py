@@ -20,6 +20,7 @@ import multiprocessing
 import random
 import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -124,6 +125,35 @@ def test_a_prompt_that_fills_the_kv_budget_is_served(
     grown = peak_rss(target_pid(small_stack)) - before
     assert grown < PEAK_BOUND, f"the target's peak RSS grew by {grown >> 20} MiB"
     assert serving(small_stack)
+
+
+@pytest.fixture(scope="module")
+def short_context_stack(redis_url: str) -> Iterator[Stack]:
+    """A target whose model's context is 2,048 tokens (its KV budget holds 16,384)."""
+    s = Stack(redis_url, target_args=[["--model", "tiny:3:ctx=2048"]])
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
+def test_a_prompt_at_the_models_full_context_is_served(
+    short_context_stack: Stack, reference: Reference
+) -> None:
+    rng = random.Random(7)
+    prompt = [rng.randrange(256) for _ in range(2048)]
+    with Client(short_context_stack.address, timeout_s=120) as c:
+        full = c.generate(prompt, max_new_tokens=16, drafter="none")
+        assert full.token_ids == reference.decode(prompt, 1)  # same weights, any context
+        assert full.finish_reason == "length"
+        cut = c.generate(prompt[:2000], max_new_tokens=100, k=2)
+        assert len(cut.token_ids) == 49  # 2048 - 2000 + 1: never a position past 2048
+        assert cut.token_ids == reference.decode(prompt[:2000], 49)
+        with pytest.raises(grpc.RpcError) as info:
+            c.generate([*prompt, 1], max_new_tokens=1, drafter="none")
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the model's context is 2048 tokens" in info.value.details()
+    assert serving(short_context_stack)
 
 
 def send_raw(address: str, payload: bytes, go: Event, answer: Queue) -> None:
