@@ -67,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @flag_values("http-server")
 def from_args(args: argparse.Namespace) -> HttpServerConfig:
+    """The config the parsed flags describe; a bad value raises ValueError (one line, exit 2)."""
     return HttpServerConfig(
         orchestrator=args.orchestrator,
         host=args.host,
