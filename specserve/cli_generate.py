@@ -6,9 +6,9 @@ import argparse
 import os
 import sys
 
+from specserve.engine.dtypes import DTYPE_NAMES
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.sampling import SamplingParams, SamplingRule
-from specserve.serving.cli_args import DTYPES
 
 DEMO_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEMO_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -43,11 +43,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--demo", action="store_true", help=f"local demo: {DEMO_TARGET} + {DEMO_DRAFT}")
     p.add_argument("--target", default=os.environ.get("SPECSERVE_TARGET"), help="target model")
     p.add_argument("--draft", default=os.environ.get("SPECSERVE_DRAFT"), help="draft model")
-    p.add_argument("--target-dtype", default="float32", choices=DTYPES)
+    p.add_argument("--target-dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument(
         "--draft-dtype",
         default="bfloat16",
-        choices=DTYPES,
+        choices=DTYPE_NAMES,
         help="default bfloat16: on a CPU with the engine's kernels, bfloat16 weights under "
         "float32 compute (half the bytes of a draft step); the output does not depend on it",
     )

@@ -15,9 +15,9 @@ import os
 import sys
 import time
 
+from specserve.engine.dtypes import DTYPE_NAMES
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator.redis_settings import redacted
-from specserve.serving.cli_args import DTYPES
 from specserve.serving.tls import ClientTls, client_tls
 
 DEMO_TINY_PROMPT = [7, 21, 3, 7, 21, 3, 7, 21, 3, 9]
@@ -45,11 +45,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--target", default=None, help="target model (default: the demo target)")
     p.add_argument("--draft", default=None, help="draft model (default: the demo draft)")
     p.add_argument("--tiny", action="store_true", help="tiny random models (no download)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the target's dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="the target's dtype")
     p.add_argument(
         "--draft-dtype",
         default="bfloat16",
-        choices=DTYPES,
+        choices=DTYPE_NAMES,
         help="the draft's dtype (default bfloat16: on a CPU with the engine's kernels, "
         "bfloat16 weights under float32 compute, half the bytes of a draft step; the draft's "
         "precision never changes the output)",
@@ -165,11 +165,14 @@ def _run_up(args: argparse.Namespace) -> int:
         target, draft = args.target or "tiny:3", args.draft or "tiny:3:noise=0.3"
     else:
         target, draft = args.target or DEMO_TARGET, args.draft or DEMO_DRAFT
-    for spec in (target, draft):
-        if not spec.startswith("tiny:"):
+    from specserve.engine.model_spec import ModelSpec
+
+    specs = [ModelSpec.parse(target), ModelSpec.parse(draft)]  # malformed: refused here
+    for spec in specs:
+        if not spec.is_tiny:
             from specserve.model_store import resolve
 
-            resolve(spec)  # NotFound says how to fetch it, before anything starts
+            resolve(spec.source)  # NotFound says how to fetch it, before anything starts
     threads = ["--threads", str(args.threads)] if args.threads else []
     tls_args, tls = _up_tls(args)
     api_key = os.environ.get("SPECSERVE_API_KEY")
@@ -211,7 +214,7 @@ def _run_up(args: argparse.Namespace) -> int:
             s.wait_serving(timeout_s=900)
         store = redacted(args.redis_url) if args.redis_url else "embedded store"
         print(f"orchestrator on {orchestrator.address} (sessions in {store})")
-        tiny = target.startswith("tiny:")
+        tiny = specs[0].is_tiny
         prompt: object = DEMO_TINY_PROMPT if tiny else DEMO_PROMPT
         shown = " ".join(map(str, DEMO_TINY_PROMPT)) if tiny else DEMO_PROMPT
         code = _stream(

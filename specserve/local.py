@@ -2,7 +2,8 @@
 
 Used by ``specserve generate --local``, the benchmarks and the slow end-to-end
 tests. Models are named by a store name (``specserve models list``), a local
-directory, a GGUF file, or ``tiny:<seed>`` for a random test model.
+directory, a GGUF file, or ``tiny:<seed>`` for a random test model
+(:class:`specserve.engine.model_spec.ModelSpec`), loaded through the engine's loader.
 """
 
 from __future__ import annotations
@@ -13,18 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve import model_store
 from specserve.engine.decode_state import DecodeState, FinishReason, SessionStats, StopCriteria
 from specserve.engine.drafter import Drafter
+from specserve.engine.dtypes import DTYPES
 from specserve.engine.k_policy import KPolicy
-from specserve.engine.model import CausalLM
+from specserve.engine.loader import LoadedModel, check_compatible, load_spec
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.ngram import NgramDrafter
 from specserve.engine.round_cost import RoundCosts
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.verifier import TargetVerifier
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -81,20 +82,9 @@ class Completion:
         )
 
 
-def load(spec: str, dtype: str) -> tuple[CausalLM, object | None]:
-    """Load a model and its tokenizer (None for tiny random models)."""
-    if spec.startswith("tiny:"):
-        from specserve.engine.loader import prepare
-        from specserve.engine.tiny import tiny_from_spec
-
-        # as load_model does: bfloat16 weights compute in float32 on a CPU with kernels
-        return prepare(tiny_from_spec(spec).to(DTYPES[dtype]), huge_pages=False), None
-    from specserve.engine.loader import load_model, load_tokenizer
-    from specserve.model_store import resolve
-
-    source = resolve(spec)
-    model, _ = load_model(source, DTYPES[dtype])
-    return model, load_tokenizer(source)
+def load(spec: str, dtype: str) -> LoadedModel:
+    """Load a model and its tokenizer (None for tiny random models), as the servers do."""
+    return load_spec(spec, dtype, locate=model_store.locate)
 
 
 class LocalRunner:
@@ -104,18 +94,16 @@ class LocalRunner:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        self.target, self.tokenizer = load(config.target, config.target_dtype)
+        loaded = load(config.target, config.target_dtype)
+        self.target, self.tokenizer = loaded.model, loaded.tokenizer
         # Embedding matrices are padded past the tokenizer; those ids are never tokens.
-        vocab = self.target.config.vocab_size
-        if self.tokenizer is not None:
-            vocab = min(vocab, self.tokenizer.vocab_size)  # type: ignore[attr-defined]
+        vocab = loaded.vocab
         self.verifier = TargetVerifier(self.target, config.kv_budget_bytes, vocab_limit=vocab)
         drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
         if config.draft:
-            draft, draft_tok = load(config.draft, config.draft_dtype)
+            draft_loaded = load(config.draft, config.draft_dtype)
+            draft, draft_tok = draft_loaded.model, draft_loaded.tokenizer
             if self.tokenizer is not None and draft_tok is not None:
-                from specserve.engine.loader import check_compatible
-
                 check_compatible(draft_tok, self.tokenizer)
             drafters["model"] = ModelDrafter(
                 draft,
@@ -131,18 +119,18 @@ class LocalRunner:
     def eos_ids(self) -> frozenset[int]:
         ids = set(self.target.config.eos_token_ids)
         if self.tokenizer is not None:
-            ids |= set(self.tokenizer.eos_token_ids)  # type: ignore[attr-defined]
+            ids |= set(self.tokenizer.eos_token_ids)
         return frozenset(ids)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids")
-        return list(self.tokenizer.encode(text))  # type: ignore[attr-defined]
+        return list(self.tokenizer.encode(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             return "".join(f" {i}" for i in ids)
-        return str(self.tokenizer.decode(list(ids)))  # type: ignore[attr-defined]
+        return str(self.tokenizer.decode(list(ids)))
 
     def generate(
         self,

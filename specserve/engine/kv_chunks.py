@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from specserve.engine.dtypes import DTYPES
 from specserve.engine.errors import InvalidArgument
 
 KEY_BYTES = 32
@@ -46,7 +47,6 @@ MAX_CHUNK_TOKENS = 4096
 FORMAT = "specserve-kv-v1"  # bump when the data layout or the hashing changes
 _PERSON = FORMAT.encode()  # blake2b personalisation (<= 16 bytes): keys of this format only
 _SAMPLE = 4096  # weight elements per tensor that enter the fingerprint
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 assert sys.byteorder == "little", "KV chunks are little-endian; a big-endian host would swap"
 

@@ -1,14 +1,10 @@
-"""Checkpoint -> engine weights and tokenizer.
+"""Checkpoint -> engine weights and tokenizer, and a parsed model spec -> a ready model.
 
-A *source* is one of, in the order tried:
-
-1. a local Hugging Face directory (``config.json`` + ``*.safetensors``, a
-   sharded ``model.safetensors.index.json`` included);
-2. a GGUF file, converted once to a safetensors directory under
-   ``$SPECSERVE_HOME/converted/<stem>-<sha256 prefix>/`` and read from there;
-3. the name of a model in the local store (``specserve models fetch``), e.g.
-   ``qwen2.5-coder-1.5b-instruct``;
-4. a Hugging Face hub id (``owner/name``), downloaded when the hub is reachable.
+The engine reads a local Hugging Face directory (``config.json`` + ``*.safetensors``, a
+sharded ``model.safetensors.index.json`` included). Finding that directory for a store
+name, a GGUF file or a hub id is the model store's job (:mod:`specserve.model_store`, a
+layer above the engine): :func:`load_spec` takes it as the ``locate`` function, so the
+engine imports nothing above itself.
 
 Weights go straight from safetensors into a :class:`CausalLM` built on the
 ``meta`` device, one tensor at a time, so a model is never held twice in memory.
@@ -18,7 +14,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,90 +23,46 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from specserve import model_store
 from specserve.engine import cpu_kernels
 from specserve.engine.config import ModelConfig
+from specserve.engine.dtypes import DTYPES, parse_dtype
 from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
-from specserve.engine.gguf_convert import convert_gguf, is_converted, is_gguf, sha256_file
 from specserve.engine.hugepages import move_to_huge_pages
 from specserve.engine.model import CausalLM
+from specserve.engine.model_spec import ModelSpec
 from specserve.engine.rope import RotaryEmbedding
+from specserve.engine.tiny import tiny_from_spec
 from specserve.engine.tokenizer import Tokenizer, check_compatible
 
 __all__ = [
-    "DTYPES",
+    "LoadedModel",
+    "Locate",
     "Tokenizer",
     "check_compatible",
     "load_model",
+    "load_spec",
+    "load_spec_tokenizer",
     "load_tokenizer",
-    "parse_dtype",
     "prepare",
     "read_config",
-    "resolve_source",
 ]
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# A checkpoint source (directory, GGUF file, store name, hub id) -> its local directory.
+Locate = Callable[[str], Path]
 # Checkpoint entries that are not weights of ours; skipped when present.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt", "*.model"]
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    """``"float32" | "bfloat16" | "float16"`` (or fp32 / bf16 / fp16) -> torch dtype."""
-    key = _DTYPE_ALIASES.get(name.lower(), name.lower())
-    if key not in DTYPES:
-        raise InvalidArgument(f"dtype {name!r} is not supported; choose from {', '.join(DTYPES)}")
-    return DTYPES[key]
-
-
-def resolve_source(source: str, home: Path | None = None) -> Path:
-    """The local Hugging Face directory that ``source`` stands for (see the module doc)."""
-    home = home or model_store.default_home()
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return path
-    if path.is_file():
-        if path.suffix == ".gguf" or is_gguf(path):
-            return _converted_gguf(path, home)
+def _model_directory(path: str | Path) -> Path:
+    directory = Path(path).expanduser()
+    if directory.is_dir():
+        return directory
+    if directory.exists():
         raise ModelLoadError(
-            f"{source} is a file but not a GGUF file; pass a model directory or a .gguf file"
+            f"{path} is a file, not a model directory; the model store turns GGUF files, "
+            "store names and hub ids into directories"
         )
-    if source in model_store.MODELS:
-        return model_store.resolve(source, home)
-    looks_local = source.startswith(("/", ".", "~")) or source.endswith(".gguf")
-    if not looks_local and _HUB_ID.fullmatch(source):
-        return _hub_download(source)
-    raise NotFound(
-        f"{source!r} is not a directory, a GGUF file, a fetched model name "
-        f"({', '.join(model_store.MODELS)}) or a hub id"
-    )
-
-
-def _converted_gguf(path: Path, home: Path) -> Path:
-    sha = sha256_file(path)
-    out = home / "converted" / f"{path.stem}-{sha[:12]}"
-    if not is_converted(out, sha):
-        convert_gguf(path, out, sha256=sha)
-    return out
-
-
-def _hub_download(repo_id: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=repo_id, allow_patterns=_HUB_FILES))
-    except Exception as exc:  # offline, unknown repo, gated repo: all one answer
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(
-            f"could not fetch {repo_id!r} from the Hugging Face hub ({why}); "
-            "pass a local directory, a GGUF file or a fetched model name instead"
-        ) from exc
+    raise NotFound(f"{str(path)!r} is not a model directory")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -124,6 +77,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def read_config(directory: Path) -> ModelConfig:
     """:class:`ModelConfig` of a model directory, with generation-config EOS ids merged in."""
+    directory = _model_directory(directory)
     path = directory / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{directory} has no config.json, so it is not a model directory")
@@ -213,10 +167,9 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     *,
-    home: Path | None = None,
     huge_pages: bool = True,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Load ``source`` (see the module doc) as a :class:`CausalLM` in ``dtype`` on ``device``.
+    """Load the model directory ``source`` as a :class:`CausalLM` in ``dtype`` on ``device``.
 
     On CPU the weights then move onto transparent huge pages where the kernel offers
     them (:mod:`specserve.engine.hugepages`): resident, 64-byte aligned memory that a
@@ -229,7 +182,7 @@ def load_model(
     """
     if dtype not in DTYPES.values():
         raise InvalidArgument(f"dtype {dtype} is not supported; choose from {', '.join(DTYPES)}")
-    directory = resolve_source(str(source), home)
+    directory = _model_directory(source)
     cfg = read_config(directory)
     files = _weight_files(directory)
     with torch.device("meta"):
@@ -255,9 +208,9 @@ def prepare(model: CausalLM, *, huge_pages: bool = True) -> CausalLM:
     return model.eval()
 
 
-def load_tokenizer(source: str | Path, *, home: Path | None = None) -> Tokenizer:
-    """The tokenizer of ``source`` (for GGUF, that of its converted directory)."""
-    directory = resolve_source(str(source), home)
+def load_tokenizer(source: str | Path) -> Tokenizer:
+    """The tokenizer of the model directory ``source``."""
+    directory = _model_directory(source)
     cfg = read_config(directory)
     from transformers import AutoTokenizer  # heavy; only needed here
 
@@ -268,4 +221,45 @@ def load_tokenizer(source: str | Path, *, home: Path | None = None) -> Tokenizer
     return Tokenizer(hf, cfg.eos_token_ids)
 
 
-# --- tiny random models for tests ---------------------------------------------------
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to serve and its tokenizer (None for tiny random models)."""
+
+    model: CausalLM
+    tokenizer: Tokenizer | None
+
+    @property
+    def vocab(self) -> int:
+        """Ids the tokenizer can produce: embedding matrices are often padded past it."""
+        vocab = self.model.config.vocab_size
+        return vocab if self.tokenizer is None else min(vocab, self.tokenizer.vocab_size)
+
+
+def load_spec(
+    spec: ModelSpec | str,
+    dtype: str | torch.dtype,
+    *,
+    locate: Locate,
+    device: str | torch.device = "cpu",
+    huge_pages: bool = True,
+    tokenizer: bool = True,
+) -> LoadedModel:
+    """The model ``spec`` names, in ``dtype``, prepared (:func:`prepare`) to serve.
+
+    A tiny spec is built here (never on huge pages: it is a few hundred KiB); any other is
+    read from ``locate(spec.source)``. ``tokenizer`` False skips loading the tokenizer.
+    """
+    spec = ModelSpec.parse(spec) if isinstance(spec, str) else spec
+    torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    if spec.tiny is not None:
+        model = tiny_from_spec(spec.tiny).to(device=device, dtype=torch_dtype)
+        return LoadedModel(prepare(model, huge_pages=False), None)
+    directory = locate(spec.source)
+    model, _ = load_model(directory, torch_dtype, device, huge_pages=huge_pages)
+    return LoadedModel(model, load_tokenizer(directory) if tokenizer else None)
+
+
+def load_spec_tokenizer(spec: ModelSpec | str, *, locate: Locate) -> Tokenizer | None:
+    """The tokenizer of ``spec`` without its weights; None for a tiny random model."""
+    spec = ModelSpec.parse(spec) if isinstance(spec, str) else spec
+    return None if spec.tiny is not None else load_tokenizer(locate(spec.source))

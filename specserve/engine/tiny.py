@@ -1,6 +1,7 @@
 """Tiny random models for tests and demos without weights: seeded, float32.
 
-Spec strings name them on the command line:
+Spec strings name them on the command line (parsed by
+:class:`specserve.engine.model_spec.ModelSpec`):
 ``tiny:<seed>[:<model_type>][:noise=<x>][:vocab=<n>][:ctx=<n>]``. ``noise`` perturbs every
 weight of the seed's model by ``x`` times its standard deviation, which makes a
 draft that agrees with the ``noise``-free target often but not always. ``vocab``
@@ -16,8 +17,9 @@ import torch
 from specserve.engine.config import ModelConfig
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.model import CausalLM
+from specserve.engine.model_spec import TINY_VOCAB, ModelSpec, TinySpec
 
-VOCAB = 256
+VOCAB = TINY_VOCAB
 
 
 def tiny_config(model_type: str = "qwen2", **overrides: object) -> ModelConfig:
@@ -59,27 +61,15 @@ def noisy_copy(model: CausalLM, noise: float, seed: int) -> CausalLM:
     return draft
 
 
-def tiny_from_spec(spec: str) -> CausalLM:
-    """Build the model a ``tiny:...`` spec names."""
-    parts = spec.split(":")
-    if parts[0] != "tiny" or len(parts) < 2:
-        raise InvalidArgument(f"not a tiny model spec: {spec!r} (expected tiny:<seed>[:<type>])")
-    try:
-        seed = int(parts[1])
-        model_type = "qwen2"
-        noise = 0.0
-        vocab = VOCAB
-        overrides: dict[str, object] = {}
-        for part in parts[2:]:
-            if part.startswith("noise="):
-                noise = float(part.removeprefix("noise="))
-            elif part.startswith("vocab="):
-                vocab = int(part.removeprefix("vocab="))
-            elif part.startswith("ctx="):
-                overrides["max_position_embeddings"] = int(part.removeprefix("ctx="))
-            else:
-                model_type = part
-    except ValueError as e:
-        raise InvalidArgument(f"bad tiny model spec {spec!r}: {e}") from None
-    model = tiny_model(seed, model_type, vocab_size=vocab, **overrides)
-    return noisy_copy(model, noise, seed + 1000) if noise else model
+def tiny_from_spec(spec: str | TinySpec) -> CausalLM:
+    """Build the model a ``tiny:...`` spec names (parsed by :class:`ModelSpec`)."""
+    if isinstance(spec, str):
+        parsed = ModelSpec.parse(spec).tiny
+        if parsed is None:
+            raise InvalidArgument(f"not a tiny model spec: {spec!r} (expected tiny:<seed>[...])")
+        spec = parsed
+    overrides: dict[str, object] = {"vocab_size": spec.vocab}
+    if spec.ctx is not None:
+        overrides["max_position_embeddings"] = spec.ctx
+    model = tiny_model(spec.seed, spec.model_type, **overrides)
+    return noisy_copy(model, spec.noise, spec.seed + 1000) if spec.noise else model

@@ -40,12 +40,12 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 def load_tokenization(spec: str | None) -> Tokenization:
     """The tokenizer of a model spec; none for ``tiny:`` test models or no spec."""
-    if not spec or spec.startswith("tiny:"):
+    if not spec:
         return Tokenization(None)
-    from specserve.engine.loader import load_tokenizer
-    from specserve.model_store import resolve
+    from specserve import model_store
+    from specserve.engine.loader import load_spec_tokenizer
 
-    return Tokenization(load_tokenizer(resolve(spec)))
+    return Tokenization(load_spec_tokenizer(spec, locate=model_store.locate))
 
 
 @dataclass

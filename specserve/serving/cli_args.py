@@ -39,13 +39,13 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
+from specserve.engine.dtypes import DTYPE_NAMES
 from specserve.engine.errors import EngineError, InvalidArgument
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
 from specserve.serving.server import MAX_MESSAGE_BYTES, ServerOptions
 from specserve.serving.tls import add_tls_arguments, server_tls
 from specserve.telemetry.config import add_telemetry_arguments, telemetry_config
 
-DTYPES = ("float32", "bfloat16", "float16")
 _UNITS = {
     "": 1,
     "k": 1000,
@@ -140,7 +140,7 @@ def add_server_arguments(
     )
     g.add_argument(
         "--dtype",
-        choices=DTYPES,
+        choices=DTYPE_NAMES,
         default=_env(env, "DTYPE", dtype),
         help=f"weight dtype (default {dtype}; bfloat16 on a CPU with the engine's kernels: "
         "bfloat16 weights, float32 compute and KV)",

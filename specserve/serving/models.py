@@ -1,21 +1,19 @@
 """Loading a server's model from its spec: a store name, a directory, a GGUF file or ``tiny:...``.
 
-Runs on the model executor's thread (loading takes seconds to minutes while the
-server already answers health with NOT_SERVING).
+Every path goes through the engine's loader (:func:`specserve.engine.loader.load_spec`)
+with the model store's :func:`~specserve.model_store.locate`. Runs on the model
+executor's thread (loading takes seconds to minutes while the server already answers
+health with NOT_SERVING).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from specserve import model_store
+from specserve.engine.loader import LoadedModel, load_spec, load_spec_tokenizer
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS, CausalLM
 from specserve.serving.faults import fail_after_forwards
 
-
-@dataclass(frozen=True)
-class LoadedModel:
-    model: CausalLM
-    vocab: int  # ids the tokenizer can produce (embedding matrices are often padded past it)
+__all__ = ["LoadedModel", "load_model", "load_weights", "tokenizer_vocab"]
 
 
 def load_model(
@@ -27,16 +25,11 @@ def load_model(
 ) -> LoadedModel:
     """Load ``spec`` in ``dtype``; ``fail_after`` arms a simulated device failure (tests);
     ``prefill_chunk_tokens`` (0: off) is :attr:`CausalLM.prefill_chunk_tokens`."""
-    from specserve.local import load  # tiny specs, the model store and the loader in one place
-
-    model, tokenizer = load(spec, dtype)
-    model.prefill_chunk_tokens = prefill_chunk_tokens or None
-    vocab = model.config.vocab_size
-    if tokenizer is not None:
-        vocab = min(vocab, int(tokenizer.vocab_size))  # type: ignore[attr-defined]
+    loaded = load_spec(spec, dtype, locate=model_store.locate)
+    loaded.model.prefill_chunk_tokens = prefill_chunk_tokens or None
     if fail_after is not None:
-        fail_after_forwards(model, fail_after)
-    return LoadedModel(model, vocab)
+        fail_after_forwards(loaded.model, fail_after)
+    return loaded
 
 
 def load_weights(spec: str, dtype: str, fail_after: int | None = None) -> CausalLM:
@@ -47,26 +40,18 @@ def load_weights(spec: str, dtype: str, fail_after: int | None = None) -> Causal
     Module level so that ``functools.partial(load_weights, spec, dtype)`` pickles
     (Ray sends it to the rank actors).
     """
-    from specserve.engine.loader import DTYPES, load_model, prepare
-    from specserve.engine.tiny import tiny_from_spec
-    from specserve.model_store import resolve
-
-    if spec.startswith("tiny:"):
-        model = prepare(tiny_from_spec(spec).to(DTYPES[dtype]), huge_pages=False)
-    else:
-        model, _ = load_model(resolve(spec), DTYPES[dtype], huge_pages=False)
+    loaded = load_spec(spec, dtype, locate=model_store.locate, huge_pages=False, tokenizer=False)
     if fail_after is not None:
-        fail_after_forwards(model, fail_after)
-    return model
+        fail_after_forwards(loaded.model, fail_after)
+    return loaded.model
 
 
 def tokenizer_vocab(spec: str) -> int | None:
     """Ids the tokenizer of ``spec`` can produce, capped at the model's vocabulary, read
     without loading weights; None where the model's vocabulary is the limit (tiny models)."""
-    if spec.startswith("tiny:"):
+    tokenizer = load_spec_tokenizer(spec, locate=model_store.locate)
+    if tokenizer is None:
         return None
-    from specserve.engine.loader import load_tokenizer, read_config, resolve_source
-    from specserve.model_store import resolve
+    from specserve.engine.loader import read_config
 
-    directory = resolve_source(str(resolve(spec)))
-    return min(read_config(directory).vocab_size, int(load_tokenizer(directory).vocab_size))
+    return min(read_config(model_store.locate(spec)).vocab_size, tokenizer.vocab_size)

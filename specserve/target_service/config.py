@@ -7,8 +7,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from specserve.engine.dtypes import DTYPES
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
-from specserve.serving.cli_args import DTYPES, add_server_arguments, flag_values, server_options
+from specserve.serving.cli_args import add_server_arguments, flag_values, server_options
 from specserve.serving.server import ServerOptions
 from specserve.target_service.tp_config import TPSettings, add_tp_arguments, tp_settings
 

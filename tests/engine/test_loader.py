@@ -13,15 +13,10 @@ from safetensors.torch import load_file, save_file
 
 from specserve import model_store
 from specserve.engine import cpu_kernels, loader
+from specserve.engine.dtypes import parse_dtype
 from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
 from specserve.engine.hugepages import huge_pages_available
-from specserve.engine.loader import (
-    Tokenizer,
-    check_compatible,
-    load_model,
-    load_tokenizer,
-    parse_dtype,
-)
+from specserve.engine.loader import Tokenizer, check_compatible, load_model, load_tokenizer
 from specserve.engine.model import CausalLM, SeqInput
 from tests.support.hf_tiny import tiny_random_hf_config, tiny_random_model
 
@@ -198,10 +193,12 @@ def test_generation_config_eos_is_merged(llama_dir: tuple[Path, CausalLM], tmp_p
 
 
 def test_missing_path(tmp_path: Path) -> None:
-    with pytest.raises(NotFound, match=r"is not a directory, a GGUF file, a fetched model name"):
+    with pytest.raises(NotFound, match=r"is not a model directory"):
         load_model(tmp_path / "nope")
+    with pytest.raises(NotFound, match=r"is not a directory, a GGUF file, a fetched model name"):
+        model_store.locate(str(tmp_path / "nope"), tmp_path)
     with pytest.raises(NotFound, match=r"is not a directory"):
-        load_model("./no/such/model.gguf")
+        model_store.locate("./no/such/model.gguf", tmp_path)
 
 
 def test_directory_without_config(tmp_path: Path) -> None:
@@ -300,6 +297,8 @@ def test_plain_file_is_not_a_model(tmp_path: Path) -> None:
     path = tmp_path / "weights.bin"
     path.write_bytes(b"\0" * 100)
     with pytest.raises(ModelLoadError, match=r"is a file but not a GGUF file"):
+        model_store.locate(str(path), tmp_path)
+    with pytest.raises(ModelLoadError, match=r"is a file, not a model directory"):
         load_model(path)
 
 
@@ -311,12 +310,12 @@ def test_hub_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(ModelLoadError, match=r"could not fetch 'some-org/some-model' from the"):
-        load_model("some-org/some-model")
+        model_store.locate("some-org/some-model")
 
 
 def test_store_name_not_fetched(tmp_path: Path) -> None:
     with pytest.raises(NotFound, match=r"run `specserve models fetch smollm2`"):
-        load_model("smollm2-135m-instruct", home=tmp_path)
+        model_store.locate("smollm2-135m-instruct", tmp_path)
 
 
 # --- GGUF -------------------------------------------------------------------------
@@ -396,20 +395,20 @@ def test_gguf_converted_once_and_loaded(tmp_path: Path, monkeypatch: pytest.Monk
     gguf_file = tmp_path / "tiny-llama.gguf"
     original = write_tiny_gguf(gguf_file, "smollm2")
     home = tmp_path / "home"
-    model, cfg = load_model(gguf_file, home=home)
+    model, cfg = load_model(model_store.locate(str(gguf_file), home))
     assert cfg.tie_word_embeddings and cfg.model_type == "llama"
     torch.testing.assert_close(logits(model), logits(original), atol=1e-5, rtol=0)
     [converted] = (home / "converted").iterdir()
     assert converted.name.startswith("tiny-llama-")
-    tok = load_tokenizer(gguf_file, home=home)
+    tok = load_tokenizer(model_store.locate(str(gguf_file), home))
     assert set(tok.eos_token_ids) == {255, 254}
     assert tok.decode(tok.encode("abc")) == "abc"
 
     def no_second_conversion(*_: object, **__: object) -> float:
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(loader, "convert_gguf", no_second_conversion)
-    again, _ = load_model(gguf_file, home=home)
+    monkeypatch.setattr(model_store, "convert_gguf", no_second_conversion)
+    again, _ = load_model(model_store.locate(str(gguf_file), home))
     assert torch.equal(logits(again), logits(model))
 
 
@@ -417,7 +416,7 @@ def test_gguf_bad_magic(tmp_path: Path) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(b"NOPE" + b"\0" * 100)
     with pytest.raises(ModelLoadError, match=r"is not a GGUF file .*GGUF magic"):
-        load_model(path, home=tmp_path)
+        model_store.locate(str(path), tmp_path)
 
 
 def test_gguf_truncated(tmp_path: Path) -> None:
@@ -426,17 +425,17 @@ def test_gguf_truncated(tmp_path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - 1000])
     with pytest.raises(ModelLoadError, match=r"is truncated or corrupt"):
-        load_model(path, home=tmp_path)
+        model_store.locate(str(path), tmp_path)
     path.write_bytes(data[:200])
     with pytest.raises(ModelLoadError, match=r"is truncated or corrupt"):
-        load_model(path, home=tmp_path)
+        model_store.locate(str(path), tmp_path)
 
 
 def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
     path = tmp_path / "model.gguf"
     write_tiny_gguf(path, "llama", arch="gpt2")
     with pytest.raises(ModelLoadError, match=r"holds a 'gpt2' model; supported architectures"):
-        load_model(path, home=tmp_path)
+        model_store.locate(str(path), tmp_path)
 
 
 # --- tokenizers -------------------------------------------------------------------
@@ -509,7 +508,7 @@ def test_store_resolution_is_used(tmp_path: Path, llama_dir: tuple[Path, CausalL
     target = copy_dir(llama_dir[0], model_store.model_dir(name, tmp_path))
     sha = model_store.MODELS[name].sha256
     (target / "specserve-conversion.json").write_text(json.dumps({"sha256": sha}))
-    model, _ = load_model(name, home=tmp_path)
+    model, _ = load_model(model_store.locate(name, tmp_path))
     assert torch.equal(logits(model), logits(llama_dir[1]))
 
 

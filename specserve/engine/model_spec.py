@@ -1,0 +1,98 @@
+"""What a ``--model`` / ``--target`` / ``--draft`` flag names: the one parser of model specs.
+
+A spec is either a tiny random test model,
+``tiny:<seed>[:<model_type>][:noise=<x>][:vocab=<n>][:ctx=<n>]`` (see
+:mod:`specserve.engine.tiny`), or a *source*: a model directory, a GGUF file, the name of
+a model in the store or a hub id. The engine only parses a source; turning it into a
+local directory (store look-up, GGUF conversion, hub download) is the model store's job,
+a layer above the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specserve.engine.errors import InvalidArgument
+
+TINY_PREFIX = "tiny:"
+TINY_VOCAB = 256
+_TINY_FORM = "tiny:<seed>[:<model_type>][:noise=<x>][:vocab=<n>][:ctx=<n>]"
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """A seeded random model: its seed, architecture, weight noise, vocabulary and context.
+
+    ``noise`` perturbs every weight by that many standard deviations (a draft that agrees
+    with the noise-free target often, not always); ``ctx`` None keeps the config default.
+    """
+
+    seed: int
+    model_type: str = "qwen2"
+    noise: float = 0.0
+    vocab: int = TINY_VOCAB
+    ctx: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise InvalidArgument(f"a tiny model's seed must be >= 0, got {self.seed}")
+        if not self.noise >= 0.0:  # NaN fails too
+            raise InvalidArgument(f"a tiny model's noise must be >= 0, got {self.noise}")
+        if self.vocab < 2:
+            raise InvalidArgument(f"a tiny model's vocab must be >= 2, got {self.vocab}")
+        if self.ctx is not None and self.ctx < 1:
+            raise InvalidArgument(f"a tiny model's ctx must be >= 1, got {self.ctx}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A parsed model spec: ``tiny`` is set for a random test model, else ``source`` is."""
+
+    text: str  # as given, for messages and child-process flags
+    tiny: TinySpec | None = None
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.tiny is not None
+
+    @property
+    def source(self) -> str:
+        """The directory, GGUF file, store name or hub id; only for a non-tiny spec."""
+        assert self.tiny is None, f"{self.text!r} is a tiny model, not a checkpoint source"
+        return self.text
+
+    def __str__(self) -> str:
+        return self.text
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSpec:
+        """Parse a spec; :class:`InvalidArgument` for an empty or malformed one."""
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidArgument(f"a model spec must be a non-empty string, got {text!r}")
+        if not text.startswith(TINY_PREFIX):
+            return cls(text)
+        return cls(text, _parse_tiny(text))
+
+
+def _parse_tiny(text: str) -> TinySpec:
+    seed_text, *options = text.removeprefix(TINY_PREFIX).split(":")
+    fields: dict[str, object] = {}
+    try:
+        fields["seed"] = int(seed_text)
+        for option in options:
+            key, has_value, value = option.partition("=")
+            if not has_value:
+                if not option or "model_type" in fields:
+                    raise ValueError(f"unexpected part {option!r}")
+                fields["model_type"] = option
+            elif key == "noise":
+                fields["noise"] = float(value)
+            elif key in ("vocab", "ctx"):
+                fields[key] = int(value)
+            else:
+                raise ValueError(f"unknown option {key!r}")
+    except ValueError as exc:
+        raise InvalidArgument(
+            f"bad tiny model spec {text!r}: {exc} (expected {_TINY_FORM})"
+        ) from None
+    return TinySpec(**fields)  # type: ignore[arg-type]
