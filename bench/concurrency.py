@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import multiprocessing
+import os
 import re
 import time
 import urllib.request
@@ -251,6 +252,8 @@ def stack(args: argparse.Namespace, settings: Sequence[str]) -> Iterator[StackUn
             s.start()
         common = ["--target", servers[0].address, "--draft", servers[1].address]
         common += ["--target-timeout-s", str(args.target_timeout_s)]
+        if not os.environ.get("SPECSERVE_DEVICES"):  # declared: one machine's cores, or emulated
+            common += ["--devices", "separate" if args.emulate_devices else "shared"]
         if not ModelSpec.parse(args.target).is_tiny:
             common += ["--tokenizer", args.target]
         for setting, port in ports.items():

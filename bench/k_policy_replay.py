@@ -211,7 +211,7 @@ def replay(
         if policy is not None:
             policy.observe(k, accepted)
         if isinstance(policy, _Measuring):  # the replay's round: verify t0, the rest drafting
-            policy.costs.observe(k, cost(k) - cost(0), cost(0))
+            policy.costs.observe(1, k, k, cost(k))
         seconds += cost(k)
         rounds += 1
         drafted += k

@@ -59,6 +59,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         default=os.environ.get("SPECSERVE_REDIS_URL"),
         help="use this Redis instead of the embedded store",
     )
+    p.add_argument(
+        "--devices",
+        choices=["shared", "separate"],
+        default=os.environ.get("SPECSERVE_DEVICES", "shared"),
+        help="declared to the orchestrator: every process here shares this machine's "
+        "cores (shared, the default) unless they run on their own accelerators",
+    )
     p.add_argument("--port", type=int, default=50051, help="the orchestrator's port")
     p.add_argument("--threads", type=int, default=None, help="torch threads per server")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -201,7 +208,7 @@ def _run_up(args: argparse.Namespace) -> int:
             "--tokenizer",
             target,
         ]
-        orch_args += tls_args
+        orch_args += ["--devices", args.devices, *tls_args]
         if args.api_keys_file:
             orch_args += ["--api-keys-file", args.api_keys_file]
         # The URL may carry a password: the environment keeps it out of the process list.

@@ -14,14 +14,11 @@ decoding) wins when the draft guesses badly.
 
 The costs start from a static guess (:class:`CostModel`'s defaults, measured for a
 float32 draft) and are replaced by measured ones as soon as a runner has them
-(:meth:`KPolicy.measured`): the local loop fits its own rounds
-(:mod:`specserve.engine.round_cost`), the orchestrator hands each session the
-drafting cost it fitted for the target (:mod:`specserve.orchestrator.goodput`).
-With a bfloat16 draft on the Xeon a drafted token cost 0.23-0.33 of a plain round,
-not the static 0.55: at acceptance 0.85 the guess plans 2 drafts, the measured costs
-4 or 5. Replayed with that draft's round times the static guess ran 0.962x the best
-fixed k, the costs measured as it went 0.995x.
-Pure Python: the orchestrator uses the same class per session.
+(:meth:`KPolicy.measured`): the local loop fits its own rounds with the one cost
+fitter (:mod:`specserve.engine.round_cost`). In the orchestrator a session's
+``KPolicy`` tracks its acceptance; its k is planned by
+:mod:`specserve.orchestrator.policy` with the same formulas and fitter.
+Pure Python.
 """
 
 from __future__ import annotations
@@ -48,6 +45,14 @@ class CostModel:
         if k <= 0:
             return 1.0
         return 1.0 + self.fixed + (self.verify_per_token + self.draft_per_token) * k
+
+    def batch_round(self, depth: int, drafts: int) -> float:
+        """The cost of a batch's round, in plain rounds of that batch: its deepest
+        session drafts ``depth`` (the draft's sequential steps), all of them ``drafts``
+        (the tokens added to the verify). For one session it is :meth:`round`."""
+        if depth <= 0:
+            return 1.0
+        return 1.0 + self.fixed + self.draft_per_token * depth + self.verify_per_token * drafts
 
 
 def expected_tokens(alpha: float, k: int) -> float:

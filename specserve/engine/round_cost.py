@@ -1,74 +1,113 @@
-"""What a lone session's round costs, fitted to the local loop's own rounds.
+"""What a round costs, fitted to timed rounds: the one cost fitter of the project.
 
-The k policy (:mod:`specserve.engine.k_policy`) weighs the tokens a round with k
-drafts is expected to commit against what the round costs, in plain rounds. Its
-static guess was measured for a float32 draft; a bfloat16 draft on a CPU with AMX
-costs half as much a token, another machine or model pair something else again.
-:class:`RoundCosts` measures it where the local loop runs: each decode round of a
-lone session gives the draft phase's and the verify phase's wall time at the k it
-drafted, and two lines are fitted by least squares over the recent rounds::
+A round of ``batch`` sessions, whose deepest session drafts ``depth`` tokens and
+whose sessions draft ``drafts`` tokens together, is modelled as::
 
-    verify(k) = t0 + verify_per_token * k      (k >= 0; t0 is a plain round's)
-    draft(k)  = fixed + draft_per_token * k    (k >= 1; at k = 0 no draft runs)
+    seconds = t0[bucket(batch)] + fixed * (depth > 0) + per_step * depth + per_token * drafts
 
-so the cost of a round with k >= 1 drafts is ``1 + fixed/t0 + (draft_per_token +
-verify_per_token)/t0 * k`` plain rounds (:class:`~specserve.engine.k_policy.CostModel`).
-The policy's own k moves with acceptance, so the rounds come at several k and
-tell intercept from slope; until they do (fewer than ``min_rounds`` rounds, or all
-at one k) there is no fit and the policy keeps its static guess. A coefficient the
-rounds would make negative is held at 0 and the other refitted. Rounds weigh
-``decay`` less with each newer one, so a machine that slows down is followed.
-Rounds that prefill (the target's or the draft's) are not decode rounds and are
-not given to it. Pure Python, no clock: the loop passes in what it timed.
+``t0`` is a plain round's time (one per batch-size bucket: 1, 2, 3-4, 5-8, ...),
+``fixed`` what drafting at all adds (a call, a step's setup), ``per_step`` each of
+the draft's sequential steps (on separate accelerators most of the cost: a verify a
+few tokens wider costs about nothing), ``per_token`` each drafted token of the batch
+added to the verify (on a compute-bound CPU most of it). Rounds of one session
+(drafts = depth) and of eight (drafts = 8 * depth) tell the two slopes apart.
+
+The unknowns are fitted by least squares to exponentially decayed moments of every
+timed round (``decay`` of weight kept by the older rounds at each new one), the
+drafting coefficients held non-negative (by enumeration of their subsets, exact for
+three). Where the rounds cannot tell two unknowns apart (no plain round: ``t0`` and
+``fixed``; one batch size: ``per_step`` and ``per_token``) the fit keeps the one it
+prefers: per drafted token first (the dearer reading for a larger batch), fewer
+unknowns, the fixed cost last. Until ``min_rounds`` rounds were timed and some
+drafting coefficient is identified, there is no fit.
+
+The local loop (:mod:`specserve.engine.speculative`) feeds it a lone session's rounds;
+the orchestrator's planner (:mod:`specserve.orchestrator.policy`) one instance per
+target. Pure Python, no clock: the caller passes in what it timed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 from specserve.engine.k_policy import CostModel
 
 MIN_ROUNDS = 4
-DECAY = 0.98  # weight kept by the older rounds at each new one (about 50 rounds)
-MIN_K_SPREAD = 0.1  # the weighted variance of k below which k is taken as one value
+DECAY = 0.98  # weight kept by older rounds at each new one (about 50 rounds)
+
+# The drafting unknowns, in the order of their regressors after the bucket's intercept.
+FIXED, PER_STEP, PER_TOKEN = 0, 1, 2
+_SUBSETS: tuple[tuple[int, ...], ...] = tuple(
+    sorted(
+        (c for n in (1, 2, 3) for c in itertools.combinations((FIXED, PER_STEP, PER_TOKEN), n)),
+        key=lambda c: (PER_TOKEN not in c, len(c), FIXED in c),
+    )
+)
+_WIDTH = 5  # regressors and target: (1, drafting, depth, drafts, seconds)
+
+
+def bucket_of(batch: int) -> int:
+    """1 -> 1, 2 -> 2, 3-4 -> 3, 5-8 -> 4, 9-16 -> 5, ..."""
+    return max(1, batch - 1).bit_length() + (batch > 1)
+
+
+@dataclass(frozen=True)
+class RoundFit:
+    """The fitted round times: ``t0`` by bucket and what drafting adds."""
+
+    t0: dict[int, float]
+    fixed: float = 0.0
+    per_step: float = 0.0  # seconds per draft step (the round's depth)
+    per_token: float = 0.0  # seconds per drafted token of the whole batch
+
+    def plain(self, batch: int) -> float | None:
+        """A plain round's seconds at ``batch``: its bucket's, else the nearest fitted one's."""
+        if not self.t0:
+            return None
+        b = bucket_of(batch)
+        return self.t0[min(self.t0, key=lambda x: (abs(x - b), -x))]
+
+    def relative(self, batch: int) -> CostModel | None:
+        """What drafting costs in plain rounds of ``batch`` (a session charged as if its
+        drafts set the round's depth); None where no positive plain time is fitted."""
+        t0 = self.plain(batch)
+        if t0 is None or t0 <= 0:
+            return None
+        return CostModel(
+            draft_per_token=self.per_step / t0,
+            verify_per_token=self.per_token / t0,
+            fixed=self.fixed / t0,
+        )
+
+    def __str__(self) -> str:
+        t0 = ", ".join(f"bucket {b}: {s:.3f} s" for b, s in sorted(self.t0.items()))
+        return (
+            f"t0 ({t0}) +{self.fixed:.3f} s + {self.per_step:.3f} s/step "
+            f"+ {self.per_token:.4f} s/draft"
+        )
 
 
 @dataclass
-class _Line:
-    """Decayed least-squares moments of (k, seconds) for ``y = a + b * k``."""
+class _Moments:
+    """Decayed sums of x x^T over (1, drafting, depth, drafts, seconds)."""
 
-    w: float = 0.0
-    k: float = 0.0
-    kk: float = 0.0
-    y: float = 0.0
-    ky: float = 0.0
+    m: list[list[float]] = field(default_factory=lambda: [[0.0] * _WIDTH for _ in range(_WIDTH)])
 
-    def add(self, k: int, y: float, decay: float) -> None:
-        self.w = self.w * decay + 1.0
-        self.k = self.k * decay + k
-        self.kk = self.kk * decay + k * k
-        self.y = self.y * decay + y
-        self.ky = self.ky * decay + k * y
+    def add(self, v: tuple[float, ...], decay: float) -> None:
+        for i in range(_WIDTH):
+            row = self.m[i]
+            for j in range(_WIDTH):
+                row[j] = decay * row[j] + v[i] * v[j]
 
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b), both >= 0; None while k has not varied."""
-        if self.w <= 0:
-            return None
-        spread = self.kk / self.w - (self.k / self.w) ** 2
-        if spread < MIN_K_SPREAD:
-            return None
-        b = (self.w * self.ky - self.k * self.y) / (self.w * self.kk - self.k * self.k)
-        a = (self.y - b * self.k) / self.w
-        if b < 0:
-            return self.y / self.w, 0.0
-        if a < 0:
-            return 0.0, self.ky / self.kk
-        return a, b
+    def scale(self, decay: float) -> None:
+        for row in self.m:
+            for j in range(_WIDTH):
+                row[j] *= decay
 
 
 class RoundCosts:
-    """Measured round costs of a lone session: fed timed decode rounds, gives the
-    :class:`~specserve.engine.k_policy.CostModel` they imply (None until they do)."""
+    """Timed rounds in, the fitted :class:`RoundFit` out (None until the rounds tell)."""
 
     def __init__(self, *, min_rounds: int = MIN_ROUNDS, decay: float = DECAY) -> None:
         if min_rounds < 2 or not 0.0 < decay <= 1.0:
@@ -76,30 +115,84 @@ class RoundCosts:
         self.min_rounds = min_rounds
         self.decay = decay
         self.rounds = 0
-        self._verify = _Line()
-        self._draft = _Line()
+        self._buckets: dict[int, _Moments] = {}
+        self._fit: RoundFit | None = None
 
-    def observe(self, k: int, draft_s: float, verify_s: float) -> None:
-        """One decode round of a lone session that drafted ``k`` tokens."""
+    def observe(self, batch: int, depth: int, drafts: int, seconds: float) -> None:
+        """A round of ``batch`` sessions, deepest draft ``depth``, ``drafts`` drafted in all,
+        took ``seconds`` (propose and verify). Impossible rounds are ignored."""
+        if batch <= 0 or seconds <= 0 or depth < 0 or drafts < depth:
+            return
+        key = bucket_of(batch)
+        for k, moments in self._buckets.items():  # every round ages every bucket's rounds
+            if k != key:
+                moments.scale(self.decay)
+        v = (1.0, float(depth > 0), float(depth), float(drafts), seconds)
+        self._buckets.setdefault(key, _Moments()).add(v, self.decay)
         self.rounds += 1
-        self._verify.add(k, verify_s, self.decay)
-        if k > 0:
-            self._draft.add(k, draft_s, self.decay)
+        self._fit = _fit(self._buckets) if self.rounds >= self.min_rounds else None
 
-    def model(self) -> CostModel | None:
-        """The costs the rounds so far imply, in plain rounds; None until they tell."""
-        if self.rounds < self.min_rounds:
+    def fit(self) -> RoundFit | None:
+        return self._fit
+
+    def model(self, batch: int = 1) -> CostModel | None:
+        """What drafting costs in plain rounds of ``batch``; None until the rounds tell."""
+        return None if self._fit is None else self._fit.relative(batch)
+
+
+def _fit(buckets: dict[int, _Moments]) -> RoundFit | None:
+    heaviest = max(b.m[0][0] for b in buckets.values())
+    keys = sorted(k for k, b in buckets.items() if b.m[0][0] >= 1e-3 * heaviest)  # not aged out
+    n = len(keys)
+    # Normal equations over the unknowns (t0 of each bucket, fixed, per_step, per_token).
+    size = n + 3
+    a = [[0.0] * size for _ in range(size)]
+    c = [0.0] * size
+    yy = 0.0
+    for i, key in enumerate(keys):
+        m = buckets[key].m
+        a[i][i] = m[0][0]
+        c[i] = m[0][4]
+        for j in range(3):
+            a[i][n + j] = a[n + j][i] = m[0][1 + j]
+            c[n + j] += m[1 + j][4]
+            for k in range(3):
+                a[n + j][n + k] += m[1 + j][1 + k]
+        yy += m[4][4]
+    best: tuple[float, list[float], tuple[int, ...]] | None = None
+    tolerance = 1e-9 * max(yy, 1e-12)
+    for subset in _SUBSETS:
+        idx = list(range(n)) + [n + j for j in subset]
+        beta = _solve([[a[r][s] for s in idx] for r in idx], [c[r] for r in idx])
+        if beta is None or any(x < 0 for x in beta[n:]):
+            continue
+        residual = yy - sum(x * c[r] for x, r in zip(beta, idx, strict=True))
+        if best is None or residual < best[0] - tolerance:
+            best = (residual, beta, subset)
+    if best is None:
+        return None  # no drafting coefficient is identified yet
+    _, beta, subset = best
+    coef = dict(zip(subset, beta[n:], strict=True))
+    return RoundFit(
+        t0=dict(zip(keys, beta[:n], strict=True)),
+        fixed=coef.get(FIXED, 0.0),
+        per_step=coef.get(PER_STEP, 0.0),
+        per_token=coef.get(PER_TOKEN, 0.0),
+    )
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """``m x = v`` by Gaussian elimination with partial pivoting; None if singular."""
+    n = len(v)
+    rows = [[*m[i], v[i]] for i in range(n)]
+    scale = max((abs(x) for row in m for x in row), default=0.0)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) <= 1e-9 * scale:
             return None
-        verify, draft = self._verify.fit(), self._draft.fit()
-        if verify is None or verify[0] <= 0:
-            return None
-        t0, per_verified = verify
-        if draft is None:  # drafts at one k only: all of it per token (the dearer reading)
-            if self._draft.k <= 0:
-                return None
-            fixed, per_draft = 0.0, self._draft.y / self._draft.k
-        else:
-            fixed, per_draft = draft
-        return CostModel(
-            draft_per_token=per_draft / t0, verify_per_token=per_verified / t0, fixed=fixed / t0
-        )
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(n):
+            if r != col:
+                f = rows[r][col] / rows[col][col]
+                rows[r] = [x - f * y for x, y in zip(rows[r], rows[col], strict=True)]
+    return [rows[i][n] / rows[i][i] for i in range(n)]

@@ -113,7 +113,8 @@ class SpeculativeEngine:
         self.timing.rounds += 1
         self.timing.batch_sizes.append(len(states))
         if timed and self.costs is not None:
-            self.costs.observe(len(proposals[0].tokens), t1 - t0, t2 - t1)
+            k = len(proposals[0].tokens)
+            self.costs.observe(1, k, k, t2 - t0)
         out = []
         for s, p, o in zip(states, proposals, outcomes, strict=True):
             assert o.verdict is not None, "a full-history verify cannot be stale"

@@ -21,6 +21,7 @@ from specserve.orchestrator.generation import Orchestrator
 from specserve.orchestrator.kv_snapshots import KvSnapshots
 from specserve.orchestrator.kv_store import ChunkStore
 from specserve.orchestrator.metrics import serve_metrics
+from specserve.orchestrator.policy import Planner
 from specserve.orchestrator.redis_settings import embedded_client
 from specserve.orchestrator.replicas import ReplicaPool
 from specserve.orchestrator.rounds import RoundRunner
@@ -116,14 +117,19 @@ async def start(config: OrchestratorConfig) -> App:
     if config.snapshots.enabled:
         snapshots = KvSnapshots(config.snapshots, _chunk_store(config, store), targets)
     runner = RoundRunner(
-        Scheduler(config.scheduler), drafts, targets, store, config.timeouts, snapshots
+        Scheduler(config.scheduler),
+        drafts,
+        targets,
+        store,
+        config.timeouts,
+        snapshots,
+        Planner(config.policy),
     )
     holder: list[RunningServer[Tokenization]] = []
     orchestrator = Orchestrator(
         store,
         runner,
         lambda: holder[0].executor.backend,
-        k_max=config.scheduler.k_curve.k_max,
         model_name=config.model_name,
         limits=config.admission,
     )

@@ -15,10 +15,11 @@ from specserve.orchestrator.admission import AdmissionConfig
 from specserve.orchestrator.api_keys import ApiKeys
 from specserve.orchestrator.flags import DEFAULT_PORT, add_arguments
 from specserve.orchestrator.kv_snapshots import SnapshotConfig
+from specserve.orchestrator.policy import PolicyConfig, with_overrides
 from specserve.orchestrator.redis_settings import RedisSettings, password_from, url_warning
 from specserve.orchestrator.replicas import EndpointSpec
 from specserve.orchestrator.rounds import RoundTimeouts
-from specserve.orchestrator.scheduler import KCapCurve, SchedulerConfig
+from specserve.orchestrator.scheduler import SchedulerConfig
 from specserve.orchestrator.session_store import StoreTtls
 from specserve.orchestrator.store_retry import DEFAULT_WINDOW_S as DEFAULT_REDIS_RETRY_S
 from specserve.serving.cli_args import flag_values
@@ -43,6 +44,7 @@ class OrchestratorConfig:
     redis: RedisSettings | None = None  # None = the embedded store
     tokenizer: str | None = None  # model whose tokenizer serves text prompts
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     timeouts: RoundTimeouts = field(default_factory=RoundTimeouts)
     ttls: StoreTtls = field(default_factory=StoreTtls)
@@ -73,6 +75,24 @@ class OrchestratorConfig:
     def model_name(self) -> str:
         """The model requests are said to be made to (traces' ``gen_ai.request.model``)."""
         return self.served_model_name or self.tokenizer or "specserve"
+
+
+def policy_config(args: argparse.Namespace) -> PolicyConfig:
+    """The scheduling policy the flags describe, ``--policy`` overrides applied last."""
+    for flag, value, allowed in (
+        ("--devices", args.devices, ("separate", "shared")),
+        ("--k-cap", args.k_cap, ("measured", "curve")),
+    ):
+        if value not in allowed:  # argparse does not check an env default
+            raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+    base = PolicyConfig(
+        devices=args.devices,
+        k_cap=args.k_cap,
+        k_max=args.k_max,
+        curve_full_below=args.k_full_below,
+        curve_zero_at=args.k_zero_at,
+    )
+    return with_overrides(base, args.policy or "")
 
 
 @flag_values("orchestrator")
@@ -129,10 +149,9 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
             max_batch=args.max_batch,
             max_prefill_tokens=args.max_prefill_tokens,
             admission_window_s=args.admission_window_ms / 1000,
-            k_curve=KCapCurve(args.k_max, args.k_full_below, args.k_zero_at),
             draft_ahead=args.draft_ahead == "on",
-            measured_k_cap=args.k_cap == "measured",
         ),
+        policy=policy_config(args),
         admission=AdmissionConfig(
             max_prompt_tokens=args.max_prompt_tokens,
             max_prompt_bytes=args.max_prompt_bytes,

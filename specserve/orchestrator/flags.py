@@ -42,7 +42,7 @@ the admission bounds (``--max-prompt-tokens``, ``--max-prompt-bytes``,
 :mod:`specserve.orchestrator.admission`), the scheduling knobs below (``--k-max``,
 ``--k-full-below``, ``--k-zero-at``,
 ``--pipeline-groups``, ``--max-batch``, ``--max-prefill-tokens``,
-``--admission-window-ms``, ``--draft-ahead``,
+``--admission-window-ms``, ``--draft-ahead``, ``--k-cap``, ``--devices``, ``--policy``,
 ``--draft-timeout-s``, ...), the KV
 snapshot ones (``--kv-snapshot-chunk-tokens``, ``--kv-snapshot-every``,
 ``--kv-snapshot-ttl-s``; see :mod:`specserve.orchestrator.kv_snapshots`), and the
@@ -206,6 +206,20 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         help="under the load curve, run the cap predicted to finish the batch's slowest "
         "turn soonest, from measured round times (measured), or the curve's bound itself "
         "(curve)",
+    )
+    g.add_argument(
+        "--devices",
+        choices=["separate", "shared"],
+        default=str(e("DEVICES", "separate")),
+        help="whether draft and target share hardware (shared: one machine's cores, as "
+        "specserve up runs them) or have their own accelerators (separate); the cost "
+        "model starts from it",
+    )
+    g.add_argument(
+        "--policy",
+        default=str(e("POLICY", "")),
+        help="ablation overrides of the scheduling policy: field=value,... "
+        "(docs/scheduling.md lists the fields)",
     )
     g.add_argument("--draft-timeout-s", type=float, default=float(str(e("DRAFT_TIMEOUT_S", 2.0))))
     g.add_argument(

@@ -25,7 +25,6 @@ from opentelemetry import trace
 
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.errors import EngineError, InvalidArgument, NotFound
-from specserve.engine.k_policy import KPolicy
 from specserve.orchestrator import admission, records
 from specserve.orchestrator.admission import AdmissionConfig, TargetLimits
 from specserve.orchestrator.errors import SessionBusy, VersionConflict
@@ -63,14 +62,12 @@ class Orchestrator:
         runner: RoundRunner,
         text: Callable[[], Tokenization],
         *,
-        k_max: int = 8,
         model_name: str = "specserve",
         limits: AdmissionConfig | None = None,
     ) -> None:
         self.store = store
         self.runner = runner
         self.text = text  # the tokenizer may still be loading: ask each time
-        self.k_max = k_max
         self.model_name = model_name  # what traces call the model (gen_ai.request.model)
         self.stats = RequestStats()
         self.admission = limits or AdmissionConfig()
@@ -214,11 +211,7 @@ class Orchestrator:
             list(turn.tokens),
             sampling,
             stop,
-            KPolicy(
-                params.k,
-                k_max=self.k_max,
-                alpha0=self.runner.prior.alpha(params.drafter, sampling.greedy),
-            ),
+            self.runner.planner.session_policy(params.k, params.drafter, sampling.greedy),
             drafter=params.drafter,
             decode=text.decode,
             round_index=turn.round_index,

@@ -100,9 +100,9 @@ class RunnerCollector(Collector):
             "draft trials, by drafter and mode (greedy or sampled)",
             labels=["drafter", "mode"],
         )
-        for drafter, greedy in self.runner.prior.seen():
+        for drafter, greedy in self.runner.planner.prior.seen():
             mode = "greedy" if greedy else "sampled"
-            prior.add_metric([drafter, mode], self.runner.prior.alpha(drafter, greedy))
+            prior.add_metric([drafter, mode], self.runner.planner.prior.alpha(drafter, greedy))
         yield prior
         yield CounterMetricFamily(
             f"{P}_draft_fallbacks",

@@ -5,23 +5,15 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
 
 1. sessions whose client left, whose deadline passed or that were cancelled end
    here, at the round boundary;
-2. ``Propose`` on each draft replica the batch uses, in parallel (k from each
-   session's policy under the target's load cap); a draft replica that fails or
-   misses its deadline costs only speculation: its sessions verify with k = 0
-   this round and move to another draft replica (or stay at k = 0) if it is
-   lost, or stay if it is only slow. A session its draft replica lacks a long
-   history of is prefilled there beside the rounds (:func:`calls.warm`), from the
-   round after its target prefilled it and only if the measured gain over the
-   batch's remaining tokens repays the measured warm-up of the round's cold sessions
-   (:mod:`~specserve.orchestrator.warm_payback`), and verifies at k = 0 until then
-   (a lone session holds no other back: it is prefilled inside its round, its
-   first one included, and drafts in it, :meth:`RoundRunner._warm_now`; so are a
-   batch's cold sessions where warming inside a round was measured to cost the
-   batch less than beside the rounds, as on shared cores). The round's k cap is
-   the load curve's bound, or under it the cap predicted to finish the batch's
-   slowest turn soonest: the rounds its sessions' acceptance says it needs times
-   the round time predicted for their drafts from the measured rounds
-   (:mod:`specserve.orchestrator.goodput`);
+2. ``Propose`` on each draft replica the batch uses, in parallel, with the k per
+   session the planner chose (:class:`~specserve.orchestrator.policy.Planner`: the
+   runner gives it the sessions as plain views, does what its plan says, and tells
+   it what the round did); a draft replica that fails or misses its deadline costs
+   only speculation: its sessions verify with k = 0 this round and move to another
+   draft replica (or stay at k = 0) if it is lost, or stay if it is only slow. A
+   cold session the plan warms is prefilled on its draft replica inside the round
+   (:meth:`RoundRunner._warm_now`, then it drafts in it) or beside the rounds
+   (:func:`calls.warm`, verifying at k = 0 until then);
 3. one ``Verify`` on the lane's target. If the target is lost, the sessions'
    committed tokens are re-read from the store and the same round — same drafts,
    same (seed, round index, position) draws — is replayed on another target with
@@ -58,24 +50,28 @@ from opentelemetry import trace
 
 from specserve.engine.decode_state import FinishReason
 from specserve.engine.errors import EngineError
-from specserve.engine.k_policy import expected_tokens
 from specserve.orchestrator import calls, draft_ahead
-from specserve.orchestrator.acceptance_prior import AcceptancePrior
 from specserve.orchestrator.bets import BetBook
-from specserve.orchestrator.calls import WARM_ABOVE_TOKENS, Plan
+from specserve.orchestrator.calls import Plan
 from specserve.orchestrator.draft_ahead import Outcome
 from specserve.orchestrator.errors import VersionConflict
-from specserve.orchestrator.goodput import GoodputCaps, Outlook, Prospect
 from specserve.orchestrator.kv_snapshots import KvSnapshots
 from specserve.orchestrator.leases import LeaseKeeper
 from specserve.orchestrator.ledger import Ending, Ledger
+from specserve.orchestrator.policy import (
+    BatchPlan,
+    Cache,
+    Planner,
+    RoundOutcome,
+    SessionView,
+    WarmWhere,
+)
 from specserve.orchestrator.replicas import ReplicaPool
 from specserve.orchestrator.round_spans import RoundSpans
 from specserve.orchestrator.scheduler import LaneKey, Placement, Scheduler
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.session_store import SessionStore
 from specserve.orchestrator.stall import DEFAULT_STALL_S
-from specserve.orchestrator.warm_payback import WarmPayback
 from specserve.serving.errors import Unavailable
 from specserve.telemetry import attributes as attr
 from specserve.v1 import session_pb2
@@ -93,21 +89,6 @@ class RoundTimeouts:
     # A target whose model thread stood still this long while it held a round is lost
     # (hung); 0 = wait for target_s alone.
     stall_s: float = DEFAULT_STALL_S
-
-
-@dataclass
-class _LostTime:
-    """What the rounds lost while one draft warm-up ran beside them (the payback rule's
-    cost of warming beside the rounds)."""
-
-    seconds: float = 0.0
-    rounds: int = 0  # rounds charged
-    unpredicted: bool = False  # a round's time could not be predicted: charge the wall time
-
-    def cost(self, wall: float) -> float:
-        """The warm-up's cost: what the rounds beside it lost, or its wall time where one
-        of them could not be predicted or none ended beside it (nothing said it was free)."""
-        return wall if self.unpredicted or not self.rounds else max(0.0, self.seconds)
 
 
 @dataclass
@@ -131,7 +112,7 @@ class RunnerStats:
     verify_batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
     draft_fallbacks: int = 0  # session rounds that wanted drafts but verified at k = 0
     draft_warmups: int = 0  # sessions whose draft cache was rebuilt beside the rounds
-    draft_warmups_declined: int = 0  # session rounds cold at k = 0: a warm-up would not repay
+    draft_warmups_declined: int = 0  # session rounds cold at k = 0: its warm-up would not repay
     k_caps: collections.Counter[int] = field(default_factory=collections.Counter)  # by cap
     target_failovers: int = 0  # sessions moved to another target mid-round
     replayed_rounds: int = 0  # Verify batches replayed on another target after a loss
@@ -162,6 +143,7 @@ class RoundRunner:
         store: SessionStore,
         timeouts: RoundTimeouts | None = None,
         snapshots: KvSnapshots | None = None,
+        planner: Planner | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.drafts = drafts
@@ -169,11 +151,8 @@ class RoundRunner:
         self.store = store
         self.timeouts = timeouts or RoundTimeouts()
         self.snapshots = snapshots  # None: --kv-snapshots is off
-        # The k cap under the load curve, from measured round times (None: the curve alone).
-        self.caps = GoodputCaps() if scheduler.config.measured_k_cap else None
-        self.payback = WarmPayback()  # weighs draft warm-ups against the measured gain
-        self._beside: list[_LostTime] = []  # one per draft warm-up under way beside the rounds
-        self.prior = AcceptancePrior()  # where a new session's acceptance estimate starts
+        self.planner = planner or Planner()  # every policy decision and what it learns
+        self._warming_beside = 0  # draft warm-ups under way beside the rounds
         self.sessions: dict[str, LiveSession] = {}
         self.stats = RunnerStats()
         self._lanes: dict[LaneKey, asyncio.Task[None]] = {}
@@ -302,23 +281,16 @@ class RoundRunner:
     async def _traced_round(
         self, target: str, live: list[LiveSession], spans: RoundSpans
     ) -> list[Ending]:
-        """Propose, verify, commit; returns the sessions that end with this round."""
+        """Plan, propose, verify, commit; returns the sessions that end with this round."""
         started = time.perf_counter()
-        cap = self.scheduler.k_cap(target)
-        # Measured caps only for rounds where some session may draft (not plain decoding).
-        drafting = any(s.state.drafter != "none" for s in live)
-        caps = self.caps if drafting else None
-        if caps is not None:
-            self._plan_with_measured_costs(target, live)
-            cap = caps.choose(target, len(live), cap, self._outlook(live, cap, self.prior))
-        measurable = caps is not None and self._timeable(live, cap)
-        if drafting:
+        views = [self._view(s) for s in live]
+        batch_plan = self.planner.plan(target, self.scheduler.target_load(target), views)
+        cap = batch_plan.cap
+        if any(s.state.drafter != "none" for s in live):
             self.stats.k_caps[cap] += 1
-        declined = self.stats.draft_warmups_declined
+        self.stats.draft_warmups_declined += batch_plan.declined
         with spans.phase(attr.SPAN_PROPOSE) as pspan:
-            plans = await self._propose(target, live, spans, cap)
-            if caps is not None and self.stats.draft_warmups_declined > declined:
-                caps.give_up(target, len(live), cap)  # a cold session stays cold
+            plans = await self._propose(target, live, spans, batch_plan)
             if pspan.is_recording():
                 pspan.set_attributes(
                     {
@@ -355,18 +327,18 @@ class RoundRunner:
             plan, verdict = plans[s.sid], outcome.verdicts[s.sid]
             drafted = len(plan.proposal.tokens)
             self.stats.note_verdict(drafted, verdict.accepted)
-            self.prior.observe(s.state.drafter, s.state.params.greedy, drafted, verdict.accepted)
             spans.verdict(s, drafted, verdict.accepted)
             kept = s.state.commit(plan.proposal, verdict)
             s.logprobs.extend(outcome.logprobs.get(s.sid, ())[: len(kept)])
             committed.append((s, kept))
         self._move(target, moved)
-        depth = max((len(p.proposal.tokens) for p in plans.values()), default=0)
-        drafts = sum(len(p.proposal.tokens) for p in plans.values())
-        if not (moved or outcome.errors or outcome.expired):
-            if caps is not None and measurable:
-                caps.observe(target, len(live), depth, drafts, seconds)
-            self._charge_warm_ups(target, live, depth, drafts, seconds)
+        result = RoundOutcome(
+            drafted={sid: len(p.proposal.tokens) for sid, p in plans.items()},
+            accepted={sid: v.accepted for sid, v in outcome.verdicts.items()},
+            seconds=seconds,
+            clean=not (moved or outcome.errors or outcome.expired or self._warming_beside),
+        )
+        self.planner.observe(target, views, batch_plan, result)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "round on %s: %d sessions, k cap %d, drafts %s, accepted %s, %.3f s%s",
@@ -376,24 +348,15 @@ class RoundRunner:
                 [len(plans[s.sid].proposal.tokens) for s in live],
                 [outcome.verdicts[s.sid].accepted for s in live if s.sid in outcome.verdicts],
                 seconds,
-                "" if measurable else " (not timed)",
+                "" if result.clean and batch_plan.timeable else " (not timed)",
             )
         with spans.phase(attr.SPAN_COMMIT) as cspan:
             if cspan.is_recording():
                 cspan.set_attribute(attr.BATCH_SIZE, len(committed))
             ending += await self.ledger.commit(committed)
-        self._learn_turns(ending)
         if self.snapshots is not None:  # in the background, from where each session is now
             self.snapshots.after_commit([(moved.get(s.sid, target), s) for s, _ in committed])
         return ending
-
-    def _learn_turns(self, ending: list[Ending]) -> None:
-        """Turns that end: their acceptance (accepted drafts over draft trials) joins
-        the spread the prior expects of new turns."""
-        for s, _, _ in ending:
-            st = s.state.stats
-            trials = st.accepted + st.rejections
-            self.prior.observe_turn(s.state.drafter, s.state.params.greedy, st.accepted, trials)
 
     def _move(self, old: str, moved: dict[str, str]) -> None:
         """Sessions replayed on another target live there from now on."""
@@ -405,12 +368,12 @@ class RoundRunner:
         self._release_later(self.targets, old, list(moved))  # in case it was only slow
 
     async def _propose(
-        self, target: str, live: list[LiveSession], spans: RoundSpans, cap: int
+        self, target: str, live: list[LiveSession], spans: RoundSpans, plan: BatchPlan
     ) -> dict[str, Plan]:
         bets = await self.bets.collect(s.sid for s in live)
         by_draft: dict[str, list[tuple[LiveSession, int]]] = collections.defaultdict(list)
-        cold: dict[str, list[LiveSession]] = collections.defaultdict(list)
-        k_of: dict[str, int] = {}  # what each cold session would draft
+        inside: dict[str, list[tuple[LiveSession, int]]] = collections.defaultdict(list)
+        beside: dict[str, list[LiveSession]] = collections.defaultdict(list)
         wanted: list[str] = []  # sessions that want drafts this round
         plans: dict[str, Plan] = collections.defaultdict(Plan)
         for s in live:
@@ -421,13 +384,15 @@ class RoundRunner:
             if placement.draft is None and self.scheduler.drafts:  # a draft replica is back
                 placement.draft = self.scheduler.pick_draft()
                 s.state.draft_start = 0
-            k = s.state.next_k(cap)
+            k = plan.k.get(s.sid, 0)
             spans.asked(s, k)
-            if k > 0 and placement.draft is not None and (s.draft_warming or self._cold(s)):
-                if self._may_warm(s, alone=len(live) == 1):
-                    cold[placement.draft].append(s)
-                    k_of[s.sid] = k
-                continue  # verifies at k = 0 until its draft cache is warm
+            where = plan.warm.get(s.sid)
+            if where is not None and placement.draft is not None:
+                if where is WarmWhere.INSIDE:
+                    inside[placement.draft].append((s, k))
+                else:
+                    beside[placement.draft].append(s)
+                continue
             if k > 0:
                 wanted.append(s.sid)
             if s.sid in bets:
@@ -447,177 +412,61 @@ class RoundRunner:
         for (ep, items), got in zip(by_draft.items(), found, strict=True):
             plans.update(got)
             if ep not in self.drafts.usable():  # the replica failed: move its sessions
-                self.payback.forget(ep)
                 for s, _ in items:
                     self.scheduler.set_draft(s.sid, self.scheduler.pick_draft(avoid=[ep]))
                     s.state.draft_start = 0
                 self._release_later(self.drafts, ep, [s.sid for s, _ in items])
         # No draft replica, a failed or slow one, or a refusal: these verify at k = 0.
         self.stats.draft_fallbacks += sum(1 for sid in wanted if sid not in plans)
-        for ep, sessions in cold.items():  # after this round's Propose: never in its way
-            # A lone session holds nobody else's round back; a batch's round waits only
-            # where warming inside a round was measured to cost less than beside them.
-            inside = len(live) == 1 or self.payback.cheaper_inside(ep)
-            # A requested k is drafted: only adaptive sessions weigh the warm-up.
-            asked = [s for s in sessions if s.state.k_policy.fixed is not None]
-            weighed = [s for s in sessions if s.state.k_policy.fixed is None]
-            if weighed and not self._warm_repays(target, ep, weighed, live, inside=inside):
-                weighed = []
-            sessions = asked + weighed
-            if not sessions:
-                continue
-            if inside:
-                plans.update(await self._warm_now(ep, [(s, k_of[s.sid]) for s in sessions], live))
-            else:
-                self._warm_later(ep, sessions)
+        for ep, items in inside.items():  # after this round's Propose: never in its way
+            plans.update(await self._warm_now(ep, items, live))
+        for ep, sessions in beside.items():
+            self._warm_later(ep, sessions)
         return plans
 
     async def _warm_now(
         self, endpoint: str, items: list[tuple[LiveSession, int]], live: list[LiveSession]
     ) -> dict[str, Plan]:
-        """Prefill cold sessions on their draft replica inside this round, and draft.
-
-        For a lone session: no other session's round waits for the prefill, and the
-        session drafts this round instead of verifying at k = 0 beside a warm-up (where
-        draft and target share cores, both of them slowed by the other: a lone
-        session's first rounds at k = 0 took 0.5-1.0 s instead of 0.21 s). For the cold
-        sessions of a batch only where warm-ups inside a round were measured to cost
-        less than beside the rounds (:meth:`WarmPayback.cheaper_inside`): on 2 shared
-        cores 4 sessions' rounds took 1.4 s instead of 0.26 s for 5 rounds beside a
-        warm-up that takes 0.6 s alone. The call is timed as a warm-up inside a round
-        (its drafts included) for the payback rule.
-        """
+        """Prefill cold sessions on their draft replica inside this round, and draft (the
+        round waits for it; the planner asks for it where nothing else would be held back
+        or where draft and target share hardware). The call's wall time is the warm-up's
+        cost the planner learns."""
         sessions = [s for s, _ in items]
         behind = self._draft_backlog(sessions)
         timeout = self._timeout(self.timeouts.draft_warm_s, live)
         started = time.perf_counter()
         plans = await calls.propose(self.drafts, endpoint, items, timeout, resend_up_to=None)
         if len(plans) == len(items):
-            self.payback.observe(endpoint, behind, time.perf_counter() - started, inside=True)
+            self.planner.observe_warm(behind, time.perf_counter() - started)
         self.stats.draft_warmups += len(sessions)
         if endpoint not in self.drafts.usable():  # the replica failed: move its sessions
-            self.payback.forget(endpoint)
             for s in sessions:
                 self.scheduler.set_draft(s.sid, self.scheduler.pick_draft(avoid=[endpoint]))
                 s.state.draft_start = 0
         return plans
 
-    def _plan_with_measured_costs(self, target: str, live: list[LiveSession]) -> None:
-        """Each session's k policy plans this round with what drafting was measured to
-        cost on ``target`` at this batch size (its static guess until that is timed):
-        the k it would draft under each cap, which the cap's outlook weighs, then follows
-        this machine's rounds (a bfloat16 draft on the Xeon: 0.23 of a plain round a
-        drafted token, where the guess says 0.55; at acceptance 0.85 that is 4-5 drafts
-        planned instead of 2)."""
-        assert self.caps is not None
-        measured = self.caps.relative_cost(target, len(live))
-        for s in live:
-            s.state.k_policy.measured(measured)
-
-    @staticmethod
-    def _outlook(
-        live: list[LiveSession], limit: int, prior: AcceptancePrior | None = None
-    ) -> Outlook:
-        """cap (up to ``limit``) -> the round its sessions expect under it
-        (:class:`~specserve.orchestrator.goodput.Prospect`): the tokens they expect to
-        commit, the most drafts any of them would make, their drafts together, and the
-        rounds the slowest of their turns needs, each from its policy and running
-        acceptance. A session whose draft warm-up is under way, or was declined at this
-        batch size, commits one token under any cap (it verifies at k = 0 whatever the
-        cap); another cold one counts as warm (it drafts once a cap above 0 lets it
-        warm, so a round of new sessions does not hold them at k = 0). Of the sessions
-        that have judged no drafts yet this turn, the one with the most to go is taken
-        at its acceptance less the shortfall the ``prior`` expects of the lowest of that
-        many new turns. One table for every cap, built once a round."""
-        limit = max(limit, 0)
-        idle = [RoundRunner._not_drafting(s, live) for s in live]
-        plain = [(1.0, 0)] * (limit + 1)
-        each = [plain if idle[i] else s.state.outlook(limit) for i, s in enumerate(live)]
-        left = [max(1, s.state.stop.max_new_tokens - len(s.state.completion)) for s in live]
-        fresh = [
-            i
-            for i, s in enumerate(live)
-            if not idle[i] and s.state.drafter != "none" and not s.state.stats.drafted
-        ]
-        low: tuple[int, float] | None = None  # (session index, its acceptance)
-        if prior is not None and len(fresh) > 1:
-            i = max(fresh, key=lambda j: left[j])
-            st = live[i].state
-            short = prior.shortfall(st.drafter, st.params.greedy, len(fresh))
-            low = (i, max(0.0, st.k_policy.alpha - short))
-
-        def rounds(cap: int) -> float:
-            worst = 0.0
-            for i, o in enumerate(each):
-                tokens = o[cap][0]
-                if low is not None and i == low[0]:
-                    tokens = expected_tokens(low[1], o[cap][1])
-                worst = max(worst, left[i] / tokens)
-            return worst
-
-        table = [
-            Prospect(
-                sum(o[cap][0] for o in each),
-                max(o[cap][1] for o in each),
-                sum(o[cap][1] for o in each),
-                rounds(cap),
-            )
-            for cap in range(limit + 1)
-        ]
-        return lambda cap: table[min(cap, limit)]
-
-    @staticmethod
-    def _timeable(live: list[LiveSession], cap: int) -> bool:
-        """Whether a round's wall time says something about its cap: not when the target
-        prefills a session in it (a new turn or a restart: more than the one token a
-        round leaves it; a short prompt's round, prefills on both models included, took
-        0.95 s against 0.28 s for a plain round and made drafting look 3x dearer than
-        it is), nor when a session's draft warm-up runs beside it (at any cap: where
-        draft and target share cores the warm-up slows the round, and a plain round timed
-        so would flatter drafting), nor (for a cap above 0) when a cold session may warm
-        in it. A cold session whose warm-up was declined at this batch size only
-        verifies at k = 0: its rounds are timed."""
-        return not any(
-            RoundRunner._target_prefills(s)
-            or s.draft_warming
-            or (cap > 0 and RoundRunner._cold(s) and not RoundRunner._declined(s, live))
-            for s in live
+    def _view(self, s: LiveSession) -> SessionView:
+        """The session as the planner sees it."""
+        st = s.state
+        behind = self._draft_backlog([s])
+        cache = Cache.WARM
+        if s.draft_warming:
+            cache = Cache.WARMING
+        elif st.drafter == "model" and behind > self.planner.config.warm_above_tokens:
+            cache = Cache.COLD  # n-gram drafters index any history cheaply
+        return SessionView(
+            sid=s.sid,
+            drafter=str(st.drafter),
+            greedy=st.params.greedy,
+            requested_k=st.k_policy.fixed,
+            tokens_left=st.stop.max_new_tokens - len(st.completion),
+            alpha=st.k_policy.alpha,
+            turn_drafted=st.stats.drafted,
+            turn_accepted=st.stats.accepted,
+            cache=cache,
+            draft_behind=behind,
+            target_behind=self._backlog(s),
         )
-
-    @staticmethod
-    def _declined(s: LiveSession, live: list[LiveSession]) -> bool:
-        """Whether the session's draft warm-up was declined at this round's batch size (a
-        batch of another size weighs it again: the gain it would repay differs)."""
-        return s.warm_declined_at == len(live)
-
-    @staticmethod
-    def _not_drafting(s: LiveSession, live: list[LiveSession]) -> bool:
-        """Whether the session verifies at k = 0 this round whatever the cap: its draft
-        cache warms beside the rounds, or is cold with its warm-up declined."""
-        return s.draft_warming or (RoundRunner._declined(s, live) and RoundRunner._cold(s))
-
-    def _charge_warm_ups(
-        self, target: str, live: list[LiveSession], depth: int, drafts: int, seconds: float
-    ) -> None:
-        """Charge the draft warm-ups under way beside the rounds with what this round lost
-        to them: its wall time over the time predicted for it (shared equally where
-        several run; signed, so a round's noise either way cancels over the warm-up,
-        whose total is taken as at least 0). A round that cannot be predicted, one that
-        prefills on the target among them, makes them charge their wall time: a warm-up
-        that ran beside prefill rounds only was charged nothing, so warm-ups beside the
-        rounds were taken as free on shared cores, and the next one slowed 5 rounds of
-        4 sessions from 0.25 s to 1.27 s."""
-        if not self._beside:
-            return
-        expected = None
-        if self.caps is not None and not any(self._target_prefills(s) for s in live):
-            expected = self.caps.seconds(target, len(live), depth, drafts)
-        for lost in self._beside:
-            if expected is None:
-                lost.unpredicted = True
-            else:
-                lost.seconds += (seconds - expected) / len(self._beside)
-                lost.rounds += 1
 
     def _target_backlog(self, sid: str) -> int:
         """Tokens of a session's history its target has not seen (its prefill)."""
@@ -628,94 +477,22 @@ class RoundRunner:
         return len(s.state.tokens) - s.state.target_start
 
     @staticmethod
-    def _cold(s: LiveSession) -> bool:
-        """Whether drafting now would make the draft replica prefill a long history first
-        (n-gram drafters index any history cheaply)."""
-        return s.state.drafter == "model" and RoundRunner._draft_backlog([s]) > WARM_ABOVE_TOKENS
-
-    def _may_warm(self, s: LiveSession, *, alone: bool) -> bool:
-        """Whether a cold session's draft cache may start warming: not twice, and not
-        while its target still prefills it (the round after is soon enough, the draft's
-        prefill does not take the target's cores when they share them, and a burst of
-        sessions that will verify together at k = 0 never warms at all) unless the
-        session is ``alone`` in its round. A lone session warms inside its round, so its
-        draft's prefill and drafts and then the target's prefill of the history with
-        them run one after another, as the local loop's first round does; held back, its
-        prefill round committed one token and the next round paid the draft's prefill
-        (one round more a turn: 5% of a 64-token turn of the Qwen pair on 2 cores)."""
-        return not s.draft_warming and (alone or not self._prefilling(s))
-
-    def _warm_repays(
-        self,
-        target: str,
-        draft: str,
-        sessions: list[LiveSession],
-        live: list[LiveSession],
-        *,
-        inside: bool,
-    ) -> bool:
-        """Whether warming a round's cold ``sessions`` on ``draft`` repays itself.
-
-        They are weighed together: one warm-up call prefills them all, and the rounds
-        of the batch move together, so the batch's time saved (over its
-        longest remaining turn) must exceed the whole warm-up. Eight sessions that would
-        each repay their own warm-up need not repay eight. ``inside``: warmed inside
-        this round rather than beside the rounds (each way has its measured cost).
-        """
-        if self.caps is None:  # a pinned curve: no measured gain to weigh
-            return True
-        for s in sessions:  # weighed as if they warm: what would they gain?
-            s.warm_declined_at = None
-        limit = self.scheduler.k_cap(target)
-        outlook = self._outlook(live, limit, self.prior)
-        repays = self.payback.repays(
-            draft,
-            behind=self._draft_backlog(sessions),
-            finish=self.caps.finish_times(target, len(live), limit, outlook),
-            inside=inside,
-        )
-        if not repays:
-            self.stats.draft_warmups_declined += len(sessions)
-            for s in sessions:
-                s.warm_declined_at = len(live)
-        return repays
-
-    @staticmethod
     def _draft_backlog(sessions: list[LiveSession]) -> int:
         """History tokens of these sessions their draft replica has not seen (a warm-up)."""
         return sum(len(s.state.tokens) - s.state.draft_start for s in sessions)
-
-    @staticmethod
-    def _target_prefills(s: LiveSession) -> bool:
-        """Whether the target prefills the session in this round, however short: it is
-        more than the one token behind that a round leaves it (a new turn, a restart)."""
-        return RoundRunner._backlog(s) > 1
-
-    @staticmethod
-    def _prefilling(s: LiveSession) -> bool:
-        """Whether this round prefills a long history of the session on its target."""
-        return RoundRunner._backlog(s) > WARM_ABOVE_TOKENS
 
     def _warm_later(self, endpoint: str, sessions: list[LiveSession]) -> None:
         """Prefill sessions on their draft replica beside the rounds (:func:`calls.warm`)."""
         for s in sessions:
             s.draft_warming = True
         self.stats.draft_warmups += len(sessions)
-
-        behind = self._draft_backlog(sessions)
-
-        slowed = _LostTime()  # what the rounds lose to this warm-up
-        self._beside.append(slowed)
+        self._warming_beside += 1
 
         async def run() -> None:
             try:
-                started = time.perf_counter()
-                warm = await calls.warm(self.drafts, endpoint, sessions, self.timeouts.draft_warm_s)
-                wall = time.perf_counter() - started
-                if len(warm) == len(sessions):
-                    self.payback.observe(endpoint, behind, slowed.cost(wall), inside=False)
+                await calls.warm(self.drafts, endpoint, sessions, self.timeouts.draft_warm_s)
             finally:
-                self._beside.remove(slowed)
+                self._warming_beside -= 1
                 lost = endpoint not in self.drafts.usable()
                 for s in sessions:
                     s.draft_warming = False
@@ -806,8 +583,8 @@ class RoundRunner:
             ]
             if not todo:
                 break
-            if out.lost and self.caps is not None:
-                self.caps.forget(target)  # a replacement may be another machine
+            if out.lost:
+                self.planner.forget(target)  # a replacement may be another machine
             todo = await self._resume_from_store(todo, total)
             next_target = await self._another_target(give_up)
             if next_target is None:

@@ -28,11 +28,8 @@ rounds in between, and no single ``Verify`` grows past the target's deadline.
 record (they hold a warm KV cache up to some position); otherwise it goes to
 the least-loaded usable replica.
 
-**k.** Per session from its :class:`~specserve.engine.k_policy.KPolicy`, capped
-by the load on its target (:class:`KCapCurve`): speculation pays least when the
-target's batch is already large, so the cap falls to 0 there. Under that bound the
-round runner picks the cap that measured best on this target at this batch size
-(:mod:`specserve.orchestrator.goodput`, ``measured_k_cap``).
+**k** is not chosen here: the planner (:mod:`specserve.orchestrator.policy`)
+plans each round's k per session from the target's load (:meth:`Scheduler.target_load`).
 
 **Draft-ahead** (``draft_ahead``): while round r of a session is verified, its
 draft replica drafts round r + 1 on the bet that all k drafts are accepted and
@@ -64,43 +61,10 @@ class NoReplica(EngineError):
 
 
 @dataclass(frozen=True)
-class KCapCurve:
-    """The global k cap as a function of the target's batch (sessions decoding on it).
-
-    ``cap(b) = k_max`` for ``b <= full_below``, ``0`` for ``b >= zero_at``, and linear
-    (rounded down) in between. With the defaults: 1-4 sessions draft up to 8
-    tokens, 18 sessions up to 4, 32 and more decode target-only.
-    """
-
-    k_max: int = 8
-    full_below: int = 4
-    zero_at: int = 32
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.k_max <= 16:
-            raise ValueError(f"k_max must be in 0..16, got {self.k_max}")
-        if not 1 <= self.full_below < self.zero_at:
-            raise ValueError(
-                f"the k cap curve needs 1 <= full_below < zero_at, got "
-                f"{self.full_below} and {self.zero_at}"
-            )
-
-    def cap(self, batch: int) -> int:
-        if batch <= self.full_below:
-            return self.k_max
-        if batch >= self.zero_at:
-            return 0
-        span = self.zero_at - self.full_below
-        return self.k_max * (self.zero_at - batch) // span
-
-
-@dataclass(frozen=True)
 class SchedulerConfig:
     pipeline_groups: int = 1  # lanes per target; 1 = no draft/verify pipelining
     max_batch: int = 64  # sessions per Verify call
-    k_curve: KCapCurve = field(default_factory=KCapCurve)
     draft_ahead: bool = False  # greedy sessions draft round r + 1 while round r verifies
-    measured_k_cap: bool = True  # under the curve, the cap predicted to finish soonest
     max_prefill_tokens: int = 512  # new history a round prefills on its target (>= one session)
     admission_window_s: float = 0.01  # an idle lane waits this long for company
 
@@ -138,7 +102,7 @@ class _Lane:
 
 
 class Scheduler:
-    """Placement, lanes and k caps for every session this orchestrator runs."""
+    """Placement and lanes for every session this orchestrator runs."""
 
     def __init__(self, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
@@ -160,9 +124,6 @@ class Scheduler:
 
     def draft_load(self, draft: str) -> int:
         return sum(1 for p in self._placement.values() if p.draft == draft)
-
-    def k_cap(self, target: str) -> int:
-        return self.config.k_curve.cap(self.target_load(target))
 
     def draft_idle_while_verifying(self, lane: LaneKey, draft: str) -> bool:
         """Whether draft-ahead may use ``draft`` for ``lane``: it serves no other lane's

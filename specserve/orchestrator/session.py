@@ -60,9 +60,6 @@ class LiveSession:
         self.done = False
         self.in_round = False  # a lane is running a round with it now
         self.draft_warming = False  # its draft replica is prefilling it beside the rounds
-        # The batch size of the round that declined its draft warm-up (it would not repay
-        # itself): it verifies at k = 0 while the batch stays that size.
-        self.warm_declined_at: int | None = None
         self.gone = False  # the record was deleted or taken over: never write it again
         # How far KV snapshots reach (--kv-snapshots); goes into the next record written.
         self.kv_snapshot: session_pb2.KvSnapshot | None = None

@@ -1,63 +1,85 @@
-"""Round costs measured in the local loop, and the k policy planning with them (pure)."""
+"""The one round-cost fitter (pure): plain time by batch bucket, drafting's cost by
+depth and drafted tokens; and the k policy planning with what it measured."""
 
 from __future__ import annotations
 
 import pytest
 
 from specserve.engine.k_policy import CostModel, KPolicy
-from specserve.engine.round_cost import RoundCosts
+from specserve.engine.round_cost import RoundCosts, bucket_of
 
-T0, FIXED, DRAFT, VERIFY = 0.25, 0.01, 0.04, 0.02  # seconds: plain round, drafting's
-
-
-def feed(costs: RoundCosts, ks: list[int], t0: float = T0, draft: float = DRAFT) -> None:
-    for k in ks:
-        costs.observe(k, (FIXED + draft * k) if k else 0.0, t0 + VERIFY * k)
+T0, FIXED, STEP, TOKEN = 0.25, 0.01, 0.04, 0.02  # seconds: plain round, drafting's
 
 
-def test_the_fit_recovers_the_rounds_lines_in_plain_rounds() -> None:
+def seconds(batch: int, depth: int, t0: float = T0, step: float = STEP) -> float:
+    """A round of ``batch`` sessions each drafting ``depth``."""
+    if depth == 0:
+        return t0
+    return t0 + FIXED + step * depth + TOKEN * batch * depth
+
+
+def feed(costs: RoundCosts, rounds: list[tuple[int, int]], **kw: float) -> None:
+    for batch, depth in rounds:
+        costs.observe(batch, depth, batch * depth, seconds(batch, depth, **kw))
+
+
+def test_the_fit_recovers_every_coefficient_from_two_batch_sizes() -> None:
+    costs = RoundCosts(decay=1.0)
+    feed(costs, [(1, 0), (1, 1), (1, 3), (4, 0), (4, 2), (4, 4), (1, 2), (4, 1)])
+    fit = costs.fit()
+    assert fit is not None
+    assert fit.fixed == pytest.approx(FIXED)
+    assert fit.per_step == pytest.approx(STEP)
+    assert fit.per_token == pytest.approx(TOKEN)
+    assert fit.t0 == {bucket_of(1): pytest.approx(T0), bucket_of(4): pytest.approx(T0)}
+    model = costs.model(4)
+    assert model is not None
+    assert model.batch_round(2, 8) == pytest.approx(seconds(4, 2) / T0)
+    assert model.round(3) == pytest.approx((T0 + FIXED + 3 * (STEP + TOKEN)) / T0)
+
+
+def test_a_lone_session_without_plain_rounds_is_fitted_per_drafted_token() -> None:
+    """The local loop's rounds: one batch size (steps and tokens not told apart) and no
+    plain round (the fixed cost not told from t0): the fit keeps the dearer reading."""
     costs = RoundCosts()
-    feed(costs, [1, 2, 3, 4, 2, 1])
+    feed(costs, [(1, 1), (1, 2), (1, 3), (1, 4), (1, 2), (1, 1)])
     model = costs.model()
     assert model is not None
-    assert model.draft_per_token == pytest.approx(DRAFT / T0)
-    assert model.verify_per_token == pytest.approx(VERIFY / T0)
-    assert model.fixed == pytest.approx(FIXED / T0)
-    assert model.round(0) == 1.0
-    assert model.round(3) == pytest.approx((T0 + FIXED + 3 * (DRAFT + VERIFY)) / T0)
+    assert model.fixed == 0.0 and model.draft_per_token == 0.0
+    assert model.verify_per_token == pytest.approx((STEP + TOKEN) / (T0 + FIXED))
 
 
 def test_no_fit_before_enough_rounds_or_while_k_has_not_varied() -> None:
     costs = RoundCosts(min_rounds=4)
-    feed(costs, [1, 2, 3])
+    feed(costs, [(1, 1), (1, 2), (1, 3)])
     assert costs.model() is None  # three rounds
     same = RoundCosts()
-    feed(same, [4] * 10)
-    assert same.model() is None  # one k: intercept and slope not told apart
+    feed(same, [(1, 4)] * 10)
+    assert same.model() is None  # one k, no plain round: intercept and slope not told apart
     plain_then_one_k = RoundCosts()
-    feed(plain_then_one_k, [0, 0, 4, 4, 4])  # the verify line is told; drafting per token
+    feed(plain_then_one_k, [(1, 0), (1, 0), (1, 4), (1, 4), (1, 4)])
     model = plain_then_one_k.model()
-    assert model is not None
-    assert model.fixed == 0.0
-    assert model.draft_per_token == pytest.approx((FIXED + 4 * DRAFT) / 4 / T0)
+    assert model is not None  # told apart by the plain rounds: all of it per drafted token
+    assert model.round(4) == pytest.approx(seconds(1, 4) / T0)
 
 
 def test_a_slope_the_rounds_would_make_negative_is_held_at_zero() -> None:
     costs = RoundCosts(decay=1.0)
-    for k, seconds in [(1, 0.30), (2, 0.29), (3, 0.28), (4, 0.27)]:
-        costs.observe(k, 0.05, seconds)  # noise: verify looks cheaper with more drafts
-    model = costs.model()
-    assert model is not None and model.verify_per_token == 0.0
-    assert model.fixed == pytest.approx(0.05 / 0.285)  # drafting all fixed, by the mean
+    for k, s in [(0, 0.25), (1, 0.30), (2, 0.29), (3, 0.28), (4, 0.27)]:
+        costs.observe(1, k, k, s)  # noise: deeper rounds look cheaper
+    fit = costs.fit()
+    assert fit is not None and fit.per_step == fit.per_token == 0.0
+    assert fit.fixed == pytest.approx(0.285 - 0.25)  # drafting all fixed, by the mean
 
 
 def test_newer_rounds_outweigh_older_ones() -> None:
     costs = RoundCosts(decay=0.8)
-    feed(costs, [1, 2, 3, 4] * 3, draft=0.10)
-    feed(costs, [1, 2, 3, 4] * 10, draft=0.02)  # the machine got faster at drafting
+    rounds = [(1, 0), (1, 1), (1, 2), (1, 4)]
+    feed(costs, rounds * 3, step=0.10)
+    feed(costs, rounds * 10, step=0.01)  # the machine got faster at drafting
     model = costs.model()
     assert model is not None
-    assert model.draft_per_token == pytest.approx(0.02 / T0, rel=0.02)
+    assert model.round(2) == pytest.approx(seconds(1, 2, step=0.01) / T0, rel=0.02)
 
 
 def test_bad_settings_are_refused() -> None:

@@ -81,7 +81,7 @@ def test_config_from_flags_and_environment() -> None:
     cfg = config.from_args(parser.parse_args(["--draft", "d:1", "--redis-password", "secret"]))
     assert cfg.targets.static == ("t:1", "t:2") and cfg.drafts.static == ("d:1",)
     assert cfg.redis is not None and cfg.redis.tls and cfg.redis.password == "secret"
-    assert cfg.scheduler.k_curve.zero_at == 16 and cfg.scheduler.k_curve.cap(16) == 0
+    assert cfg.policy.curve_zero_at == 16 and cfg.policy.curve_cap(16) == 0
     assert cfg.server.port == config.DEFAULT_PORT
     with pytest.raises(SystemExit):  # no target anywhere
         config.add_arguments(bare := argparse.ArgumentParser(), {})

@@ -1,11 +1,10 @@
-"""The scheduler's pure logic: k cap curve, placement, affinity, lanes, continuous batching."""
+"""The scheduler's pure logic: load, placement, affinity, lanes, continuous batching."""
 
 from __future__ import annotations
 
 import pytest
 
 from specserve.orchestrator.scheduler import (
-    KCapCurve,
     NoReplica,
     Placement,
     Scheduler,
@@ -13,28 +12,15 @@ from specserve.orchestrator.scheduler import (
 )
 
 
-def test_k_cap_curve() -> None:
-    curve = KCapCurve(k_max=8, full_below=4, zero_at=20)
-    assert [curve.cap(b) for b in (0, 1, 4)] == [8, 8, 8]
-    assert curve.cap(12) == 4
-    assert curve.cap(19) == 0
-    assert curve.cap(20) == curve.cap(100) == 0
-    caps = [curve.cap(b) for b in range(30)]
-    assert caps == sorted(caps, reverse=True)  # never rises with load
-    with pytest.raises(ValueError):
-        KCapCurve(full_below=10, zero_at=10)
-
-
-def test_k_cap_follows_target_load() -> None:
-    s = Scheduler(SchedulerConfig(k_curve=KCapCurve(k_max=6, full_below=1, zero_at=4)))
+def test_target_load_counts_the_sessions_placed_on_it() -> None:
+    s = Scheduler()
     s.set_usable(["t1", "t2"], ["d1"])
-    assert s.k_cap("t1") == 6
     for i in range(4):
         s.join(f"s{i}", Placement("t1", 0, "d1"))
-    assert s.k_cap("t1") == 0 and s.k_cap("t2") == 6
+    assert s.target_load("t1") == 4 and s.target_load("t2") == 0
     s.leave("s0")
     s.leave("s1")
-    assert s.k_cap("t1") == 4
+    assert s.target_load("t1") == 2
 
 
 def test_placement_balances_and_prefers_warm_replicas() -> None:

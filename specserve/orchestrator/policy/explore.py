@@ -1,0 +1,60 @@
+"""When the planner re-times the choice it did not make: the one owner of exploration.
+
+Per (target, batch-size bucket) two things can be run: plain rounds (no session
+drafts) and drafting rounds. The predictions choose one; the other is re-timed
+every ``explore_every`` rounds once due, and each time it is re-timed and still
+loses, twice as long (up to ``explore_every * max_backoff``), so a settled choice
+costs fewer and fewer rounds. An exploration stays the choice until a round of it
+is timed (rounds that prefill or warm a draft cache are not), for at most
+``4 * explore_every`` rounds. Exploring drafting also makes every adaptive session
+draft at least one token: how a session whose acceptance fell wins speculation back.
+Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specserve.orchestrator.policy.config import PolicyConfig
+
+
+@dataclass
+class Schedule:
+    """One bucket's exploration state (``True`` = drafting rounds, ``False`` = plain)."""
+
+    rounds: int = 0
+    interval: int = 0  # rounds between explorations now (0: not started)
+    due_at: int = 0
+    pending: bool | None = None  # the arm being explored, not timed yet
+    pending_since: int = 0
+    judge: bool | None = None  # an arm just timed: did the predictions then choose it?
+
+    def next_round(self, config: PolicyConfig, best: bool) -> bool | None:
+        """Count a round whose predictions choose ``best``; returns the arm to explore in
+        it instead (None: follow the predictions)."""
+        if not self.interval:
+            self.interval = self.due_at = config.explore_every
+        self.rounds += 1
+        if self.judge is not None:  # the explored arm was timed: did it win this time?
+            won = self.judge == best
+            self.interval = (
+                config.explore_every
+                if won
+                else min(2 * self.interval, config.explore_every * config.max_backoff)
+            )
+            self.due_at, self.judge = self.rounds + self.interval, None
+        if self.pending is not None:
+            if self.rounds - self.pending_since < 4 * config.explore_every:
+                return self.pending  # not timed yet: keep it
+            self.interval = min(2 * self.interval, config.explore_every * config.max_backoff)
+            self.due_at, self.pending = self.rounds + self.interval, None
+            return None
+        if self.rounds >= self.due_at:
+            self.pending, self.pending_since = not best, self.rounds
+            return self.pending
+        return None
+
+    def timed(self, drafting: bool) -> None:
+        """A round of ``drafting`` (or plain) rounds was timed."""
+        if self.pending is not None and self.pending == drafting:
+            self.pending, self.judge = None, drafting

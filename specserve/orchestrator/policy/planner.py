@@ -1,0 +1,232 @@
+"""The planner: a batch's k per session and its draft warm-ups, from plain data.
+
+Each round the runner hands :meth:`Planner.plan` the target's load and one
+:class:`~specserve.orchestrator.policy.views.SessionView` per session, does the I/O
+the :class:`~specserve.orchestrator.policy.views.BatchPlan` asks for, and hands
+:meth:`Planner.observe` what the round did. Nothing here knows of gRPC, Redis or
+asyncio.
+
+**Cost model.** A round's cost in plain rounds of its batch (one cost model,
+:class:`~specserve.engine.round_cost.RoundCosts`, fitted per target to the clean
+rounds; before it has a fit, the prior for the declared ``devices``)::
+
+    round(depth, drafts) = 1 + fixed + per_step * depth + per_token * drafts
+
+**k.** A session's k is the one with the most expected tokens
+``(1 - a**(k + 1)) / (1 - a)`` per unit of cost at its acceptance ``a`` (a new turn
+starts from the pool's, :mod:`~specserve.orchestrator.policy.prior`), at most the
+round's cap; a request's own k, or ``fixed_k``, is drafted as given. The cap is the
+load curve's bound (``k_cap = curve``) or, under it (``measured``), the cap whose
+predicted time to finish the batch's slowest turn is least::
+
+    finish(cap) = max over sessions of (tokens left / expected tokens) * round(depth, drafts)
+
+(a batch's rounds move together: it finishes with its slowest turn). One owner of
+exploration (:mod:`~specserve.orchestrator.policy.explore`) re-times the choice not
+made.
+
+**Warm-ups.** A cold session (its draft replica lacks a long history) that would
+draft is warmed: inside the round when it is alone or draft and target share
+hardware (the round waits, then it drafts in it), beside the rounds otherwise (it
+verifies at k = 0 until warm). Not while its target still prefills a long history
+of it unless it is alone. With ``warm_up = payback`` an inside warm-up goes ahead
+only if the batch's predicted time saved exceeds the warm-up's measured cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specserve.engine.k_policy import CostModel, KPolicy, expected_tokens
+from specserve.engine.round_cost import RoundCosts, bucket_of
+from specserve.orchestrator.policy.config import Devices, KCap, PolicyConfig, WarmUp
+from specserve.orchestrator.policy.explore import Schedule
+from specserve.orchestrator.policy.prior import AcceptancePrior
+from specserve.orchestrator.policy.views import (
+    BatchPlan,
+    Cache,
+    RoundOutcome,
+    SessionView,
+    WarmWhere,
+)
+
+
+@dataclass(frozen=True)
+class _Session:
+    """A session's plan under every cap ``0 .. bound``."""
+
+    view: SessionView
+    alpha: float
+    ks: list[int]  # k by cap
+    adaptive: bool  # its k follows the cap (not a requested or fixed k)
+
+
+class Planner:
+    """Plans every round of every target this orchestrator drives."""
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+        self.prior = AcceptancePrior(self.config)
+        self._costs: dict[str, RoundCosts] = {}
+        self._schedules: dict[tuple[str, int], Schedule] = {}
+        self._warm_per_token: float | None = None  # seconds an inside warm-up costs a token
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def session_policy(self, k: int | None, drafter: str, greedy: bool) -> KPolicy:
+        """The acceptance tracker of a new turn (the request's ``k``, or adaptive)."""
+        c = self.config
+        alpha0 = self.prior.alpha(drafter, greedy)
+        return KPolicy(k, k_max=c.k_max, alpha0=alpha0, smoothing=c.alpha_smoothing)
+
+    def cost_model(self, target: str, batch: int) -> CostModel:
+        """What drafting costs in plain rounds of ``batch`` on ``target``: measured, or
+        the declared devices' prior until the rounds tell."""
+        costs = self._costs.get(target)
+        measured = None if costs is None else costs.model(batch)
+        return measured or self.config.prior_costs
+
+    def forget(self, target: str) -> None:
+        """Drop a target's figures (it left the pool; a replacement may differ)."""
+        self._costs.pop(target, None)
+        for key in [k for k in self._schedules if k[0] == target]:
+            del self._schedules[key]
+
+    # -- planning ----------------------------------------------------------------------
+
+    def plan(self, target: str, load: int, sessions: Sequence[SessionView]) -> BatchPlan:
+        """The round's plan for ``sessions`` on ``target``, which ``load`` sessions use."""
+        c = self.config
+        bound = c.curve_cap(load)
+        cost = self.cost_model(target, len(sessions))
+        each = [self._session(v, bound, cost) for v in sessions]
+        adaptive = [s for s in each if s.adaptive and s.view.drafter != "none"]
+        finish = {cap: _finish(each, cap, cost) for cap in range(bound + 1)}
+        if c.k_cap is KCap.MEASURED and adaptive:
+            cap = min(finish, key=lambda x: (finish[x], x))
+        else:
+            cap = bound
+        exploring: bool | None = None
+        if adaptive and bound > 0 and c.fixed_k is None:
+            best = any(s.ks[cap] > 0 for s in adaptive)
+            if c.k_cap is KCap.MEASURED or not best:  # the curve alone never turns it off
+                key = (target, bucket_of(len(sessions)))
+                exploring = self._schedules.setdefault(key, Schedule()).next_round(c, best)
+        if exploring is not None:
+            cap = bound if exploring else 0
+        k = {}
+        for s in each:
+            k[s.view.sid] = s.ks[cap]
+            if exploring and s.adaptive and s.view.drafter != "none" and s.view.tokens_left > 1:
+                k[s.view.sid] = max(1, k[s.view.sid])  # re-time drafting, win it back
+        warm, declined = self._warm_ups(each, k, finish, cap, target)
+        timeable = not any(
+            s.view.target_behind > 1 or s.view.cache is Cache.WARMING or s.view.sid in warm
+            for s in each
+        )
+        return BatchPlan(cap, k, warm, declined, timeable, exploring is not None)
+
+    def _session(self, v: SessionView, bound: int, cost: CostModel) -> _Session:
+        """``v``'s k under each cap up to ``bound``."""
+        c = self.config
+        left = max(1, v.tokens_left)
+        alpha = v.alpha if v.turn_drafted else self.prior.alpha(v.drafter, v.greedy)
+        fixed = v.requested_k if v.requested_k is not None else c.fixed_k
+        if v.drafter == "none" or v.cache is Cache.WARMING:
+            ks = [0] * (bound + 1)
+        elif fixed is not None:
+            ks = [fixed] * (bound + 1)
+        else:
+            ks, best, best_rate = [], 0, -1.0
+            for k in range(bound + 1):  # the best k under each cap: the best over 0 .. cap
+                if k <= c.k_max:
+                    rate = expected_tokens(alpha, k) / cost.round(k)
+                    if rate > best_rate:  # ties keep the smaller k
+                        best, best_rate = k, rate
+                ks.append(best)
+        ks = [max(0, min(k, left - 1)) for k in ks]
+        return _Session(v, alpha, ks, v.requested_k is None and c.fixed_k is None)
+
+    def _warm_ups(
+        self,
+        each: list[_Session],
+        k: dict[str, int],
+        finish: dict[int, float],
+        cap: int,
+        target: str,
+    ) -> tuple[dict[str, WarmWhere], int]:
+        """Which cold sessions warm, and where; a cold session not warmed inside verifies
+        at k = 0 (``k`` is updated). Returns the warm-ups and the declined count."""
+        c = self.config
+        alone = len(each) == 1
+        where = WarmWhere.INSIDE if alone or c.devices is Devices.SHARED else WarmWhere.BESIDE
+        cold = [s for s in each if s.view.cache is Cache.COLD and k[s.view.sid] > 0]
+        ready = [s for s in cold if alone or s.view.target_behind <= c.warm_above_tokens]
+        for s in cold:
+            k[s.view.sid] = 0 if where is WarmWhere.BESIDE or s not in ready else k[s.view.sid]
+        weighed = [s for s in ready if s.adaptive]
+        declined = 0
+        repays = self._repays(weighed, finish, cap, target, len(each))
+        if weighed and where is WarmWhere.INSIDE and not repays:
+            declined = len(weighed)
+            for s in weighed:
+                k[s.view.sid] = 0
+            ready = [s for s in ready if not s.adaptive]
+        return {s.view.sid: where for s in ready}, declined
+
+    def _repays(
+        self, sessions: list[_Session], finish: dict[int, float], cap: int, target: str, batch: int
+    ) -> bool:
+        """Whether warming ``sessions`` inside the round saves the batch more than it
+        costs (``warm_up = always``: yes; payback: not measured yet is yes)."""
+        if self.config.warm_up is WarmUp.ALWAYS:
+            return True
+        costs = self._costs.get(target)
+        fit = None if costs is None else costs.fit()
+        t0 = None if fit is None else fit.plain(batch)
+        if self._warm_per_token is None or t0 is None or cap <= 0:
+            return cap > 0 or self._warm_per_token is None
+        saved = (finish[0] - finish[cap]) * t0
+        behind = sum(s.view.draft_behind for s in sessions)
+        return saved > behind * self._warm_per_token
+
+    # -- learning ----------------------------------------------------------------------
+
+    def observe(
+        self, target: str, sessions: Sequence[SessionView], plan: BatchPlan, outcome: RoundOutcome
+    ) -> None:
+        """What a round planned by :meth:`plan` did: its acceptance and, where it is
+        clean and timeable, its time."""
+        for v in sessions:
+            drafted = outcome.drafted.get(v.sid, 0)
+            self.prior.observe(v.drafter, v.greedy, drafted, outcome.accepted.get(v.sid, 0))
+        if not (outcome.clean and plan.timeable):
+            return
+        c = self.config
+        costs = self._costs.setdefault(
+            target, RoundCosts(min_rounds=c.cost_min_rounds, decay=c.cost_decay)
+        )
+        costs.observe(len(sessions), outcome.depth, outcome.drafts, outcome.seconds)
+        schedule = self._schedules.get((target, bucket_of(len(sessions))))
+        if schedule is not None:
+            schedule.timed(outcome.depth > 0)
+
+    def observe_warm(self, tokens: int, seconds: float) -> None:
+        """A warm-up inside a round prefilled ``tokens`` history tokens in ``seconds``."""
+        if tokens <= 0 or seconds < 0:
+            return
+        per_token, old, w = seconds / tokens, self._warm_per_token, self.config.warm_smoothing
+        self._warm_per_token = per_token if old is None else (1 - w) * old + w * per_token
+
+
+def _finish(each: list[_Session], cap: int, cost: CostModel) -> float:
+    """Predicted time, in plain rounds, to finish the batch's slowest turn under ``cap``.
+    A session whose draft cache warms beside the rounds is not the slowest for long (it
+    drafts once warm): the others' turns set it, unless it is all there is."""
+    if not each:
+        return 0.0
+    ks = [s.ks[cap] for s in each]
+    paced = [s for s in each if s.view.cache is not Cache.WARMING] or each
+    rounds = max(max(1, s.view.tokens_left) / expected_tokens(s.alpha, s.ks[cap]) for s in paced)
+    return rounds * cost.batch_round(max(ks), sum(ks))

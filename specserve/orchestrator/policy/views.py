@@ -1,0 +1,67 @@
+"""What the planner is given and what it answers: plain frozen data, no I/O objects."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Cache(StrEnum):
+    """A session's draft cache on its draft replica."""
+
+    WARM = "warm"  # drafting needs no prefill of a long history first
+    COLD = "cold"  # drafting would first prefill a long history (a warm-up)
+    WARMING = "warming"  # a warm-up beside the rounds is under way: it verifies at k = 0
+
+
+class WarmWhere(StrEnum):
+    INSIDE = "inside"  # prefilled inside this round, then it drafts in it
+    BESIDE = "beside"  # prefilled beside the rounds; verifies at k = 0 until then
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """One session of a round, as the planner sees it."""
+
+    sid: str
+    drafter: str  # "none", "model", "ngram"
+    greedy: bool
+    requested_k: int | None  # the request's own k (drafted whatever the caps); None: adaptive
+    tokens_left: int  # of this turn's max_new_tokens
+    alpha: float  # the session's running per-token acceptance estimate
+    turn_drafted: int = 0  # drafts judged this turn
+    turn_accepted: int = 0
+    cache: Cache = Cache.WARM
+    draft_behind: int = 0  # history tokens its draft replica has not seen
+    target_behind: int = 0  # history tokens its target has not seen (a prefill if > 1)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The planner's answer for one round of a batch."""
+
+    cap: int  # the round's k cap (adaptive sessions draft at most this)
+    k: Mapping[str, int]  # drafts per session this round (0: verify only)
+    warm: Mapping[str, WarmWhere] = field(default_factory=dict)  # cold sessions to warm now
+    declined: int = 0  # cold sessions whose warm-up was declined (payback rule)
+    timeable: bool = True  # its wall time says something about its drafts (no prefill in it)
+    exploring: bool = False  # the round times the choice the predictions did not make
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What a round did: drafts proposed and accepted per session, and its wall time."""
+
+    drafted: Mapping[str, int]
+    accepted: Mapping[str, int]
+    seconds: float  # propose and verify
+    clean: bool  # no failure, replay or warm-up beside it: its time may be learnt from
+
+    @property
+    def depth(self) -> int:
+        return max(self.drafted.values(), default=0)
+
+    @property
+    def drafts(self) -> int:
+        return sum(self.drafted.values())

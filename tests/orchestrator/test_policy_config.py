@@ -1,0 +1,69 @@
+"""PolicyConfig: its checks, the load curve, the SPECSERVE_POLICY overrides and the flags."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specserve.engine.errors import InvalidArgument
+from specserve.orchestrator import config
+from specserve.orchestrator.policy import Devices, KCap, PolicyConfig, WarmUp, with_overrides
+
+
+def test_the_load_curve_falls_from_k_max_to_zero() -> None:
+    c = PolicyConfig(k_max=8, curve_full_below=4, curve_zero_at=20)
+    assert [c.curve_cap(b) for b in (0, 1, 4)] == [8, 8, 8]
+    assert c.curve_cap(12) == 4 and c.curve_cap(19) == 0 and c.curve_cap(100) == 0
+    caps = [c.curve_cap(b) for b in range(30)]
+    assert caps == sorted(caps, reverse=True)  # never rises with load
+    with pytest.raises(ValueError, match="curve_full_below"):
+        PolicyConfig(curve_full_below=10, curve_zero_at=10)
+
+
+def test_overrides_set_fields_of_every_kind() -> None:
+    c = with_overrides(
+        PolicyConfig(),
+        "k_cap=curve, fixed_k=3,acceptance_prior=off,warm_up=payback,alpha0=0.8,devices=shared",
+    )
+    assert c.k_cap is KCap.CURVE and c.fixed_k == 3 and c.acceptance_prior is False
+    assert c.warm_up is WarmUp.PAYBACK and c.alpha0 == 0.8 and c.devices is Devices.SHARED
+    assert with_overrides(c, "fixed_k=none").fixed_k is None
+    assert with_overrides(c, "") == c
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("nonsense=1", "not field=value"),
+        ("k_max", "not field=value"),
+        ("k_max=many", "k_max='many' is not a valid value"),
+        ("acceptance_prior=maybe", "not a valid value"),
+        ("k_cap=sometimes", "k_cap must be curve|measured"),
+        ("alpha0=1.5", "alpha0 must be in"),
+    ],
+)
+def test_a_bad_override_is_refused_with_a_sentence(spec: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        with_overrides(PolicyConfig(), spec)
+
+
+def parse(env: dict[str, str], *argv: str) -> config.OrchestratorConfig:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, {"SPECSERVE_TARGET_ENDPOINTS": "t:1", **env})
+    return config.from_args(parser.parse_args(list(argv)))
+
+
+def test_the_orchestrators_flags_and_env_build_the_policy() -> None:
+    assert parse({}).policy == PolicyConfig()  # standalone: separate devices, measured cap
+    c = parse(
+        {"SPECSERVE_DEVICES": "shared", "SPECSERVE_K_CAP": "curve", "SPECSERVE_POLICY": "k_max=4"},
+        "--k-zero-at",
+        "16",
+    ).policy
+    assert c.devices is Devices.SHARED and c.k_cap is KCap.CURVE
+    assert c.k_max == 4 and c.curve_zero_at == 16  # the overrides win over --k-max
+    with pytest.raises(InvalidArgument, match="--devices must be"):
+        parse({"SPECSERVE_DEVICES": "both"})
+    with pytest.raises(InvalidArgument, match="SPECSERVE_POLICY"):
+        parse({"SPECSERVE_POLICY": "k_maxx=4"})

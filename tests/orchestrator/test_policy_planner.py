@@ -1,0 +1,166 @@
+"""The planner (pure): k per session, the cap, warm-ups, exploration and what it learns."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from specserve.engine.k_policy import expected_tokens
+from specserve.orchestrator.policy import (
+    BatchPlan,
+    Cache,
+    Devices,
+    KCap,
+    Planner,
+    PolicyConfig,
+    RoundOutcome,
+    SessionView,
+    WarmUp,
+    WarmWhere,
+)
+
+
+def view(sid: str = "a", **kw: object) -> SessionView:
+    """A warm adaptive greedy session with 64 tokens to go that has drafted this turn."""
+    base = SessionView(sid, "model", True, None, 64, 0.85, turn_drafted=8, turn_accepted=7)
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def batch(n: int, **kw: object) -> list[SessionView]:
+    return [view(str(i), **kw) for i in range(n)]
+
+
+def test_a_lone_new_session_warms_inside_its_first_round_and_drafts_in_it() -> None:
+    for devices in Devices:
+        p = Planner(PolicyConfig(devices=devices))
+        new = view(cache=Cache.COLD, draft_behind=100, target_behind=100, turn_drafted=0)
+        plan = p.plan("t", 1, [new])
+        assert plan.k["a"] >= 1 and plan.warm == {"a": WarmWhere.INSIDE}
+        assert not plan.timeable  # its round prefills: not timed
+
+
+def test_separate_devices_draft_a_batch_that_shared_cores_decode_plain() -> None:
+    """Before any round is timed the declared devices' prior decides: on separate
+    devices a wider verify is nearly free, on shared cores every drafted token of 8
+    sessions slows the verify."""
+    sessions = batch(8)
+    separate = Planner(PolicyConfig(devices=Devices.SEPARATE)).plan("t", 8, sessions)
+    shared = Planner(PolicyConfig(devices=Devices.SHARED)).plan("t", 8, sessions)
+    assert min(separate.k.values()) >= 3 and separate.cap >= 3
+    assert shared.cap == 0 and set(shared.k.values()) == {0}
+    lone = Planner(PolicyConfig(devices=Devices.SHARED)).plan("t", 1, batch(1))
+    assert lone.k["0"] >= 2  # one session on shared cores drafts
+
+
+def test_measured_rounds_turn_drafting_off_where_it_is_slower_and_exploration_retimes_it() -> None:
+    p = Planner(PolicyConfig(devices=Devices.SEPARATE, explore_every=4, max_backoff=4))
+    sessions = batch(4)
+    caps = []
+    for _ in range(40):  # drafting here costs a plain round per drafted token of the batch
+        plan = p.plan("t", 4, sessions)
+        drafts = sum(plan.k.values())
+        outcome = RoundOutcome(plan.k, plan.k, 0.1 * (1 + drafts), clean=True)
+        p.observe("t", sessions, plan, outcome)
+        caps.append(plan.cap)
+    assert caps[0] > 0  # the prior said draft
+    tail = caps[20:]
+    assert tail.count(0) >= 15  # measured: plain decoding wins ...
+    assert any(c > 0 for c in tail)  # ... and drafting is re-timed now and then
+    spacing = [i for i, c in enumerate(caps) if c > 0 and i > 10]
+    assert len(spacing) >= 2 and spacing[-1] - spacing[-2] >= 4  # backing off
+
+
+def test_the_curve_alone_runs_its_bound_and_probes_sessions_that_plan_no_drafts() -> None:
+    p = Planner(PolicyConfig(k_cap=KCap.CURVE, explore_every=4))
+    low = batch(2, alpha=0.05)
+    plans = []
+    for _ in range(8):  # drafting costs a tenth of a plain round per drafted token
+        plan = p.plan("t", 2, low)
+        seconds = 0.1 * (1 + 0.1 * sum(plan.k.values()))
+        p.observe("t", low, plan, RoundOutcome(plan.k, {}, seconds, clean=True))
+        plans.append(plan)
+    assert all(plan.cap == 8 for plan in plans)  # the bound at a load of 2
+    drafted = [sum(plan.k.values()) for plan in plans]
+    assert drafted.count(0) >= 6 and max(drafted) == 2  # a probe of one draft each
+
+
+def test_a_requested_or_fixed_k_is_drafted_whatever_the_cap() -> None:
+    p = Planner(PolicyConfig(devices=Devices.SHARED))
+    plan = p.plan("t", 8, [*batch(7), view("asked", requested_k=5)])
+    assert plan.k["asked"] == 5
+    fixed = Planner(PolicyConfig(fixed_k=3)).plan("t", 40, batch(2))  # past the curve's zero
+    assert set(fixed.k.values()) == {3}
+    assert Planner().plan("t", 1, [view(requested_k=5, tokens_left=3)]).k["a"] == 2  # 3 left
+
+
+def test_a_warming_session_verifies_at_k_zero_and_makes_the_round_untimed() -> None:
+    plan = Planner().plan("t", 2, [view("w", cache=Cache.WARMING), view("x")])
+    assert plan.k["w"] == 0 and plan.k["x"] > 0 and not plan.timeable
+
+
+def test_a_batchs_cold_session_waits_for_its_targets_prefill_then_warms_per_devices() -> None:
+    prefilling = view("c", cache=Cache.COLD, draft_behind=100, target_behind=100)
+    plan = Planner().plan("t", 2, [view("x"), prefilling])
+    assert plan.k["c"] == 0 and plan.warm == {}  # the target prefills it first
+    ready = replace(prefilling, target_behind=1)
+    beside = Planner(PolicyConfig(devices=Devices.SEPARATE)).plan("t", 2, [view("x"), ready])
+    assert beside.warm == {"c": WarmWhere.BESIDE} and beside.k["c"] == 0
+    inside = Planner(PolicyConfig(devices=Devices.SHARED)).plan("t", 1, [ready])
+    assert inside.warm == {"c": WarmWhere.INSIDE} and inside.k["c"] > 0
+
+
+def test_the_payback_rule_declines_a_warm_up_that_costs_more_than_it_saves() -> None:
+    p = Planner(PolicyConfig(warm_up=WarmUp.PAYBACK, devices=Devices.SHARED))
+    for depth in (0, 1, 2, 4, 0, 2):  # t0 0.2 s, a drafted token 0.02 s
+        s = [view(tokens_left=64)]
+        plan = BatchPlan(depth, {"a": depth})
+        p.observe("t", s, plan, RoundOutcome({"a": depth}, {"a": depth}, 0.2 + 0.02 * depth, True))
+    cold = view(cache=Cache.COLD, draft_behind=1000, tokens_left=64)
+    assert p.plan("t", 1, [cold]).warm  # not measured: warm, and measure
+    p.observe_warm(1000, 100.0)  # 0.1 s a history token: 100 s against seconds saved
+    declined = p.plan("t", 1, [cold])
+    assert declined.warm == {} and declined.k["a"] == 0 and declined.declined == 1
+    p.observe_warm(1000, 0.0)  # smoothed back down
+    for _ in range(40):
+        p.observe_warm(1000, 0.0)
+    assert p.plan("t", 1, [cold]).warm == {"a": WarmWhere.INSIDE}
+    always = Planner(PolicyConfig(devices=Devices.SHARED))
+    always.observe_warm(1000, 100.0)
+    assert always.plan("t", 1, [cold]).warm  # warm_up = always
+
+
+def test_a_new_turn_starts_from_the_pools_acceptance_unless_the_prior_is_off() -> None:
+    p = Planner()
+    assert p.session_policy(None, "model", True).alpha == pytest.approx(0.7)
+    for _ in range(200):  # the pool's drafts: 9 of 10 accepted
+        p.prior.observe("model", True, 10, 9)
+    assert p.session_policy(None, "model", True).alpha > 0.88
+    assert p.session_policy(None, "model", False).alpha == pytest.approx(0.7)  # sampled apart
+    off = Planner(PolicyConfig(acceptance_prior=False))
+    for _ in range(200):
+        off.prior.observe("model", True, 10, 9)
+    assert off.session_policy(None, "model", True).alpha == pytest.approx(0.7)
+    # A session that judged no drafts yet this turn is planned at the pool's acceptance.
+    fresh = p.plan("t", 1, [view(alpha=0.1, turn_drafted=0)])
+    stale = p.plan("t", 1, [view(alpha=0.1, turn_drafted=5)])
+    assert fresh.k["a"] > stale.k["a"]
+
+
+def test_observe_learns_only_from_clean_timeable_rounds_and_forget_drops_a_target() -> None:
+    p = Planner(PolicyConfig(devices=Devices.SHARED))
+    s = batch(1)
+    for depth in (0, 1, 2, 3, 4, 1):  # drafting nearly free here: 0.001 s a token
+        plan = BatchPlan(depth, {"0": depth})
+        p.observe("t", s, plan, RoundOutcome({"0": depth}, {"0": depth}, 0.2 + 0.001 * depth, True))
+    measured = p.cost_model("t", 1)
+    assert measured != p.config.prior_costs and measured.round(4) < 1.1
+    p.observe("u", s, BatchPlan(1, {"0": 1}, timeable=False), RoundOutcome({"0": 1}, {}, 9.0, True))
+    p.observe("u", s, BatchPlan(1, {"0": 1}), RoundOutcome({"0": 1}, {}, 9.0, clean=False))
+    assert p.cost_model("u", 1) == p.config.prior_costs
+    p.forget("t")
+    assert p.cost_model("t", 1) == p.config.prior_costs
+
+
+def test_expected_tokens_is_the_papers_formula() -> None:
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
