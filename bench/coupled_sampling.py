@@ -73,6 +73,13 @@ class Variant:
     wrong: list[int] = field(default_factory=list)  # prompts whose tokens differ from target-only
 
 
+def wrong_cell(wrong: list[int] | None) -> str:
+    """The table's `wrong` cell: not compared (–), none, or the prompts that differ."""
+    if wrong is None:
+        return "–"
+    return str(wrong) if wrong else "none"
+
+
 def load(spec: str, dtype: str, device: str) -> tuple[Any, Any]:
     """(model, tokenizer or None) as the servers load them."""
     from specserve import model_store
@@ -163,7 +170,9 @@ def summarize(vs: list[Variant]) -> list[dict[str, Any]]:
                 "ratio_vs_target_only": statistics.median(ratios),
                 "acceptance_rate": v.accepted / v.drafted if v.drafted else None,
                 "mean_acceptance_length": 1 + v.accepted / v.rounds if v.rounds else None,
-                "wrong_prompts": v.wrong,
+                # Only coupled variants promise target-only tokens; the rejection
+                # rule's are not compared (None), target-only is the reference.
+                "wrong_prompts": v.wrong if v.rule == SamplingRule.COUPLED else None,
             }
         )
     return rows
@@ -221,7 +230,7 @@ def markdown(
         lines.append(
             f"| {r['temperature']} | {r['variant']} | {r['tokens_per_s']:.2f} | "
             f"{r['ratio_vs_target_only']:.3f}x | {pct(r['acceptance_rate'])} | "
-            f"{'–' if mal is None else f'{mal:.2f}'} | {r['wrong_prompts'] or 'none'} |"
+            f"{'–' if mal is None else f'{mal:.2f}'} | {wrong_cell(r['wrong_prompts'])} |"
         )
     lines += [
         "",
