@@ -1,5 +1,6 @@
-// CPU kernels of the specserve engine: float32 arithmetic (weights float32 or bfloat16),
-// AVX-512 or AVX2 + FMA, torch's intra-op threads. Compiled on first use by specserve/engine/cpu_kernels.py (which documents them)
+// CPU kernels of the specserve engine: float32 arithmetic (weights float32, bfloat16 or
+// GGML quantized blocks, the latter in cpu_kernels_quant.cpp, compiled after this source in
+// the same unit), AVX-512 or AVX2 + FMA, torch's intra-op threads. Compiled on first use by specserve/engine/cpu_kernels.py (which documents them)
 // with -DSPECSERVE_AVX512 or -DSPECSERVE_AVX2; LIBNAME (the op namespace) comes from its
 // compiler flags too.
 #include <ATen/Parallel.h>
@@ -245,34 +246,79 @@ inline void rows_block(int64_t R, const float* x, int64_t ldx, const T* w, int64
   }
 }
 
-inline bool is_weight_dtype(const at::Tensor& w) {
-  return w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16;
-}
+// What a weight matrix holds: float32, bfloat16, or GGML blocks (the GGUF type number).
+// ldw counts elements of a float32 or bfloat16 weight and bytes of a quantized one.
+enum WeightType : int64_t { kF32 = -1, kBF16 = -2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
 
-// The NB weight rows from row o of w (float32 or bfloat16, by bf16), with the small-row or
-// large-row blocking: the one place a weight's element type is dispatched.
-inline void rows_block_any(bool small, bool bf16, int64_t R, const float* x, int64_t ldx,
-                           const void* w, int64_t ldw, int64_t K, int64_t o, int64_t out,
-                           float* yo, int64_t ldy, const float* bias) {
+// A weight: its type, data, row stride and output rows.
+struct WeightRef {
+  WeightType type;
+  const void* data;
+  int64_t ldw;
+  int64_t out;
+};
+
+// Checks a weight [out, K] given as a tensor and a type (0: the tensor's dtype, float32 or
+// bfloat16; a GGML type: uint8 blocks [out, bytes of K values]), contiguous where needed.
+WeightRef weight_ref(const at::Tensor& w, int64_t type, int64_t K);
+
+// The NB weight rows from row o of a quantized weight (cpu_kernels_quant.cpp).
+void rows_block_quant(bool small, WeightType type, int64_t R, const float* x, int64_t ldx,
+                      const uint8_t* w, int64_t ldw, int64_t K, int64_t o, int64_t out,
+                      float* yo, int64_t ldy, const float* bias);
+
+// The NB weight rows from row o of w, with the small-row or large-row blocking: the one
+// place a weight's element type is dispatched.
+inline void rows_block_any(bool small, const WeightRef& w, int64_t R, const float* x,
+                           int64_t ldx, int64_t K, int64_t o, float* yo, int64_t ldy,
+                           const float* bias) {
   auto run = [&](auto* wt) {
     if (small) {
-      rows_block<SMALL_NB, SMALL_RG>(R, x, ldx, wt, ldw, K, o, out, yo, ldy, bias);
+      rows_block<SMALL_NB, SMALL_RG>(R, x, ldx, wt, w.ldw, K, o, w.out, yo, ldy, bias);
     } else {
-      rows_block<LARGE_NB, LARGE_RG>(R, x, ldx, wt, ldw, K, o, out, yo, ldy, bias);
+      rows_block<LARGE_NB, LARGE_RG>(R, x, ldx, wt, w.ldw, K, o, w.out, yo, ldy, bias);
     }
   };
-  if (bf16) {
-    run(static_cast<const BF16*>(w));
+  if (w.type == kBF16) {
+    run(static_cast<const BF16*>(w.data));
+  } else if (w.type == kF32) {
+    run(static_cast<const float*>(w.data));
   } else {
-    run(static_cast<const float*>(w));
+    rows_block_quant(small, w.type, R, x, ldx, static_cast<const uint8_t*>(w.data), w.ldw, K, o,
+                     w.out, yo, ldy, bias);
   }
 }
 
+WeightRef weight_ref(const at::Tensor& w, int64_t type, int64_t K) {
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.stride(1) == 1,
+              "each weight must be a CPU matrix with unit column stride");
+  if (type == 0) {
+    TORCH_CHECK(w.size(1) == K &&
+                    (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+                "each weight must be a float32 or bfloat16 matrix [out, K] matching x");
+    return {w.scalar_type() == at::kBFloat16 ? kBF16 : kF32, w.const_data_ptr(), w.stride(0),
+            w.size(0)};
+  }
+  int64_t block = 0, bytes = 0;
+  switch (type) {
+    case kQ8_0: block = 32, bytes = 34; break;
+    case kQ5_0: block = 32, bytes = 22; break;
+    case kQ4_K: block = 256, bytes = 144; break;
+    case kQ6_K: block = 256, bytes = 210; break;
+    default: TORCH_CHECK(false, "GGML type ", type, " is not one the kernels read");
+  }
+  TORCH_CHECK(w.scalar_type() == at::kByte && K % block == 0 && w.size(1) == K / block * bytes,
+              "a GGML type ", type, " weight must be uint8 blocks [out, ", K / block * bytes,
+              "] for K = ", K, " (a multiple of ", block, ")");
+  return {static_cast<WeightType>(type), w.const_data_ptr(), w.stride(0), w.size(0)};
+}
+
 // x [R, K] times each ws[i] [out_i, K] (+ bs[i]). The results lie side by side in one
-// [R, sum out_i] buffer; returned as column views of it, one per weight. Weights are
-// float32 or bfloat16 (each its own); x, biases and results are float32.
-std::vector<at::Tensor> linears(const at::Tensor& x_in, at::TensorList ws_in,
-                                const c10::List<std::optional<at::Tensor>>& bs) {
+// [R, sum out_i] buffer; returned as column views of it, one per weight. types[i] says what
+// ws[i] holds (weight_ref); x, biases and results are float32.
+std::vector<at::Tensor> typed_linears(const at::Tensor& x_in, at::TensorList ws_in,
+                                      at::IntArrayRef types,
+                                      const c10::List<std::optional<at::Tensor>>& bs) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "x must be a float32 CPU matrix");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
@@ -280,22 +326,17 @@ std::vector<at::Tensor> linears(const at::Tensor& x_in, at::TensorList ws_in,
   ws.reserve(ws_in.size());
   for (const at::Tensor& w : ws_in)
     ws.push_back(w.dim() == 2 && w.stride(1) != 1 ? w.contiguous() : w);
-  TORCH_CHECK(bs.size() == ws.size(), "one bias entry (or None) per weight");
+  TORCH_CHECK(bs.size() == ws.size() && types.size() == ws.size(),
+              "one type and one bias entry (or None) per weight");
   const int64_t R = x.size(0), K = x.size(1), ldx = x.stride(0);
   const size_t n = ws.size();
-  std::vector<const void*> wp(n);
+  std::vector<WeightRef> wr(n);
   std::vector<const float*> bp(n);
-  std::vector<char> bf16(n);
-  std::vector<int64_t> ldw(n), outs(n), col(n + 1, 0), first(n + 1, 0);
+  std::vector<int64_t> outs(n), col(n + 1, 0), first(n + 1, 0);
   std::vector<at::Tensor> keep;  // contiguous copies of odd biases live until the end
   for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& w = ws[i];
-    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && is_weight_dtype(w) && w.device().is_cpu(),
-                "each weight must be a float32 or bfloat16 CPU matrix [out, K] matching x");
-    outs[i] = w.size(0);
-    ldw[i] = w.stride(0);
-    wp[i] = w.const_data_ptr();
-    bf16[i] = w.scalar_type() == at::kBFloat16;
+    wr[i] = weight_ref(ws[i], types[i], K);
+    outs[i] = wr[i].out;
     const std::optional<at::Tensor> b = bs.get(i);
     bp[i] = nullptr;
     if (b.has_value() && b->defined()) {
@@ -321,8 +362,7 @@ std::vector<at::Tensor> linears(const at::Tensor& x_in, at::TensorList ws_in,
     for (int64_t blk = b0; blk < b1; ++blk) {
       while (blk >= first[i + 1]) ++i;
       const int64_t o = (blk - first[i]) * nb;
-      rows_block_any(small, bf16[i], R, xp, ldx, wp[i], ldw[i], K, o, outs[i], yp + col[i] + o,
-                     ldy, bp[i]);
+      rows_block_any(small, wr[i], R, xp, ldx, K, o, yp + col[i] + o, ldy, bp[i]);
     }
   });
   std::vector<at::Tensor> views;
@@ -331,27 +371,29 @@ std::vector<at::Tensor> linears(const at::Tensor& x_in, at::TensorList ws_in,
   return views;
 }
 
+// typed_linears with float32 or bfloat16 weights only.
+std::vector<at::Tensor> linears(const at::Tensor& x, at::TensorList ws,
+                                const c10::List<std::optional<at::Tensor>>& bs) {
+  return typed_linears(x, ws, std::vector<int64_t>(ws.size(), 0), bs);
+}
+
 // silu(x @ wg.T) * (x @ wu.T): the gate and up rows of one block go through the same tile
 // code as linears (same bits for g and u), then the activation, so the [R, I] gate and up
-// products are never written out and no separate silu / mul ops run. wg and wu are both
-// float32 or both bfloat16.
-at::Tensor gate_up_silu(const at::Tensor& x_in, const at::Tensor& wg_in, const at::Tensor& wu_in) {
+// products are never written out and no separate silu / mul ops run. tg and tu say what wg
+// and wu hold (weight_ref); each its own.
+at::Tensor typed_gate_up_silu(const at::Tensor& x_in, const at::Tensor& wg_in, int64_t tg,
+                              const at::Tensor& wu_in, int64_t tu) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "x must be a float32 CPU matrix");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const at::Tensor wg = wg_in.contiguous(), wu = wu_in.contiguous();
-  const int64_t R = x.size(0), K = x.size(1), ldx = x.stride(0), I = wg.size(0);
-  for (const at::Tensor* w : {&wg, &wu})
-    TORCH_CHECK(w->dim() == 2 && w->size(0) == I && w->size(1) == K && is_weight_dtype(*w) &&
-                    w->scalar_type() == wg.scalar_type() && w->device().is_cpu(),
-                "gate and up must be float32 or bfloat16 CPU matrices [I, K] of one dtype "
-                "matching x");
+  const int64_t R = x.size(0), K = x.size(1), ldx = x.stride(0);
+  const WeightRef gr = weight_ref(wg, tg, K), ur = weight_ref(wu, tu, K);
+  const int64_t I = gr.out;
+  TORCH_CHECK(ur.out == I, "gate and up must have the same rows [I, K]");
   at::Tensor y = at::empty({R, I}, x.options());
   float* yp = y.mutable_data_ptr<float>();
   const float* xp = x.const_data_ptr<float>();
-  const void* gp = wg.const_data_ptr();
-  const void* up = wu.const_data_ptr();
-  const bool bf16 = wg.scalar_type() == at::kBFloat16;
   const bool small = R <= SMALL_ROWS;
   const int64_t nb = small ? SMALL_NB : LARGE_NB;  // weight rows per block, as in linears
   const int64_t grain = (16384 + 2 * nb * K - 1) / (2 * nb * K);
@@ -359,8 +401,8 @@ at::Tensor gate_up_silu(const at::Tensor& x_in, const at::Tensor& wg_in, const a
     std::vector<float> g(R * nb), u(R * nb);  // [R, nb] gate and up products of a block
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t o = blk * nb, no = I - o < nb ? I - o : nb;
-      rows_block_any(small, bf16, R, xp, ldx, gp, K, K, o, I, g.data(), nb, nullptr);
-      rows_block_any(small, bf16, R, xp, ldx, up, K, K, o, I, u.data(), nb, nullptr);
+      rows_block_any(small, gr, R, xp, ldx, K, o, g.data(), nb, nullptr);
+      rows_block_any(small, ur, R, xp, ldx, K, o, u.data(), nb, nullptr);
       for (int64_t r = 0; r < R; ++r)
         for (int64_t j = 0; j < no; ++j) {
           const float gv = g[r * nb + j];
@@ -370,6 +412,16 @@ at::Tensor gate_up_silu(const at::Tensor& x_in, const at::Tensor& wg_in, const a
   });
   return y;
 }
+
+// typed_gate_up_silu of float32 or bfloat16 weights of one dtype.
+at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu) {
+  TORCH_CHECK(wg.scalar_type() == wu.scalar_type(), "gate and up must be of one dtype");
+  return typed_gate_up_silu(x, wg, 0, wu, 0);
+}
+
+// The float32 values [rows, K] of quantized rows `blocks` of GGML `type`, as the kernels
+// widen them (cpu_kernels_quant.cpp).
+at::Tensor dequantize_blocks(const at::Tensor& blocks, int64_t type, int64_t K);
 
 // a[0:n] . b[0:n] in one lane set, as tile_acc with one row and one weight row.
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -593,6 +645,9 @@ TORCH_LIBRARY(LIBNAME, m) {
   m.def("coupled_argmax(Tensor probs, Tensor keys) -> Tensor");
   m.def("linears(Tensor x, Tensor[] ws, Tensor?[] bs) -> Tensor[]");
   m.def("gate_up_silu(Tensor x, Tensor wg, Tensor wu) -> Tensor");
+  m.def("typed_linears(Tensor x, Tensor[] ws, int[] types, Tensor?[] bs) -> Tensor[]");
+  m.def("typed_gate_up_silu(Tensor x, Tensor wg, int tg, Tensor wu, int tu) -> Tensor");
+  m.def("dequantize(Tensor blocks, int type, int K) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def(
       "rope_cache_attention(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor inv_freq, "
@@ -603,6 +658,9 @@ TORCH_LIBRARY(LIBNAME, m) {
 TORCH_LIBRARY_IMPL(LIBNAME, CPU, m) {
   m.impl("linears", &linears);
   m.impl("gate_up_silu", &gate_up_silu);
+  m.impl("typed_linears", &typed_linears);
+  m.impl("typed_gate_up_silu", &typed_gate_up_silu);
+  m.impl("dequantize", &dequantize_blocks);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_cache_attention", &rope_cache_attention);
   m.impl("coupled_argmax", &coupled_argmax);

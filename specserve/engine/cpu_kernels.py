@@ -1,7 +1,8 @@
 """AVX-512 / AVX2 kernels for the few-token float32 steps of decoding (``cpu_kernels.cpp``).
 
-Activations are float32; weight matrices are float32 or bfloat16. A bfloat16 weight is
-widened to float32 as it is loaded (exact: a 16-bit shift), so its product has the bits
+Activations are float32; weight matrices are float32, bfloat16 or GGML quantized
+blocks. A bfloat16 weight is widened to float32 as it is loaded (exact: a 16-bit
+shift), so its product has the bits
 of the float32 kernel on ``w.float()`` while half the bytes come from memory: a 1-row
 product over 72 [4864, 896] weights took 30 ms against 49 ms in float32 here (2 threads).
 
@@ -27,6 +28,18 @@ cache misses instead of ~10 us. The kernels here answer both:
 ``gate_up_silu(x, wg, wu)``
     ``silu(x @ wg.T) * (x @ wu.T)`` with the same tiles (same bits for both
     products), the activation applied per block: no gate/up tensors, no extra ops.
+``typed_linears(x, ws, types, bs)``, ``typed_gate_up_silu(x, wg, tg, wu, tu)``
+    The same with each weight's kind given: 0 for a float32 / bfloat16 tensor, a GGML
+    type (:class:`~specserve.engine.quant.GGMLType`) for uint8 quantized blocks
+    ``[out, bytes_per_row]`` (``cpu_kernels_quant.cpp``). The blocks are widened in
+    registers with the reference dequantization's float operations and meet ``x`` in
+    the float32 tiles' FMAs, lanes and order: the bits of the float32 kernel on the
+    dequantized matrix. Up to 3 rows the widened weights stay in registers; more, each
+    256-value chunk of a block of weight rows is widened once into L1 and every tile of
+    rows reads it there.
+``dequantize(blocks, type, K)``
+    The float32 matrix of quantized rows, widened as above (for products past
+    :data:`~specserve.engine.ops.MAX_KERNEL_ROWS` rows, which go to torch).
 ``rms_norm(x, w, eps)``
     ``w * (x * rsqrt(mean(x^2) + eps))`` per row, one op instead of seven.
 ``rope_cache_attention(q, k, v, ...)``
@@ -64,12 +77,13 @@ import torch
 log = logging.getLogger(__name__)
 
 _LIB = "specserve_cpu"
+_SOURCES = ("cpu_kernels.cpp", "cpu_kernels_quant.cpp")
 
 # Compiler flags per torch CPU capability; the define picks the vector code in the source.
 CAPABILITIES = ("AVX512", "AVX2")
 _ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mfma", "-DSPECSERVE_AVX512"],
-    "AVX2": ["-mavx2", "-mfma", "-DSPECSERVE_AVX2"],
+    "AVX512": ["-mavx512f", "-mfma", "-mf16c", "-DSPECSERVE_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DSPECSERVE_AVX2"],
 }
 
 LinearsFn = Callable[
@@ -86,6 +100,11 @@ class Kernels:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     rope_cache_attention: Callable[..., torch.Tensor]
     coupled_argmax: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # Quantized weights (specserve.engine.quant.matmul documents them): each weight comes
+    # with a type, 0 for a float32 / bfloat16 tensor or a GGML type for uint8 blocks.
+    typed_linears: Callable[..., list[torch.Tensor]]
+    typed_gate_up_silu: Callable[..., torch.Tensor]
+    dequantize: Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
 _lock = threading.Lock()
@@ -94,7 +113,9 @@ _state: dict[str, Kernels | None] = {}
 
 def _source_and_flags(capability: str) -> tuple[str, list[str], str]:
     """The source, compiler flags and library name for ``capability``."""
-    source = resources.files(__package__).joinpath("cpu_kernels.cpp").read_text()
+    # One compilation unit: the quantized weights' code uses the tile code before it.
+    package = resources.files(__package__)
+    source = "\n".join(package.joinpath(f).read_text() for f in _SOURCES)
     flags = [
         "-O3",
         *_ISA_FLAGS[capability],
@@ -154,6 +175,9 @@ def _build() -> Kernels | None:
         lib.rms_norm.default,
         lib.rope_cache_attention.default,
         lib.coupled_argmax.default,
+        lib.typed_linears.default,
+        lib.typed_gate_up_silu.default,
+        lib.dequantize.default,
     )
 
 

@@ -12,6 +12,12 @@ row count. Larger products (prefill), other dtypes and devices, and anything tha
 autograd use torch. The choice depends only on shapes, dtypes and devices, so it is
 deterministic per row count.
 
+Weights may be :class:`~specserve.engine.quant.QuantizedWeight` (GGML blocks): the
+kernels widen the blocks in registers, with the bits of the float32 kernel on the
+dequantized matrix; a larger product (or one without the kernels) dequantizes the
+weight and calls ``F.linear``, as the float32 model does. So a quantized model computes
+the bits of the float32 model dequantized from the same file, at every row count.
+
 Weights may be bfloat16 under float32 activations (a model loaded in bfloat16 on
 such a CPU, see :meth:`CausalLM.compute_in_float32`): the kernels widen each weight
 as they read it (half the bytes from memory, the same bits as the float32 copy of
@@ -34,6 +40,9 @@ import torch.nn.functional as F
 
 from specserve.engine import cpu_kernels
 from specserve.engine.cpu_kernels import Kernels
+from specserve.engine.quant.weight import QuantizedWeight, kernel_operands
+
+Weight = torch.Tensor | QuantizedWeight
 
 # Up to this many rows the kernel beats MKL on the projections of a 1.5B model (2 threads,
 # MKL time / kernel time measured: 1.02 at 1 row, 1.07 at 3, 1.9 at 5, 2.2 at 9, 1.7 at
@@ -95,7 +104,11 @@ def kernels_on() -> bool:
     return _enabled[0]
 
 
-def _kernels_for(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Kernels | None:
+def _quantized(weights: Sequence[Weight]) -> bool:
+    return any(isinstance(w, QuantizedWeight) for w in weights)
+
+
+def _kernels_for(x: torch.Tensor, weights: Sequence[Weight]) -> Kernels | None:
     """The kernels if they may compute ``x`` against ``weights``, else ``None``."""
     if (
         not _enabled[0]
@@ -105,21 +118,34 @@ def _kernels_for(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> Kernels | 
         or x.shape[0] > MAX_KERNEL_ROWS
     ):
         return None
-    for w in weights:
+    plain = [w for w in weights if not isinstance(w, QuantizedWeight)]
+    for w in plain:
         if w.dtype not in KERNEL_WEIGHT_DTYPES or not w.is_cpu:
             return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in plain)):
         return None  # the kernels have no backward
     return cpu_kernels.kernels()
 
 
+def dequantized(weight: QuantizedWeight) -> torch.Tensor:  # [out, in] float32
+    """The float32 matrix of ``weight``: the kernels' widening where they run (fast, in
+    parallel), else the torch reference; the same bits either way."""
+    kern = cpu_kernels.kernels() if _enabled[0] else None
+    if kern is None:
+        return weight.dequantize()
+    return kern.dequantize(weight.blocks, int(weight.ggml_type), weight.in_features)
+
+
 def _torch_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``F.linear``, widening a weight of a narrower dtype than ``x`` (bfloat16 weights
     under float32 activations) to ``x``'s dtype first: the same values, float32 arithmetic
-    (inside :func:`bfloat16_products`: bfloat16 arithmetic, a float32 result).
+    (inside :func:`bfloat16_products`: bfloat16 arithmetic, a float32 result). A
+    quantized weight is dequantized first.
     """
+    if isinstance(weight, QuantizedWeight):
+        weight = dequantized(weight)
     if weight.dtype != x.dtype:
         if _bfloat16_products[0] and weight.dtype == torch.bfloat16:
             y = F.linear(x.to(torch.bfloat16), weight).to(x.dtype)
@@ -130,19 +156,16 @@ def _torch_linear(
 
 def linear(
     x: torch.Tensor,  # [rows, in]
-    weight: torch.Tensor,  # [out, in]
+    weight: Weight,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [rows, out]
     """``x @ weight.T + bias``, as ``torch.nn.functional.linear``."""
-    kern = _kernels_for(x, (weight,))
-    if kern is None:
-        return _torch_linear(x, weight, bias)
-    return kern.linears(x, [weight], [bias])[0]
+    return linears(x, [weight], [bias])[0]
 
 
 def linears(
     x: torch.Tensor,  # [rows, in]
-    weights: Sequence[torch.Tensor],  # each [out_i, in]
+    weights: Sequence[Weight],  # each [out_i, in]
     biases: Sequence[torch.Tensor | None],  # each [out_i] or None
 ) -> list[torch.Tensor]:  # each [rows, out_i]
     """Several projections of the same input (q/k/v) in one call.
@@ -154,19 +177,28 @@ def linears(
     kern = _kernels_for(x, weights)
     if kern is None:
         return [_torch_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    if _quantized(weights):
+        tensors, types = kernel_operands(weights)
+        return kern.typed_linears(x, tensors, types, biases)
     return kern.linears(x, weights, biases)
 
 
 def gate_up_silu(
     x: torch.Tensor,  # [rows, hidden]
-    gate: torch.Tensor,  # [intermediate, hidden]
-    up: torch.Tensor,  # [intermediate, hidden]
+    gate: Weight,  # [intermediate, hidden]
+    up: Weight,  # [intermediate, hidden]
 ) -> torch.Tensor:  # [rows, intermediate]
     """``silu(x @ gate.T) * (x @ up.T)``, the first half of a SwiGLU MLP, in one call."""
-    kern = _kernels_for(x, (gate, up)) if gate.dtype == up.dtype else None
-    if kern is None:
-        return F.silu(_torch_linear(x, gate)) * _torch_linear(x, up)
-    return kern.gate_up_silu(x, gate, up)
+    if _quantized((gate, up)):
+        kern = _kernels_for(x, (gate, up))
+        if kern is not None:
+            (g, u), (tg, tu) = kernel_operands((gate, up))
+            return kern.typed_gate_up_silu(x, g, tg, u, tu)
+    elif gate.dtype == up.dtype:
+        kern = _kernels_for(x, (gate, up))
+        if kern is not None:
+            return kern.gate_up_silu(x, gate, up)
+    return F.silu(_torch_linear(x, gate)) * _torch_linear(x, up)
 
 
 def rms_norm(

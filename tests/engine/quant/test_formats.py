@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specserve.engine.quant import FORMATS, GGMLType, QuantizedWeight, dequantize
-from tests.engine.quant.blocks import random_blocks
+from specserve.engine.quant.synthetic import random_blocks
 
 # The float type the spec computes in: float32 as the formats say, float64 to show
 # that no product rounds.

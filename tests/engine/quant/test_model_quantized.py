@@ -1,0 +1,72 @@
+"""A decoder whose projections are quantized computes the bits of the float32 decoder
+holding the dequantized matrices: prefills (few and many rows), verify forwards and
+one-token steps, with the kernels and without."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from specserve.engine import cpu_kernels, ops
+from specserve.engine.model import CausalLM, SeqInput
+from specserve.engine.quant import GGMLType, QuantizedWeight
+from specserve.engine.quant.synthetic import random_weight
+from specserve.engine.tiny import tiny_config
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _quantized_pair(seed: int) -> tuple[CausalLM, CausalLM]:
+    """(a model with every projection quantized, cycling through the types; its float32
+    twin holding the dequantized matrices). Hidden 256 so that every type fits."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, head_dim=64)
+    quantized = CausalLM(cfg).eval()
+    wide = copy.deepcopy(quantized)
+    types = itertools.cycle(GGMLType)
+    for n, (layer, twin) in enumerate(zip(quantized.model.layers, wide.model.layers, strict=True)):
+        for name in _PROJECTIONS:
+            parent = (
+                layer.self_attn
+                if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
+                else layer.mlp
+            )
+            twin_parent = twin.self_attn if parent is layer.self_attn else twin.mlp
+            module, twin_module = getattr(parent, name), getattr(twin_parent, name)
+            out, k = module.weight.shape
+            w = random_weight(next(types), out, k, seed=100 * n + len(name), scales=(1e-5, 2e-3))
+            del module.weight  # a plain attribute from now on: the model reads .weight
+            module.weight = w
+            twin_module.weight = nn.Parameter(w.dequantize(), requires_grad=False)
+    return quantized, wide
+
+
+def _run(model: CausalLM, ids: list[int], kernels: bool) -> list[torch.Tensor]:
+    kv = model.new_kv_pool(1 << 22)
+    kv.reserve({"a": 60, "b": 60, "c": 60})
+    with torch.no_grad():
+        many = model([SeqInput("a", ids[:40], num_logits=40)], kv)  # > 32 rows: torch
+        few = model([SeqInput("b", ids[:20], num_logits=20)], kv)  # kernel rows
+        verify = model([SeqInput("b", ids[20:25], num_logits=5)], kv)
+        model([SeqInput("c", ids[:20], num_logits=1)], kv)
+        steps = torch.cat([model([SeqInput("c", [i])], kv) for i in ids[20:25]])
+    if kernels:  # a verify forward equals one-token steps (the torch path: to rounding)
+        assert torch.equal(verify, steps)
+    return [many, few, verify, steps]
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_quantized_model_equals_its_dequantized_float32_twin(kernels: bool) -> None:
+    if kernels and cpu_kernels.kernels() is None:
+        pytest.skip("the CPU kernels are not available here")
+    quantized, wide = _quantized_pair(seed=3)
+    assert isinstance(quantized.model.layers[0].self_attn.q_proj.weight, QuantizedWeight)
+    ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    with ops.kernels_enabled(kernels):
+        got, want = _run(quantized, ids, kernels), _run(wide, ids, kernels)
+    for a, b in zip(got, want, strict=True):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
