@@ -52,7 +52,8 @@ def test_unary_greedy_equals_target_only(
 
 @pytest.fixture(scope="module")
 def measured(redis_url: str) -> Iterator[Stack]:
-    """A stack on the default k cap: measured (the shared one pins the curve)."""
+    """A stack of its own on the measured k cap (the default, named here because the test
+    asserts it): its metrics count this module's rounds alone."""
     s = Stack(redis_url, orchestrator_args=["--k-cap", "measured"])
     try:
         yield s.start()
