@@ -44,23 +44,25 @@ import argparse
 import asyncio
 import concurrent.futures
 import multiprocessing
-import os
-import re
 import time
-import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench import concurrency_report as report
 from bench.common import LoadProbe, environment, write_results
-from specserve.client import AsyncClient
-from specserve.devtools.ports import free_port
+from bench.serving_stack import (
+    OrchestratorSetting,
+    Run,
+    Stream,
+    measure,
+    run_streams,
+    serving_stack,
+)
 from specserve.engine.model_spec import ModelSpec
-from specserve.orchestrator.launch import OrchestratorProcess
-from specserve.serving.launch import ServerProcess
+
+__all__ = ["LocalRun", "Run", "Stream", "main"]
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -76,9 +78,9 @@ class Variant:
 
 # One orchestrator process per setting; "off" is the orchestrator's defaults.
 ORCHESTRATORS = {
-    "on": ["--draft-ahead", "on"],
-    "off": ["--draft-ahead", "off"],
-    "curve": ["--draft-ahead", "off", "--k-cap", "curve"],
+    "on": OrchestratorSetting(("--draft-ahead", "on")),
+    "off": OrchestratorSetting(("--draft-ahead", "off")),
+    "curve": OrchestratorSetting(("--draft-ahead", "off", "--k-cap", "curve")),
 }
 VARIANTS = {
     "plain": Variant("plain (k = 0)", "off", "none"),
@@ -87,52 +89,6 @@ VARIANTS = {
     "curve": Variant("adaptive k, no draft-ahead, curve-only k cap", "curve", "model"),
 }
 LOCAL_VARIANTS = {"plain (k = 0)": ("none", 0), "adaptive k": ("model", None)}
-
-
-@dataclass
-class Stream:
-    """One request as the client saw it."""
-
-    sent: float
-    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in it)
-    tokens: list[int] = field(default_factory=list)
-    finish: str | None = None
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0
-
-    @property
-    def ttft_s(self) -> float:
-        return self.arrivals[0][0] - self.sent
-
-    def latencies(self) -> tuple[list[float], list[float]]:
-        """Per-token inter-token latencies (gap / tokens) and the raw gaps between messages."""
-        per_token, gaps = [], []
-        for (t0, _), (t1, n) in zip(self.arrivals, self.arrivals[1:], strict=False):
-            gaps.append(t1 - t0)
-            per_token += [(t1 - t0) / n] * n
-        return per_token, gaps
-
-
-@dataclass
-class Run:
-    """One variant at one concurrency in one repetition."""
-
-    variant: str
-    concurrency: int
-    rep: int
-    wall_s: float
-    streams: list[Stream]
-    draft_ahead: dict[str, float] = field(default_factory=dict)  # bets, hits, misses
-    k_caps: dict[int, float] = field(default_factory=dict)  # batch rounds by k cap
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.streams)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall_s
 
 
 @dataclass
@@ -224,106 +180,13 @@ def run_local_in_child(args: argparse.Namespace, prompt_list: list[list[int]]) -
 # -- the stack -------------------------------------------------------------------------------
 
 
-@dataclass
-class StackUnderTest:
-    orchestrators: dict[str, OrchestratorProcess]  # "on" / "off" -> process
-    metrics_ports: dict[str, int]
-
-
-@contextmanager
-def stack(args: argparse.Namespace, settings: Sequence[str]) -> Iterator[StackUnderTest]:
-    """Target and draft servers and one orchestrator per setting the variants use."""
-    threads = ["--threads", str(args.threads)]
-    flags = {
-        "target": ["--model", args.target, "--dtype", args.target_dtype, *threads],
-        "draft": ["--model", args.draft, "--dtype", args.draft_dtype, *threads],
-    }
-    module = None
-    if args.emulate_devices:
-        module = "bench.emulated_device"
-        draft_ms, target_ms = args.emulate_devices
-        flags["target"] = ["target", "--forward-ms", str(target_ms), *flags["target"]]
-        flags["draft"] = ["draft", "--forward-ms", str(draft_ms), *flags["draft"]]
-    servers = [ServerProcess(role, flags[role], module=module) for role in ("target", "draft")]
-    orchestrators: dict[str, OrchestratorProcess] = {}
-    ports = {setting: free_port() for setting in settings}
-    try:
-        for s in servers:
-            s.start()
-        common = ["--target", servers[0].address, "--draft", servers[1].address]
-        common += ["--target-timeout-s", str(args.target_timeout_s)]
-        if not os.environ.get("SPECSERVE_DEVICES"):  # declared: one machine's cores, or emulated
-            common += ["--devices", "separate" if args.emulate_devices else "shared"]
-        if not ModelSpec.parse(args.target).is_tiny:
-            common += ["--tokenizer", args.target]
-        for setting, port in ports.items():
-            orchestrators[setting] = OrchestratorProcess(
-                [*common, *ORCHESTRATORS[setting], "--metrics-port", str(port)]
-            ).start()
-        for p in (*servers, *orchestrators.values()):
-            p.wait_serving(timeout_s=900)
-        yield StackUnderTest(orchestrators, ports)
-    finally:
-        for p in (*orchestrators.values(), *servers):
-            p.stop()
-        if args.logs is not None:  # each process's output (with SPECSERVE_LOG_LEVEL=DEBUG:
-            args.logs.mkdir(parents=True, exist_ok=True)  # every round and cap decision)
-            for s in servers:
-                (args.logs / f"{s.role}.log").write_text(s.output())
-            for setting, o in orchestrators.items():
-                (args.logs / f"orchestrator-{setting}.log").write_text(o.output())
-
-
-def orchestrator_counts(port: int) -> tuple[dict[str, float], dict[int, float]]:
-    """Draft-ahead bets, hits and misses, and batch rounds by k cap, from an orchestrator's
-    metrics port."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        body = r.read().decode()
-    out = {"bets": 0.0, "hits": 0.0, "misses": 0.0}
-    for name in out:
-        for m in re.finditer(
-            rf"^specserve_orchestrator_draft_ahead_{name}_total\S* (\S+)$", body, re.M
-        ):
-            out[name] += float(m.group(1))
-    caps = {
-        int(m.group(1)): float(m.group(2))
-        for m in re.finditer(
-            r'^specserve_orchestrator_k_cap_rounds_total\{cap="(\d+)"\} (\S+)$', body, re.M
-        )
-    }
-    return out, caps
-
-
-async def run_streams(
-    address: str, prompt_list: Sequence[list[int]], new_tokens: int, drafter: str
-) -> tuple[float, list[Stream]]:
-    """Send every prompt at once as a streaming request; wall time and what arrived."""
-    async with AsyncClient(address, timeout_s=3600) as client:
-
-        async def one(prompt: list[int]) -> Stream:
-            s = Stream(time.perf_counter())
-            async for d in client.stream(prompt, max_new_tokens=new_tokens, drafter=drafter):
-                if d.token_ids:
-                    s.arrivals.append((time.perf_counter(), len(d.token_ids)))
-                    s.tokens += d.token_ids
-                if d.usage is not None:
-                    s.finish = d.finish_reason
-                    s.drafted, s.accepted = d.usage.drafted_tokens, d.usage.accepted_tokens
-                    s.rounds = d.usage.rounds
-            return s
-
-        t0 = time.perf_counter()
-        streams = await asyncio.gather(*(one(p) for p in prompt_list))
-        end = max(s.arrivals[-1][0] for s in streams if s.arrivals)
-        return end - t0, list(streams)
-
-
 def run_stack(
     args: argparse.Namespace, prompt_list: list[list[int]], variants: list[Variant]
 ) -> list[Run]:
     runs = []
     widest = max(args.concurrency)
-    with stack(args, sorted({v.orchestrator for v in variants})) as st:
+    settings = {name: ORCHESTRATORS[name] for name in sorted({v.orchestrator for v in variants})}
+    with serving_stack(args, settings) as st:
         for v in variants:  # untimed warm-up at the widest batch
             addr = st.orchestrators[v.orchestrator].address
             asyncio.run(run_streams(addr, prompt_list[:widest], 8, v.drafter))
@@ -331,31 +194,8 @@ def run_stack(
             for c in args.concurrency:
                 batch = [prompt_list[i] for i in prompt_ids(rep, c, widest)]
                 for v in variants:
-                    port = st.metrics_ports[v.orchestrator]
-                    before, caps_before = orchestrator_counts(port)
-                    address = st.orchestrators[v.orchestrator].address
-                    wall, streams = asyncio.run(
-                        run_streams(address, batch, args.new_tokens, v.drafter)
-                    )
-                    after, caps_after = orchestrator_counts(port)
-                    run = Run(
-                        v.name,
-                        c,
-                        rep,
-                        wall,
-                        streams,
-                        {k: after[k] - before[k] for k in after},
-                        {
-                            cap: n - caps_before.get(cap, 0.0)
-                            for cap, n in caps_after.items()
-                            if n > caps_before.get(cap, 0.0)
-                        },
-                    )
-                    runs.append(run)
-                    print(
-                        f"rep {rep} c={c} {v.name}: {run.tokens_per_s:.2f} tok/s "
-                        f"({run.tokens} tokens in {wall:.1f} s)",
-                        flush=True,
+                    runs.append(
+                        measure(st, v.orchestrator, v.name, rep, batch, args.new_tokens, v.drafter)
                     )
     return runs
 

@@ -45,7 +45,9 @@ def default_adaptive(names: Sequence[str]) -> str | None:
     return next((n for n in names if n != PLAIN), None)
 
 
-def _row(runs: list[Run], plain: dict[tuple[int, int], Run]) -> dict[str, Any]:
+def variant_row(runs: list[Run], plain: dict[tuple[int, int], Run]) -> dict[str, Any]:
+    """One variant at one concurrency over its repetitions, against plain (keyed by
+    (repetition, concurrency)): medians, per-repetition ratios, latencies, wrong streams."""
     per_token: list[float] = []
     gaps: list[float] = []
     wrong = eos = 0
@@ -116,7 +118,7 @@ def summarize(runs: list[Run], local: list[LocalRun], variants: Sequence[str]) -
         for v in variants:
             mine = [r for r in runs if r.variant == v and r.concurrency == c]
             if mine:
-                stack_rows.append(_row(mine, plain))
+                stack_rows.append(variant_row(mine, plain))
     local_rows = []
     for name in dict.fromkeys(r.variant for r in local):
         mine = [r for r in local if r.variant == name]

@@ -1,0 +1,227 @@
+"""The serving stack the stack benchmarks measure, and one timed batch of streams through it.
+
+:func:`serving_stack` starts a target server, a draft server and one orchestrator per
+:class:`OrchestratorSetting` (its own flags and environment; embedded session store),
+as separate processes on loopback, the way ``specserve up`` starts them. The
+orchestrators share the two servers and run one at a time, so a variant whose
+setting needs another orchestrator process costs an idle process, not a second
+copy of the models. :func:`measure` sends one batch of streaming requests to one
+orchestrator and returns what the client saw (:class:`Run`), with the draft-ahead
+and k-cap counters the orchestrator's metrics port moved during it.
+
+Used by :mod:`bench.concurrency` and :mod:`bench.policy_ablation`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from specserve.client import AsyncClient
+from specserve.devtools.ports import free_port
+from specserve.engine.model_spec import ModelSpec
+from specserve.orchestrator.launch import OrchestratorProcess
+from specserve.serving.launch import ServerProcess
+
+
+@dataclass(frozen=True)
+class OrchestratorSetting:
+    """How one orchestrator process of the stack is started: extra flags and environment."""
+
+    flags: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Stream:
+    """One request as the client saw it."""
+
+    sent: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in it)
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.arrivals[0][0] - self.sent
+
+    def latencies(self) -> tuple[list[float], list[float]]:
+        """Per-token inter-token latencies (gap / tokens) and the raw gaps between messages."""
+        per_token, gaps = [], []
+        for (t0, _), (t1, n) in zip(self.arrivals, self.arrivals[1:], strict=False):
+            gaps.append(t1 - t0)
+            per_token += [(t1 - t0) / n] * n
+        return per_token, gaps
+
+
+@dataclass
+class Run:
+    """One variant at one concurrency in one repetition."""
+
+    variant: str
+    concurrency: int
+    rep: int
+    wall_s: float
+    streams: list[Stream]
+    draft_ahead: dict[str, float] = field(default_factory=dict)  # bets, hits, misses
+    k_caps: dict[int, float] = field(default_factory=dict)  # batch rounds by k cap
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.streams)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+@dataclass
+class StackUnderTest:
+    orchestrators: dict[str, OrchestratorProcess]  # setting name -> process
+    metrics_ports: dict[str, int]
+
+
+@contextmanager
+def serving_stack(
+    args: argparse.Namespace, settings: Mapping[str, OrchestratorSetting]
+) -> Iterator[StackUnderTest]:
+    """Target and draft servers and one orchestrator per setting, all serving.
+
+    ``args`` carries the models and how they run: ``target``, ``draft``,
+    ``target_dtype``, ``draft_dtype``, ``threads``, ``emulate_devices`` (None or
+    (draft ms, target ms) per forward), ``target_timeout_s`` and ``logs`` (None or a
+    folder for every process's output when the stack stops).
+    """
+    threads = ["--threads", str(args.threads)]
+    flags = {
+        "target": ["--model", args.target, "--dtype", args.target_dtype, *threads],
+        "draft": ["--model", args.draft, "--dtype", args.draft_dtype, *threads],
+    }
+    module = None
+    if args.emulate_devices:
+        module = "bench.emulated_device"
+        draft_ms, target_ms = args.emulate_devices
+        flags["target"] = ["target", "--forward-ms", str(target_ms), *flags["target"]]
+        flags["draft"] = ["draft", "--forward-ms", str(draft_ms), *flags["draft"]]
+    servers = [ServerProcess(role, flags[role], module=module) for role in ("target", "draft")]
+    orchestrators: dict[str, OrchestratorProcess] = {}
+    ports = {name: free_port() for name in settings}
+    try:
+        for s in servers:
+            s.start()
+        common = ["--target", servers[0].address, "--draft", servers[1].address]
+        common += ["--target-timeout-s", str(args.target_timeout_s)]
+        if not ModelSpec.parse(args.target).is_tiny:
+            common += ["--tokenizer", args.target]
+        for name, port in ports.items():
+            setting = settings[name]
+            orchestrators[name] = OrchestratorProcess(
+                [*common, *setting.flags, "--metrics-port", str(port)], env=setting.env
+            ).start()
+        for p in (*servers, *orchestrators.values()):
+            p.wait_serving(timeout_s=900)
+        yield StackUnderTest(orchestrators, ports)
+    finally:
+        for p in (*orchestrators.values(), *servers):
+            p.stop()
+        if args.logs is not None:  # each process's output (with SPECSERVE_LOG_LEVEL=DEBUG:
+            args.logs.mkdir(parents=True, exist_ok=True)  # every round and cap decision)
+            for s in servers:
+                (args.logs / f"{s.role}.log").write_text(s.output())
+            for name, o in orchestrators.items():
+                (args.logs / f"orchestrator-{name}.log").write_text(o.output())
+
+
+def orchestrator_counts(port: int) -> tuple[dict[str, float], dict[int, float]]:
+    """Draft-ahead bets, hits and misses, and batch rounds by k cap, from an orchestrator's
+    metrics port."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        body = r.read().decode()
+    out = {"bets": 0.0, "hits": 0.0, "misses": 0.0}
+    for name in out:
+        for m in re.finditer(
+            rf"^specserve_orchestrator_draft_ahead_{name}_total\S* (\S+)$", body, re.M
+        ):
+            out[name] += float(m.group(1))
+    caps = {
+        int(m.group(1)): float(m.group(2))
+        for m in re.finditer(
+            r'^specserve_orchestrator_k_cap_rounds_total\{cap="(\d+)"\} (\S+)$', body, re.M
+        )
+    }
+    return out, caps
+
+
+async def run_streams(
+    address: str,
+    prompt_list: Sequence[list[int]],
+    new_tokens: int,
+    drafter: str,
+    k: int | None = None,
+) -> tuple[float, list[Stream]]:
+    """Send every prompt at once as a streaming request (greedy; ``k`` None = adaptive);
+    wall time from the first request to the last token, and what arrived."""
+    async with AsyncClient(address, timeout_s=3600) as client:
+
+        async def one(prompt: list[int]) -> Stream:
+            s = Stream(time.perf_counter())
+            async for d in client.stream(prompt, max_new_tokens=new_tokens, drafter=drafter, k=k):
+                if d.token_ids:
+                    s.arrivals.append((time.perf_counter(), len(d.token_ids)))
+                    s.tokens += d.token_ids
+                if d.usage is not None:
+                    s.finish = d.finish_reason
+                    s.drafted, s.accepted = d.usage.drafted_tokens, d.usage.accepted_tokens
+                    s.rounds = d.usage.rounds
+            return s
+
+        t0 = time.perf_counter()
+        streams = await asyncio.gather(*(one(p) for p in prompt_list))
+        end = max(s.arrivals[-1][0] for s in streams if s.arrivals)
+        return end - t0, list(streams)
+
+
+def measure(
+    st: StackUnderTest,
+    setting: str,
+    name: str,
+    rep: int,
+    batch: Sequence[list[int]],
+    new_tokens: int,
+    drafter: str,
+    k: int | None = None,
+) -> Run:
+    """One batch through the orchestrator of ``setting``, recorded as variant ``name``."""
+    port = st.metrics_ports[setting]
+    before, caps_before = orchestrator_counts(port)
+    address = st.orchestrators[setting].address
+    wall, streams = asyncio.run(run_streams(address, batch, new_tokens, drafter, k))
+    after, caps_after = orchestrator_counts(port)
+    run = Run(
+        name,
+        len(batch),
+        rep,
+        wall,
+        streams,
+        {key: after[key] - before[key] for key in after},
+        {
+            cap: n - caps_before.get(cap, 0.0)
+            for cap, n in caps_after.items()
+            if n > caps_before.get(cap, 0.0)
+        },
+    )
+    print(
+        f"rep {rep} c={len(batch)} {name}: {run.tokens_per_s:.2f} tok/s "
+        f"({run.tokens} tokens in {wall:.1f} s)",
+        flush=True,
+    )
+    return run
