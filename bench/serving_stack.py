@@ -116,17 +116,19 @@ def serving_stack(
     orchestrators: dict[str, OrchestratorProcess] = {}
     ports = {name: free_port() for name in settings}
     try:
-        for s in servers:
-            s.start()
+        for s in servers:  # a loaded machine can take minutes to import torch and bind
+            s.start(timeout_s=900)
         common = ["--target", servers[0].address, "--draft", servers[1].address]
         common += ["--target-timeout-s", str(args.target_timeout_s)]
         if not ModelSpec.parse(args.target).is_tiny:
             common += ["--tokenizer", args.target]
         for name, port in ports.items():
             setting = settings[name]
+            # Held before it starts: a start that times out leaves a child to stop below.
             orchestrators[name] = OrchestratorProcess(
                 [*common, *setting.flags, "--metrics-port", str(port)], env=setting.env
-            ).start()
+            )
+            orchestrators[name].start(timeout_s=900)
         for p in (*servers, *orchestrators.values()):
             p.wait_serving(timeout_s=900)
         yield StackUnderTest(orchestrators, ports)
