@@ -16,7 +16,7 @@ back to back (A B C ..., and again in the next repetition), on the same prompts:
 :data:`VARIANTS` is the table to edit: a variant's environment (``SPECSERVE_K_CAP``,
 ``SPECSERVE_DRAFT_AHEAD`` and ``SPECSERVE_POLICY`` fields of ``PolicyConfig``), its
 drafter and its request k. Every orchestrator also gets ``SPECSERVE_DEVICES`` from
-``--devices`` (shared by default: the servers share this machine's cores). A
+``--devices`` (by default shared: the servers share this machine's cores). A
 variant whose ``PolicyConfig`` field the orchestrator does not have is refused
 before anything starts.
 
@@ -43,7 +43,14 @@ from pathlib import Path
 from bench import policy_ablation_report as report
 from bench.common import LoadProbe, environment, parse_range, reproduce_command, write_results
 from bench.concurrency import DRAFT, TARGET, device_ms, int_list, prompts
-from bench.serving_stack import OrchestratorSetting, Run, measure, run_streams, serving_stack
+from bench.serving_stack import (
+    OrchestratorSetting,
+    Run,
+    declared_devices,
+    measure,
+    run_streams,
+    serving_stack,
+)
 
 TINY_TARGET = "tiny:3"
 TINY_DRAFT = "tiny:3:noise=0.3"
@@ -130,7 +137,7 @@ def run_ablation(
     per variant, reused over the repetitions."""
     widest = max(args.sessions)
     settings = {
-        name: OrchestratorSetting(env=v.orchestrator_env(args.declared_devices))
+        name: OrchestratorSetting(env=v.orchestrator_env(args.devices))
         for name, v in variants.items()
     }
     runs: list[Run] = []
@@ -175,8 +182,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
         "--devices",
         choices=["shared", "separate"],
         default=None,
-        help="what every orchestrator is told (SPECSERVE_DEVICES); default: separate with "
-        "--emulate-devices, shared otherwise",
+        help="what every orchestrator is told (SPECSERVE_DEVICES); default: that variable, "
+        "else separate with --emulate-devices and shared without",
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads per server")
     p.add_argument(
@@ -205,8 +212,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
     refused = unsupported(variants, policy_fields())
     if refused:
         p.error("; ".join(refused) + " (leave those out with --variants)")
-    devices = args.devices or ("separate" if args.emulate_devices else "shared")
-    args.declared_devices = devices if orchestrator_has_flag("--devices") else None
+    args.devices = args.devices or declared_devices(args)
     needed = args.reps * max(args.sessions)
     if args.prompts is None:
         args.prompts = list(range(needed))
@@ -224,7 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         target=f"{args.target} ({args.target_dtype})",
         draft=f"{args.draft} ({args.draft_dtype})",
         server_threads=args.threads,
-        devices=args.declared_devices or "not declared (the orchestrator has no --devices)",
+        devices=(
+            args.devices
+            if orchestrator_has_flag("--devices")
+            else "not declared (the orchestrator has no --devices)"
+        ),
         emulate_devices=args.emulate_devices,
         command=reproduce_command("bench.policy_ablation", argv),
     )

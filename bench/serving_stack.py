@@ -1,7 +1,8 @@
 """The serving stack the stack benchmarks measure, and one timed batch of streams through it.
 
 :func:`serving_stack` starts a target server, a draft server and one orchestrator per
-:class:`OrchestratorSetting` (its own flags and environment; embedded session store),
+:class:`OrchestratorSetting` (its own flags and environment; embedded session store;
+``SPECSERVE_DEVICES`` from :func:`declared_devices` unless the setting names it),
 as separate processes on loopback, the way ``specserve up`` starts them. The
 orchestrators share the two servers and run one at a time, so a variant whose
 setting needs another orchestrator process costs an idle process, not a second
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import time
 import urllib.request
@@ -90,6 +92,14 @@ class StackUnderTest:
     metrics_ports: dict[str, int]
 
 
+def declared_devices(args: argparse.Namespace) -> str:
+    """What the orchestrators are told about their devices (``SPECSERVE_DEVICES``): the
+    environment's value, else ``separate`` with emulated devices and ``shared`` without
+    (both servers on this machine's cores). An orchestrator without the setting ignores it.
+    """
+    return os.environ.get("SPECSERVE_DEVICES") or ("separate" if args.emulate_devices else "shared")
+
+
 @contextmanager
 def serving_stack(
     args: argparse.Namespace, settings: Mapping[str, OrchestratorSetting]
@@ -124,9 +134,10 @@ def serving_stack(
             common += ["--tokenizer", args.target]
         for name, port in ports.items():
             setting = settings[name]
+            env = {"SPECSERVE_DEVICES": declared_devices(args), **setting.env}
             # Held before it starts: a start that times out leaves a child to stop below.
             orchestrators[name] = OrchestratorProcess(
-                [*common, *setting.flags, "--metrics-port", str(port)], env=setting.env
+                [*common, *setting.flags, "--metrics-port", str(port)], env=env
             )
             orchestrators[name].start(timeout_s=900)
         for p in (*servers, *orchestrators.values()):

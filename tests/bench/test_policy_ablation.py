@@ -4,6 +4,7 @@ temporary folder), so that the benchmark keeps starting."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from bench import common, policy_ablation
 from bench.policy_ablation import VARIANTS, Variant, fixed_k_variants, unsupported
 from bench.policy_ablation_report import summarize, verdict
-from bench.serving_stack import Run, Stream
+from bench.serving_stack import Run, Stream, declared_devices
 
 
 def run(variant: str, c: int, rep: int, wall: float, tokens: list[int]) -> Run:
@@ -85,3 +86,13 @@ def test_a_short_run_on_tiny_models_writes_the_headline(
     assert h["wrong_variants"] == []
     assert data["environment"]["cpu_flags"] and "policy_ablation" in data["environment"]["command"]
     assert (tmp_path / "ablation-smoke.md").read_text().startswith("# Policy ablation")
+
+
+def test_the_stack_declares_shared_devices_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SPECSERVE_DEVICES", raising=False)
+    assert declared_devices(argparse.Namespace(emulate_devices=None)) == "shared"
+    assert declared_devices(argparse.Namespace(emulate_devices=(2.0, 12.0))) == "separate"
+    monkeypatch.setenv("SPECSERVE_DEVICES", "separate")
+    assert declared_devices(argparse.Namespace(emulate_devices=None)) == "separate"
