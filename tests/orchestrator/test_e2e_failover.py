@@ -92,6 +92,7 @@ def test_device_failure_on_a_target_fails_over(redis_url: str, reference: Refere
         with Client(stack.address, timeout_s=120) as c:
             got = c.generate(PROMPT, max_new_tokens=60, k=3)
         assert got.token_ids == expected
+        assert got.usage.drafted_tokens > 0 and got.usage.accepted_tokens > 0
         failovers = stack.metric("specserve_orchestrator_target_failovers")
         assert sum(failovers.values()) >= 1
     finally:

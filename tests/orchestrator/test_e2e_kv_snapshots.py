@@ -156,6 +156,8 @@ def test_a_dead_snapshot_store_changes_nothing(redis_url: str, reference: Refere
             victim.proc.kill()
             deltas.extend(stream)
         assert [t for d in deltas for t in d.token_ids] == expected
+        usage = deltas[-1].usage
+        assert usage is not None and usage.drafted_tokens > 0 and usage.accepted_tokens > 0
         assert total(stack, "target_failovers") >= 1
         assert total(stack, "kv_restores") == 0
         assert total(stack, "kv_restore_failures") + total(stack, "kv_restore_misses") >= 1
