@@ -29,6 +29,7 @@ from bench.concurrency import DRAFT, TARGET
 from bench.policy_ablation import TINY_DRAFT, TINY_TARGET, orchestrator_has_flag
 from bench.serving_stack import OrchestratorSetting, declared_devices, serving_stack
 from specserve.client import Client
+from specserve.engine.model_spec import ModelSpec
 
 WITHIN = 0.20  # the issue's bound on |stack / local - 1| of the mean acceptance length
 
@@ -36,12 +37,12 @@ WITHIN = 0.20  # the issue's bound on |stack / local - 1| of the mean acceptance
 def encode(target: str, text: str) -> list[int]:
     """The prompt's token ids as ``specserve generate`` encodes it (no chat template);
     a tiny model's ids are the text's UTF-8 bytes."""
-    if target.startswith("tiny:"):
+    if ModelSpec.parse(target).is_tiny:
         return list(text.encode())
+    from specserve import model_store
     from specserve.engine.loader import load_tokenizer
-    from specserve.model_store import resolve
 
-    return list(load_tokenizer(resolve(target)).encode(text))
+    return list(load_tokenizer(model_store.locate(target)).encode(text))
 
 
 def local_run(settings: dict[str, Any], prompt: list[int], new_tokens: int) -> dict[str, Any]:
