@@ -190,6 +190,15 @@ class BlockAllocator:
             raise NotFound(f"session {session_id!r} has no KV cache on this replica")
 
 
+def slot_ids(table: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:
+    """Flat slot ids int64 [end - start], on the host, of positions ``[start, end)`` of a
+    session whose blocks are ``table``."""
+    assert end <= len(table) * block_size, "positions past the reserved blocks"
+    blocks = torch.tensor(table, dtype=torch.long)
+    pos = torch.arange(start, end, dtype=torch.long)
+    return blocks[pos // block_size] * block_size + pos % block_size
+
+
 class KVPool:
     """Paged K/V tensors for every layer, with a :class:`BlockAllocator` in front."""
 
@@ -254,14 +263,14 @@ class KVPool:
         return victims
 
     def slots(self, session_id: str, start: int, end: int) -> torch.Tensor:
-        """Flat slot ids of positions ``[start, end)``; the blocks must be reserved."""
-        bs = self.alloc.block_size
+        """Flat slot ids int64 [end - start] of positions ``[start, end)`` on the pool's
+        device; the blocks must be reserved."""
+        return self.host_slots(session_id, start, end).to(self.device)
+
+    def host_slots(self, session_id: str, start: int, end: int) -> torch.Tensor:
+        """:meth:`slots` on the host (a forward plans a whole batch there, then copies)."""
         table = self.alloc.block_table(session_id)
-        assert end <= len(table) * bs, "positions past the reserved blocks"
-        blocks = torch.tensor(table, dtype=torch.long)
-        pos = torch.arange(start, end, dtype=torch.long)
-        # [end - start]
-        return (blocks[pos // bs] * bs + pos % bs).to(self.device)
+        return slot_ids(table, self.alloc.block_size, start, end)
 
     def advance(self, session_id: str, n: int, token_ids: Sequence[int] | None = None) -> None:
         """Record that ``n`` more positions were written, holding ``token_ids`` (if known)."""

@@ -42,16 +42,23 @@ def token_logprobs(
         logp = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
     else:
         logp = torch.log(probabilities(logits, params))  # [n, vocab], -inf off the support
-    out = []
-    for i, token in enumerate(emitted):
-        alternatives: tuple[tuple[int, float], ...] = ()
-        if top:
-            # a stable descending sort: equal probabilities rank the lower id first
-            values, ids = torch.sort(logp[i], descending=True, stable=True)
-            alternatives = tuple(
+    # Everything read back from the device in two copies, not a few per token.
+    index = torch.tensor(list(emitted), dtype=torch.long, device=logp.device)[:, None]
+    chosen = logp.gather(1, index)[:, 0].tolist()  # [n]
+    top_ids: list[list[int]] = [[] for _ in emitted]
+    top_values: list[list[float]] = [[] for _ in emitted]
+    if top:
+        # a stable descending sort: equal probabilities rank the lower id first
+        values, ids = torch.sort(logp, dim=-1, descending=True, stable=True)
+        top_ids, top_values = ids[:, :top].tolist(), values[:, :top].tolist()
+    return tuple(
+        TokenLogprob(
+            float(logp_token),
+            tuple(
                 (int(t), float(v))
-                for t, v in zip(ids[:top].tolist(), values[:top].tolist(), strict=True)
+                for t, v in zip(ids_row, values_row, strict=True)
                 if math.isfinite(v)
-            )
-        out.append(TokenLogprob(float(logp[i, token]), alternatives))
-    return tuple(out)
+            ),
+        )
+        for logp_token, ids_row, values_row in zip(chosen, top_ids, top_values, strict=True)
+    )

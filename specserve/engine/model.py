@@ -56,9 +56,14 @@ class SeqInput:
 
 @dataclass
 class _Plan:
-    """Index tensors shared by every layer of one forward."""
+    """Index tensors shared by every layer of one forward, on the model's device.
+
+    Planned on the host and copied once per tensor: on a GPU a per-session copy or a
+    value read back per layer would each stall the stream.
+    """
 
     positions: torch.Tensor  # [tokens] absolute position of each new token
+    max_position: int  # max(positions), known without reading the device
     write_slots: torch.Tensor  # [tokens] pool slot each new K/V goes to
     read_slots: torch.Tensor  # [batch, max_len] pool slots of each session's keys
     mask: torch.Tensor | None  # [batch, 1, max_new, max_len] bool, True = attend
@@ -76,10 +81,10 @@ def _plan(seqs: Sequence[SeqInput], kv: KVPool, sliding_window: int | None) -> _
     news = [len(s.token_ids) for s in seqs]
     ends = [a + n for a, n in zip(starts, news, strict=True)]
     positions = torch.cat([torch.arange(a, e) for a, e in zip(starts, ends, strict=True)])
-    slots = [kv.slots(s.session_id, 0, e) for s, e in zip(seqs, ends, strict=True)]
+    slots = [kv.host_slots(s.session_id, 0, e) for s, e in zip(seqs, ends, strict=True)]
     write_slots = torch.cat([sl[a:] for sl, a in zip(slots, starts, strict=True)])
     batch, max_new, max_len = len(seqs), max(news), max(ends)
-    read_slots = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+    read_slots = torch.zeros(batch, max_len, dtype=torch.long)
     for i, sl in enumerate(slots):
         read_slots[i, : len(sl)] = sl
     mask = None
@@ -103,17 +108,18 @@ def _plan(seqs: Sequence[SeqInput], kv: KVPool, sliding_window: int | None) -> _
     offsets = torch.tensor(news).cumsum(0)
     logit_rows = torch.cat(
         [torch.arange(int(o) - s.num_logits, int(o)) for o, s in zip(offsets, seqs, strict=True)]
-    ).to(device)
+    )
     token_session = torch.repeat_interleave(torch.arange(batch), torch.tensor(news))
     return _Plan(
         positions=positions.to(device),
-        write_slots=write_slots,
-        read_slots=read_slots,
+        max_position=max(ends) - 1,
+        write_slots=write_slots.to(device),
+        read_slots=read_slots.to(device),
         mask=mask,
         pad_index=pad_index,
         batch=batch,
         max_new=max_new,
-        logit_rows=logit_rows,
+        logit_rows=logit_rows.to(device),
         token_session=token_session.to(device),
         sliding_window=sliding_window,
     )
@@ -171,7 +177,7 @@ class Attention(nn.Module):
         )
         if out is not None:  # the CPU kernel did all of the below in one op
             return linear(out, self.o_proj.weight)
-        q, k = rope(q, k, plan.positions)
+        q, k = rope(q, k, plan.positions, plan.max_position)
         k_cache.index_copy_(0, plan.write_slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, plan.write_slots, v.to(v_cache.dtype))
 

@@ -163,11 +163,18 @@ class ModelDrafter:
             for a in running:
                 s = self._sessions[a.sid]
                 s.in_kv += len(a.feed)
+            # Read back once per step what every row needs, not a value per row.
+            greedy: list[int] = []
+            if any(a.params.greedy for a in running):
+                greedy = logits.argmax(dim=-1).tolist()
+            top: list[float] = []
+            if self.min_confidence > 0:
+                top = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
             still = []
             for row, a in enumerate(running):
-                token, confident = self._choose(a, logits[row])
-                if not confident:
+                if top and top[row] < self.min_confidence:
                     continue
+                token = greedy[row] if a.params.greedy else self._sample(a, logits[row])
                 a.drafts.append(token)
                 s = self._sessions[a.sid]
                 s.tokens.append(token)
@@ -176,22 +183,17 @@ class ModelDrafter:
                     still.append(a)
             running = still
 
-    def _choose(self, a: _Active, logits: torch.Tensor) -> tuple[int, bool]:  # [vocab]
+    def _sample(self, a: _Active, logits: torch.Tensor) -> int:  # [vocab]
+        """The draft token of a sampled session (coupled or the rejection rule's draw)."""
         s = self._sessions[a.sid]
         position = len(s.tokens)  # absolute position of the token being drafted
-        if self.min_confidence > 0:
-            top = torch.softmax(logits, dim=-1).max()
-            if float(top) < self.min_confidence:
-                return -1, False
-        if a.params.greedy:
-            return int(torch.argmax(logits)), True
         probs = probabilities(logits.unsqueeze(0), a.params)[0]  # [vocab]
         m = min(self.max_support, probs.shape[0])
         vals, ids = torch.topk(probs, m)
         vals = vals / vals.sum()
         if a.params.coupled:
             seeds = [a.params.seed]
-            return int(coupling.choose_among(vals[None], ids[None], seeds, [position])[0]), True
+            return int(coupling.choose_among(vals[None], ids[None], seeds, [position])[0])
         u = uniform(a.params.seed, a.round_index, position, Stream.DRAFT)
         cdf = torch.cumsum(vals.double(), 0)
         pick = min(int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True)), m - 1)
@@ -199,7 +201,7 @@ class ModelDrafter:
             pick -= 1
         a.q_ids.append(ids)
         a.q_probs.append(vals.float())
-        return int(ids[pick]), True
+        return int(ids[pick])
 
     def _proposal(self, a: _Active) -> Proposal:
         if a.params.greedy or a.params.coupled or not a.drafts:

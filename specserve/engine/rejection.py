@@ -119,12 +119,12 @@ def verify(
     u_accept, u_resample = _draws(at, params, round_index, positions, device)
     # Greedy and coupled sessions keep drafts while they equal the target's own choice.
     choice = _choices(target_logits, probs, params, positions, at)  # [R]
-    chosen = torch.tensor([p.greedy or p.coupled for p in params], device=device)  # [batch]
+    chosen = torch.tensor([p.greedy or p.coupled for p in params])  # [batch] on the host
 
     # The accept test for every draft token at once, then the length of the leading run.
     p_x = probs[at.draft_row, drafts.tokens].double()  # [T]
     accept = torch.where(
-        chosen[at.draft_session],
+        chosen.to(device)[at.draft_session],
         drafts.tokens == choice[at.draft_row],
         u_accept < _acceptance_probability(p_x, drafts.q_at_token),
     )
@@ -135,8 +135,8 @@ def verify(
     # One recovered or bonus token per session, from the row after the accepted run.
     next_row = at.row_start + accepted  # [batch]
     next_token = choice[next_row]  # right for greedy and coupled sessions
-    sampled = (~chosen).nonzero().squeeze(1)  # [s] sessions under the rejection rule
-    if sampled.numel():
+    sampled = (~chosen).nonzero().squeeze(1).to(device)  # [s] under the rejection rule
+    if not bool(chosen.all()):
         dist = probs[next_row[sampled]].double()  # [s, vocab]
         rejected = (accepted[sampled] < at.k[sampled]).nonzero().squeeze(1)  # into sampled
         if rejected.numel():
@@ -334,9 +334,9 @@ class _Drafts:
             local.extend(range(counts[kind], counts[kind] + k))
             counts[kind] += k
 
-        tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
-        if tokens and not bool(((tokens_t >= 0) & (tokens_t < vocab)).all()):
+        if tokens and not 0 <= min(tokens) <= max(tokens) < vocab:
             raise InvalidArgument(f"a draft token lies outside the vocabulary [0, {vocab}).")
+        tokens_t = torch.tensor(tokens, dtype=torch.long, device=device)
         kind_t = torch.tensor(kinds, dtype=torch.long, device=device)
         local_t = torch.tensor(local, dtype=torch.long, device=device)
         dense_t = _cat(dense, (0, vocab), None, device)

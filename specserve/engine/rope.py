@@ -58,8 +58,13 @@ class RotaryEmbedding:
         q: torch.Tensor,  # [tokens, heads, head_dim]
         k: torch.Tensor,  # [tokens, kv_heads, head_dim]
         positions: torch.Tensor,  # [tokens]
+        max_position: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_t, sin_t = self._tables(int(positions.max()) + 1, q.device)
+        """q and k rotated to their ``positions``; ``max_position`` (the largest of them,
+        known to the caller) spares reading it back from the device."""
+        if max_position is None:
+            max_position = int(positions.max())
+        cos_t, sin_t = self._tables(max_position + 1, q.device)
         cos = cos_t[positions].unsqueeze(1).to(q.dtype)  # [tokens, 1, head_dim]
         sin = sin_t[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

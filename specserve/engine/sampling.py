@@ -117,24 +117,27 @@ def batched_probabilities(
     device = logits.device
     counts = torch.tensor(list(rows_per_param), dtype=torch.long)
 
-    def per_row(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).repeat_interleave(counts).to(device)
+    def per_row(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:  # [n] on the host
+        return torch.tensor(values, dtype=dtype).repeat_interleave(counts)
 
+    # Which rows take which path is decided on the host, from the params: on a GPU a
+    # test of a device tensor would wait for every kernel queued before it.
     greedy = per_row([p.greedy for p in params], torch.bool)  # [n]
     out = torch.zeros(logits.shape, dtype=torch.float32, device=device)
-    if bool(greedy.any()):
-        rows = greedy.nonzero().squeeze(1)
+    if any(p.greedy for p in params):
+        rows = greedy.nonzero().squeeze(1).to(device)
         out[rows] = _one_hot_argmax(logits[rows])
-    if bool(greedy.all()):
+    if all(p.greedy for p in params):
         return out
 
     sampled = (~greedy).nonzero().squeeze(1)  # [s]
     # Below _MIN_TEMPERATURE a float32 temperature would underflow to 0 (and 0/0 to NaN);
     # the distribution there is already a point mass on the maximum (shared by exact ties).
     temperatures = [max(p.temperature, _MIN_TEMPERATURE) for p in params]
-    temperature = per_row(temperatures, torch.float32)[sampled]
-    top_k = per_row([p.top_k for p in params], torch.long)[sampled]
-    top_p = per_row([p.top_p for p in params], torch.float64)[sampled]
+    temperature = per_row(temperatures, torch.float32)[sampled].to(device)
+    top_k = per_row([p.top_k for p in params], torch.long)[sampled]  # [s] on the host
+    top_p = per_row([p.top_p for p in params], torch.float64)[sampled]  # [s] on the host
+    sampled = sampled.to(device)
 
     x = logits[sampled].float()  # [s, vocab]
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]
@@ -142,7 +145,8 @@ def batched_probabilities(
     filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)  # [s]
     if bool(filtered.any()):
         rows = filtered.nonzero().squeeze(1)
-        x[rows] = _top_k_top_p(x[rows], top_k[rows], top_p[rows])
+        on = rows.to(device)
+        x[on] = _top_k_top_p(x[on], top_k[rows], top_p[rows])
     out[sampled] = torch.softmax(x, dim=-1)
     return out
 
@@ -154,25 +158,28 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:  # [r, vocab] -> [r, 
 
 def _top_k_top_p(
     x: torch.Tensor,  # [r, vocab] float32 tempered logits
-    top_k: torch.Tensor,  # [r] int64, 0 = off
-    top_p: torch.Tensor,  # [r] float64, 1 = off
+    top_k: torch.Tensor,  # [r] int64 on the host, 0 = off
+    top_p: torch.Tensor,  # [r] float64 on the host, 1 = off
 ) -> torch.Tensor:
     """x with the logits outside the top-k and then the top-p nucleus set to -inf.
 
     Rows with a top-k never sort the whole vocabulary: a threshold finds the k
     survivors and only those are ranked for top-p. Rows with top-p alone sort.
     """
-    vocab = x.shape[1]
-    keep = torch.ones(x.shape, dtype=torch.bool, device=x.device)  # [r, vocab]
+    vocab, device = x.shape[1], x.device
+    keep = torch.ones(x.shape, dtype=torch.bool, device=device)  # [r, vocab]
     partial = (top_k > 0) & (top_k < vocab)
     rows = partial.nonzero().squeeze(1)
     if rows.numel():
-        keep[rows] = _keep_top_k_then_p(x[rows], top_k[rows], top_p[rows])
+        width = int(top_k[rows].max())
+        on = rows.to(device)
+        keep[on] = _keep_top_k_then_p(x[on], top_k[rows].to(device), top_p[rows].to(device), width)
     rows = (~partial).nonzero().squeeze(1)
     if rows.numel():
-        sorted_x, order = x[rows].sort(dim=-1, descending=True, stable=True)
-        keep[rows] = torch.zeros_like(keep[rows]).scatter_(
-            1, order, _nucleus(sorted_x, top_p[rows])
+        on = rows.to(device)
+        sorted_x, order = x[on].sort(dim=-1, descending=True, stable=True)
+        keep[on] = torch.zeros_like(keep[on]).scatter_(
+            1, order, _nucleus(sorted_x, top_p[rows].to(device))
         )
     return x.masked_fill(~keep, -math.inf)
 
@@ -181,9 +188,9 @@ def _keep_top_k_then_p(
     x: torch.Tensor,  # [r, vocab]
     top_k: torch.Tensor,  # [r] int64 in [1, vocab)
     top_p: torch.Tensor,  # [r] float64
+    width: int,  # max(top_k)
 ) -> torch.Tensor:
     """Mask [r, vocab] of the top-k tokens (ties to the lower id), then their top-p nucleus."""
-    width = int(top_k.max())
     values = x.topk(width, dim=-1).values  # [r, width] descending; which tied ids is moot
     threshold = values.gather(1, (top_k - 1)[:, None])  # the k-th largest value
     above = x > threshold

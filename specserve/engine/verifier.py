@@ -160,7 +160,8 @@ class TargetVerifier:
             if x.want_logprobs:
                 emitted = [*x.proposal.tokens[: v.accepted], v.next_token]
                 rows = torch.log_softmax(logits[row : row + len(emitted)], dim=-1)
-                logprobs = tuple(float(rows[i, t]) for i, t in enumerate(emitted))
+                picked = rows.gather(1, torch.tensor(emitted, device=rows.device)[:, None])
+                logprobs = tuple(picked[:, 0].tolist())  # one read back, not one per token
             detailed: tuple[TokenLogprob, ...] = ()
             if x.top_logprobs is not None:
                 n = v.accepted + 1

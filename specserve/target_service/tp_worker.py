@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.hugepages import move_to_huge_pages
-from specserve.engine.kv_cache import KVPool, KVStats
+from specserve.engine.kv_cache import KVPool, KVStats, slot_ids
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.tp import (
     TPContext,
@@ -257,11 +257,8 @@ class _StepPool:
     def length(self, session_id: str) -> int:
         return self._lengths[session_id]
 
-    def slots(self, session_id: str, start: int, end: int) -> torch.Tensor:  # [end - start]
-        bs = self._block_size
-        blocks = torch.tensor(self._tables[session_id], dtype=torch.long)
-        pos = torch.arange(start, end, dtype=torch.long)
-        return (blocks[pos // bs] * bs + pos % bs).to(self.device)
+    def host_slots(self, session_id: str, start: int, end: int) -> torch.Tensor:
+        return slot_ids(self._tables[session_id], self._block_size, start, end)  # [end - start]
 
     def advance(self, session_id: str, n: int, token_ids: Sequence[int] | None = None) -> None:
         self._lengths[session_id] += n  # a chunk of a chunked prefill, or the whole step
