@@ -7,9 +7,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from specserve.engine.devices import check_device_name
 from specserve.engine.dtypes import DTYPES
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
-from specserve.serving.cli_args import add_server_arguments, flag_values, server_options
+from specserve.serving.cli_args import (
+    add_server_arguments,
+    device_and_dtype,
+    flag_values,
+    server_options,
+)
 from specserve.serving.server import ServerOptions
 
 DEFAULT_KV_BUDGET = "1GiB"
@@ -23,7 +29,8 @@ class DraftServerConfig:
     """Everything a draft replica needs."""
 
     model: str | None  # None = n-gram drafting only
-    dtype: str = DEFAULT_DTYPE
+    device: str = "cpu"  # cpu, cuda or cuda:N (engine.devices)
+    dtype: str = DEFAULT_DTYPE  # from flags: this on a CPU, bfloat16 on CUDA
     kv_budget_bytes: int = 1 << 30
     max_support: int = 64  # sparse q entries per sampled draft token
     min_confidence: float = 0.0  # stop drafting a session below this top probability
@@ -32,6 +39,7 @@ class DraftServerConfig:
     server: ServerOptions = field(default_factory=ServerOptions)
 
     def __post_init__(self) -> None:
+        check_device_name(self.device)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_budget_bytes < 1:
@@ -70,10 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
 
 @flag_values("draft server")
 def from_args(args: argparse.Namespace) -> DraftServerConfig:
-    """The config of a draft server process, from its parsed flags."""
+    """The config of a draft server process, from its parsed flags; InvalidArgument for
+    a device this machine lacks."""
+    device, dtype = device_and_dtype(args, DEFAULT_DTYPE)
     return DraftServerConfig(
         model=args.model or None,
-        dtype=args.dtype,
+        device=device,
+        dtype=dtype,
         kv_budget_bytes=args.kv_budget,
         max_support=args.max_support,
         min_confidence=args.min_confidence,

@@ -15,7 +15,8 @@ flag                      environment                     default
 ``--grace-s``             ``SPECSERVE_GRACE_S``           10
 ``--replica-id``          ``SPECSERVE_REPLICA_ID``        host:port
 ``--threads``             ``SPECSERVE_THREADS``           torch's default
-``--dtype``               ``SPECSERVE_DTYPE``             float32; draft: bfloat16
+``--device``              ``SPECSERVE_DEVICE``            cpu (``cuda``, ``cuda:N``)
+``--dtype``               ``SPECSERVE_DTYPE``             float32; draft: bfloat16; CUDA: bfloat16
 ``--kv-budget``           ``SPECSERVE_KV_BUDGET``         per server
 ``--tls-cert/-key``       ``SPECSERVE_TLS_CERT/KEY``      none (plaintext)
 ``--tls-ca``              ``SPECSERVE_TLS_CA``            none (any client)
@@ -39,6 +40,12 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
+from specserve.engine.devices import (
+    CUDA_DEFAULT_DTYPE,
+    check_device_name,
+    default_dtype,
+    parse_device,
+)
 from specserve.engine.dtypes import DTYPE_NAMES
 from specserve.engine.errors import EngineError, InvalidArgument
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
@@ -139,11 +146,17 @@ def add_server_arguments(
         help="torch intra-op threads (tests use 1)",
     )
     g.add_argument(
+        "--device",
+        default=_env(env, "DEVICE", "cpu"),
+        help="where the model computes: cpu, cuda or cuda:N (default cpu; a device this "
+        "machine lacks is refused at start-up)",
+    )
+    g.add_argument(
         "--dtype",
         choices=DTYPE_NAMES,
-        default=_env(env, "DTYPE", dtype),
-        help=f"weight dtype (default {dtype}; bfloat16 on a CPU with the engine's kernels: "
-        "bfloat16 weights, float32 compute and KV)",
+        default=_env(env, "DTYPE", None),
+        help=f"weight dtype (default {dtype} on a CPU, {CUDA_DEFAULT_DTYPE} on CUDA; bfloat16 "
+        "on a CPU with the engine's kernels: bfloat16 weights, float32 compute and KV)",
     )
     g.add_argument(
         "--kv-budget",
@@ -180,6 +193,19 @@ def add_health_port_argument(parser: argparse.ArgumentParser, env: Mapping[str, 
         help="also serve the health service alone, plaintext, on this port (Kubernetes "
         "gRPC probes cannot speak TLS); default: none",
     )
+
+
+def device_and_dtype(
+    args: argparse.Namespace, cpu_dtype: str, *, check_machine: bool = True
+) -> tuple[str, str]:
+    """The server's device name and weight dtype from ``--device`` and ``--dtype`` (unset:
+    ``cpu_dtype`` on a CPU, bfloat16 on CUDA). With ``check_machine`` the device must
+    exist here (:func:`~specserve.engine.devices.parse_device`); without it only its name
+    is checked (a launcher whose ranks run elsewhere). InvalidArgument otherwise."""
+    name = check_device_name(args.device)
+    if check_machine:
+        parse_device(name)
+    return name, args.dtype or default_dtype(name, cpu_dtype)
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:

@@ -7,13 +7,25 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from specserve.engine.devices import check_device_name
 from specserve.engine.dtypes import DTYPES
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
-from specserve.serving.cli_args import add_server_arguments, flag_values, server_options
+from specserve.serving.cli_args import (
+    add_server_arguments,
+    device_and_dtype,
+    flag_values,
+    server_options,
+)
 from specserve.serving.server import ServerOptions
-from specserve.target_service.tp_config import TPSettings, add_tp_arguments, tp_settings
+from specserve.target_service.tp_config import (
+    TPSettings,
+    add_tp_arguments,
+    for_device,
+    tp_settings,
+)
 
 DEFAULT_KV_BUDGET = "2GiB"
+DEFAULT_DTYPE = "float32"  # on a CPU; bfloat16 on CUDA
 
 
 @dataclass(frozen=True)
@@ -21,7 +33,8 @@ class TargetServerConfig:
     """Everything a target replica needs."""
 
     model: str
-    dtype: str = "float32"
+    device: str = "cpu"  # cpu, cuda or cuda:N (engine.devices); TP ranks: cuda:<local rank>
+    dtype: str = DEFAULT_DTYPE  # from flags: this on a CPU, bfloat16 on CUDA
     kv_budget_bytes: int = 2 << 30
     fail_after_forwards: int | None = None  # testing: simulated device failure
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # 0: a prompt in one forward
@@ -31,6 +44,7 @@ class TargetServerConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("a target server needs a model (--model)")
+        check_device_name(self.device)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_budget_bytes < 1:
@@ -52,19 +66,25 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         required=not env.get("SPECSERVE_TARGET"),
         help="target model: store name, directory, GGUF file or tiny:<seed>[...]",
     )
-    add_server_arguments(parser, kv_budget=DEFAULT_KV_BUDGET, env=env)
+    add_server_arguments(parser, kv_budget=DEFAULT_KV_BUDGET, dtype=DEFAULT_DTYPE, env=env)
     add_tp_arguments(parser, env)
 
 
 @flag_values("target server")
 def from_args(args: argparse.Namespace) -> TargetServerConfig:
-    """The one config of a target server process, from its parsed flags."""
+    """The one config of a target server process, from its parsed flags; InvalidArgument
+    for a device this machine lacks (Ray ranks: checked where they run) or a TP backend
+    the device contradicts."""
+    tp = tp_settings(args, num_threads=args.threads)
+    ray = tp.world_size > 1 and tp.launcher == "ray"
+    device, dtype = device_and_dtype(args, DEFAULT_DTYPE, check_machine=not ray)
     return TargetServerConfig(
         model=args.model,
-        dtype=args.dtype,
+        device=device,
+        dtype=dtype,
         kv_budget_bytes=args.kv_budget,
         fail_after_forwards=args.fail_after_forwards,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         server=server_options(args),
-        tp=tp_settings(args, num_threads=args.threads),
+        tp=for_device(tp, device),
     )

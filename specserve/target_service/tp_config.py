@@ -5,7 +5,7 @@ flag                      environment                     default
 ========================  ==============================  ==========================
 ``--tp``                  ``SPECSERVE_TP``                1 (no tensor parallelism)
 ``--tp-launcher``         ``SPECSERVE_TP_LAUNCHER``       torchrun
-``--tp-backend``          ``SPECSERVE_TP_BACKEND``        nccl with CUDA, else gloo
+``--tp-backend``          ``SPECSERVE_TP_BACKEND``        nccl on ``--device cuda``, else gloo
 ``--tp-timeout-s``        ``SPECSERVE_TP_TIMEOUT_S``      30
 ``--ray-address``         ``RAY_ADDRESS``                 latest local cluster, or new
 ``--ray-strategy``        ``SPECSERVE_RAY_STRATEGY``      PACK
@@ -19,10 +19,12 @@ which :mod:`specserve.target_service.tp_worker` reads when it joins the group.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from specserve.engine.devices import is_cuda
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.tp import BACKENDS, DEFAULT_TIMEOUT_S
 
@@ -36,7 +38,7 @@ class TPSettings:
 
     world_size: int = 1
     launcher: str = "torchrun"
-    backend: str | None = None  # None: NCCL when CUDA is available, else gloo
+    backend: str | None = None  # None: what the server's --device implies (for_device)
     timeout_s: float = DEFAULT_TIMEOUT_S  # every collective; a dead rank surfaces within it
     ray_address: str | None = None  # None: RAY_ADDRESS, a running local cluster, or a new one
     ray_strategy: str = "PACK"  # placement group strategy; STRICT_SPREAD: one rank per node
@@ -83,7 +85,8 @@ def add_tp_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         "--tp-backend",
         choices=BACKENDS,
         default=env.get("SPECSERVE_TP_BACKEND"),
-        help="collectives: nccl (GPUs) or gloo (CPU); default nccl when CUDA is available",
+        help="collectives: nccl (ranks on cuda:<local rank>, --device cuda) or gloo "
+        "(ranks on the CPU, --device cpu); default: the one --device implies",
     )
     g.add_argument(
         "--tp-timeout-s",
@@ -116,6 +119,30 @@ def tp_settings(args: argparse.Namespace, num_threads: int | None = None) -> TPS
         ray_strategy=args.ray_strategy,
         num_threads=num_threads,
     )
+
+
+def for_device(settings: TPSettings, device: str) -> TPSettings:
+    """``settings`` with the collective backend the server's ``device`` implies: NCCL
+    ranks compute on ``cuda:<local rank>``, gloo ranks on the CPU. InvalidArgument where
+    ``--tp-backend`` contradicts ``--device``, or names one CUDA index for several ranks.
+    A single process (``--tp 1``) keeps its backend setting (it joins no group)."""
+    cuda = is_cuda(device)
+    if settings.world_size == 1:
+        return settings
+    if device not in ("cpu", "cuda"):
+        raise InvalidArgument(
+            f"--device {device} with --tp {settings.world_size}: each rank takes "
+            "cuda:<its local rank>; pass --device cuda"
+        )
+    implied = "nccl" if cuda else "gloo"
+    if settings.backend not in (None, implied):
+        raise InvalidArgument(
+            f"--tp-backend {settings.backend} contradicts --device {device}: "
+            f"{settings.backend} ranks compute on "
+            f"{'CUDA' if settings.backend == 'nccl' else 'the CPU'}; pass "
+            f"--device {'cuda' if settings.backend == 'nccl' else 'cpu'} or --tp-backend {implied}"
+        )
+    return dataclasses.replace(settings, backend=implied)
 
 
 def torchrun_rank() -> int:

@@ -114,56 +114,50 @@ def test_network_policies_cover_every_pool(rendered: dict[str, list[Doc]]) -> No
 
 
 def uses_cuda(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Whether the process the container starts runs its model on CUDA, per the real CLI.
-
-    A ``--device`` flag, where the parser has one, says so directly. Without it the
-    one CUDA path is tensor parallelism on NCCL: each rank takes ``cuda:LOCAL_RANK``.
-    """
+    """Whether the process the container starts runs its model on CUDA, per the real CLI:
+    its ``--device`` (``SPECSERVE_DEVICE``), which a target's TP ranks follow too
+    (``cuda:LOCAL_RANK``); a TP backend that contradicts it is refused
+    (tests/services/test_config.py)."""
     with monkeypatch.context() as m:
         for k, v in env.items():
             m.setenv(k, v)
         args = build_parser().parse_args(expand(argv, env))
-    device = getattr(args, "device", None)
-    if device is not None:
-        return str(device).startswith("cuda")
-    if argv[0] != "target-server":
-        return False
-    from specserve.target_service import config
-
-    tp = config.from_args(args).tp
-    return tp.world_size > 1 and tp.backend == "nccl"
+    return str(getattr(args, "device", "cpu")).startswith("cuda")  # the orchestrator: none
 
 
 def test_a_requested_gpu_implies_a_cuda_process(
     rendered: dict[str, list[Doc]], monkeypatch: pytest.MonkeyPatch, stand_ins: StandIns
 ) -> None:
-    requested = 0
-    for docs in rendered.values():
+    requested: dict[str, int] = {}
+    for overlay, docs in rendered.items():
         for where, template in pod_templates(docs):
             for c in template["spec"]["containers"]:
                 gpus = policies.gpus_requested(c)
                 argv = specserve_argv(c)
-                if gpus == 0 or argv is None:
+                if argv is None:
                     continue
-                requested += 1
                 local = stand_ins.local_paths(template["spec"], c)  # the TLS files
                 env = {k: local.get(v, v) for k, v in container_env(c).items()}
-                assert uses_cuda(argv, env, monkeypatch), f"{where}: a GPU it never uses"
+                cuda = uses_cuda(argv, env, monkeypatch)
+                assert cuda == (gpus > 0), f"{where}: {gpus} GPUs for a {argv[0]} on CUDA={cuda}"
+                if gpus == 0:
+                    continue
+                requested[f"{overlay}/{argv[0]}"] = gpus
                 if argv[0] == "target-server":
                     nproc = [a for a in c["command"] if a.startswith("--nproc-per-node=")]
                     assert nproc == [f"--nproc-per-node={gpus}"], f"{where}: one rank per GPU"
-        for c in by_kind(docs, "Deployment")["specserve-draft"]["spec"]["template"]["spec"][
-            "containers"
-        ]:
-            assert policies.gpus_requested(c) == 0, "the draft server has no CUDA path"
-    assert requested == 1  # the gpu overlay's TP=2 target
+    # The gpu overlay: a TP=2 target on two GPUs, each draft on a GPU of its own.
+    assert requested == {"gpu/target-server": 2, "gpu/draft-server": 1}
 
 
 def test_a_gpu_on_a_cpu_process_would_be_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     env = {"SPECSERVE_DRAFT": "tiny:1", "SPECSERVE_TARGET": "tiny:1"}
     assert not uses_cuda(["draft-server"], env, monkeypatch)
+    assert uses_cuda(["draft-server", "--device", "cuda"], env, monkeypatch)
     assert not uses_cuda(["target-server", "--tp", "2", "--tp-backend", "gloo"], env, monkeypatch)
-    assert uses_cuda(["target-server", "--tp", "2", "--tp-backend", "nccl"], env, monkeypatch)
+    assert uses_cuda(
+        ["target-server", "--tp", "2"], {**env, "SPECSERVE_DEVICE": "cuda"}, monkeypatch
+    )
 
 
 def test_redis_has_maxmemory_a_secret_password_and_a_pinned_tag(
