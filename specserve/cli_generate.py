@@ -9,6 +9,7 @@ import sys
 from specserve.engine.dtypes import DTYPE_NAMES
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.sampling import SamplingParams, SamplingRule
+from specserve.serving.cli_args import add_pair_device_arguments, pair_placement
 
 DEMO_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEMO_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -43,10 +44,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--demo", action="store_true", help=f"local demo: {DEMO_TARGET} + {DEMO_DRAFT}")
     p.add_argument("--target", default=os.environ.get("SPECSERVE_TARGET"), help="target model")
     p.add_argument("--draft", default=os.environ.get("SPECSERVE_DRAFT"), help="draft model")
-    p.add_argument("--target-dtype", default="float32", choices=DTYPE_NAMES)
+    add_pair_device_arguments(p)
+    p.add_argument(
+        "--target-dtype",
+        default=None,
+        choices=DTYPE_NAMES,
+        help="default float32 on a CPU, bfloat16 on CUDA",
+    )
     p.add_argument(
         "--draft-dtype",
-        default="bfloat16",
+        default=None,
         choices=DTYPE_NAMES,
         help="default bfloat16: on a CPU with the engine's kernels, bfloat16 weights under "
         "float32 compute (half the bytes of a draft step); the output does not depend on it",
@@ -144,17 +151,20 @@ def _run_local(args: argparse.Namespace, prompt: str, params: SamplingParams) ->
         raise InvalidArgument("--local needs --target (or use --demo)")
     if args.drafter == "model" and not args.draft:
         raise InvalidArgument("--drafter model needs --draft (or use --drafter ngram)")
+    at = pair_placement(args.device, args.draft_device, args.target_dtype, args.draft_dtype)
     print(
-        f"loading target {args.target} ({args.target_dtype})"
-        + (f" and draft {args.draft} ({args.draft_dtype})" if args.draft else ""),
+        f"loading target {args.target} ({at.target_dtype}, {at.target_device})"
+        + (f" and draft {args.draft} ({at.draft_dtype}, {at.draft_device})" if args.draft else ""),
         file=sys.stderr,
     )
     runner = LocalRunner(
         LocalConfig(
             target=args.target,
             draft=args.draft if args.drafter == "model" else None,
-            target_dtype=args.target_dtype,
-            draft_dtype=args.draft_dtype,
+            target_dtype=at.target_dtype,
+            draft_dtype=at.draft_dtype,
+            target_device=at.target_device,
+            draft_device=at.draft_device,
             threads=args.threads,
         )
     )
@@ -184,7 +194,7 @@ def _run_local(args: argparse.Namespace, prompt: str, params: SamplingParams) ->
             f"speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x; "
             f"outputs {'identical' if same else 'DIFFER'}"
         )
-        if params.greedy and not same and args.target_dtype == "float32":
+        if params.greedy and not same and at.target_dtype == "float32":
             return 1
     return 0
 

@@ -18,6 +18,7 @@ import time
 from specserve.engine.dtypes import DTYPE_NAMES
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator.redis_settings import redacted
+from specserve.serving.cli_args import add_pair_device_arguments, pair_placement
 from specserve.serving.tls import ClientTls, client_tls
 
 DEMO_TINY_PROMPT = [7, 21, 3, 7, 21, 3, 7, 21, 3, 9]
@@ -45,10 +46,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--target", default=None, help="target model (default: the demo target)")
     p.add_argument("--draft", default=None, help="draft model (default: the demo draft)")
     p.add_argument("--tiny", action="store_true", help="tiny random models (no download)")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="the target's dtype")
+    add_pair_device_arguments(p)
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPE_NAMES,
+        help="the target's dtype (default float32 on a CPU, bfloat16 on CUDA)",
+    )
     p.add_argument(
         "--draft-dtype",
-        default="bfloat16",
+        default=None,
         choices=DTYPE_NAMES,
         help="the draft's dtype (default bfloat16: on a CPU with the engine's kernels, "
         "bfloat16 weights under float32 compute, half the bytes of a draft step; the draft's "
@@ -180,6 +187,7 @@ def _run_up(args: argparse.Namespace) -> int:
             from specserve.model_store import resolve
 
             resolve(spec.source)  # NotFound says how to fetch it, before anything starts
+    at = pair_placement(args.device, args.draft_device, args.dtype, args.draft_dtype)
     threads = ["--threads", str(args.threads)] if args.threads else []
     tls_args, tls = _up_tls(args)
     api_key = os.environ.get("SPECSERVE_API_KEY")
@@ -188,13 +196,13 @@ def _run_up(args: argparse.Namespace) -> int:
             "specserve up --api-keys-file sends its example request with the key in "
             "SPECSERVE_API_KEY: set it to one of the file's keys"
         )
+    placed = {
+        "target": ["--model", target, "--device", at.target_device, "--dtype", at.target_dtype],
+        "draft": ["--model", draft, "--device", at.draft_device, "--dtype", at.draft_dtype],
+    }
     servers = [
-        ServerProcess(
-            "target", ["--model", target, "--dtype", args.dtype, *threads, *tls_args], tls=tls
-        ),
-        ServerProcess(
-            "draft", ["--model", draft, "--dtype", args.draft_dtype, *threads, *tls_args], tls=tls
-        ),
+        ServerProcess(kind, [*flags, *threads, *tls_args], tls=tls)
+        for kind, flags in placed.items()
     ]
     orchestrator: OrchestratorProcess | None = None
     try:
@@ -215,7 +223,10 @@ def _run_up(args: argparse.Namespace) -> int:
         env = {"SPECSERVE_REDIS_URL": args.redis_url} if args.redis_url else {}
         orchestrator = OrchestratorProcess(orch_args, port=args.port, env=env, tls=tls)
         orchestrator.start()
-        print(f"target {target} on {servers[0].address}, draft {draft} on {servers[1].address}")
+        print(
+            f"target {target} ({at.target_device}) on {servers[0].address}, "
+            f"draft {draft} ({at.draft_device}) on {servers[1].address}"
+        )
         print("loading models ...", flush=True)
         for s in (*servers, orchestrator):
             s.wait_serving(timeout_s=900)

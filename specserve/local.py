@@ -16,6 +16,7 @@ import torch
 
 from specserve import model_store
 from specserve.engine.decode_state import DecodeState, FinishReason, SessionStats, StopCriteria
+from specserve.engine.devices import check_device_name, parse_device
 from specserve.engine.drafter import Drafter
 from specserve.engine.dtypes import DTYPES
 from specserve.engine.k_policy import KPolicy
@@ -36,6 +37,8 @@ class LocalConfig:
     draft: str | None = None
     target_dtype: str = "float32"
     draft_dtype: str = "bfloat16"  # as the draft server: the output does not depend on it
+    target_device: str = "cpu"  # cpu, cuda or cuda:N (engine.devices)
+    draft_device: str = "cpu"
     kv_budget_bytes: int = 2 << 30
     draft_kv_budget_bytes: int = 1 << 30
     threads: int | None = None
@@ -47,6 +50,8 @@ class LocalConfig:
         for name in (self.target_dtype, self.draft_dtype):
             if name not in DTYPES:
                 raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+        for device in (self.target_device, self.draft_device):
+            check_device_name(device)
 
 
 @dataclass
@@ -82,9 +87,10 @@ class Completion:
         )
 
 
-def load(spec: str, dtype: str) -> LoadedModel:
-    """Load a model and its tokenizer (None for tiny random models), as the servers do."""
-    return load_spec(spec, dtype, locate=model_store.locate)
+def load(spec: str, dtype: str, device: str = "cpu") -> LoadedModel:
+    """Load a model onto ``device`` and its tokenizer (None for tiny random models), as
+    the servers do."""
+    return load_spec(spec, dtype, locate=model_store.locate, device=parse_device(device))
 
 
 class LocalRunner:
@@ -94,14 +100,14 @@ class LocalRunner:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        loaded = load(config.target, config.target_dtype)
+        loaded = load(config.target, config.target_dtype, config.target_device)
         self.target, self.tokenizer = loaded.model, loaded.tokenizer
         # Embedding matrices are padded past the tokenizer; those ids are never tokens.
         vocab = loaded.vocab
         self.verifier = TargetVerifier(self.target, config.kv_budget_bytes, vocab_limit=vocab)
         drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
         if config.draft:
-            draft_loaded = load(config.draft, config.draft_dtype)
+            draft_loaded = load(config.draft, config.draft_dtype, config.draft_device)
             draft, draft_tok = draft_loaded.model, draft_loaded.tokenizer
             if self.tokenizer is not None and draft_tok is not None:
                 check_compatible(draft_tok, self.tokenizer)

@@ -33,6 +33,7 @@ def load_backend(config: DraftServerConfig) -> DraftBackend:
     loaded = load_model(
         config.model,
         config.dtype,
+        device=config.device,
         fail_after=config.fail_after_forwards,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
     )

@@ -38,6 +38,7 @@ import functools
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from specserve.engine.devices import (
@@ -206,6 +207,48 @@ def device_and_dtype(
     if check_machine:
         parse_device(name)
     return name, args.dtype or default_dtype(name, cpu_dtype)
+
+
+@dataclass(frozen=True)
+class PairPlacement:
+    """Where a target and a draft run, and in which weight dtype (one process or ``up``)."""
+
+    target_device: str
+    draft_device: str
+    target_dtype: str
+    draft_dtype: str
+
+
+def add_pair_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` (both models) and ``--draft-device`` (the draft, if elsewhere)."""
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the models compute: cpu, cuda or cuda:N (default cpu)",
+    )
+    parser.add_argument(
+        "--draft-device",
+        default=None,
+        help="the draft's device, if not --device (e.g. cuda:1 beside a target on cuda:0)",
+    )
+
+
+def pair_placement(
+    device: str, draft_device: str | None, target_dtype: str | None, draft_dtype: str | None
+) -> PairPlacement:
+    """Both devices checked against this machine (InvalidArgument, one sentence, before
+    anything loads); an unset dtype is the device's default (float32 for a target and
+    bfloat16 for a draft on a CPU, bfloat16 on CUDA)."""
+    target_at = check_device_name(device)
+    draft_at = check_device_name(draft_device or device)
+    parse_device(target_at)
+    parse_device(draft_at)
+    return PairPlacement(
+        target_at,
+        draft_at,
+        target_dtype or default_dtype(target_at, "float32"),
+        draft_dtype or default_dtype(draft_at, "bfloat16"),
+    )
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:

@@ -20,12 +20,14 @@ def load_model(
     spec: str,
     dtype: str,
     *,
+    device: str = "cpu",
     fail_after: int | None = None,
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
 ) -> LoadedModel:
-    """Load ``spec`` in ``dtype``; ``fail_after`` arms a simulated device failure (tests);
-    ``prefill_chunk_tokens`` (0: off) is :attr:`CausalLM.prefill_chunk_tokens`."""
-    loaded = load_spec(spec, dtype, locate=model_store.locate)
+    """Load ``spec`` in ``dtype`` onto ``device`` (a name engine.devices checked);
+    ``fail_after`` arms a simulated device failure (tests); ``prefill_chunk_tokens``
+    (0: off) is :attr:`CausalLM.prefill_chunk_tokens`."""
+    loaded = load_spec(spec, dtype, locate=model_store.locate, device=device)
     loaded.model.prefill_chunk_tokens = prefill_chunk_tokens or None
     if fail_after is not None:
         fail_after_forwards(loaded.model, fail_after)

@@ -37,6 +37,7 @@ def load_backend(config: TargetServerConfig) -> TargetBackend:
     loaded = load_model(
         config.model,
         config.dtype,
+        device=config.device,
         fail_after=config.fail_after_forwards,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
     )

@@ -138,3 +138,38 @@ def test_a_ray_launcher_checks_only_the_name(no_gpu: None) -> None:
 def test_a_config_built_in_code_checks_the_name() -> None:
     with pytest.raises(InvalidArgument, match="unknown device 'cuda0'"):
         draft_config.DraftServerConfig(model=None, device="cuda0")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--local", "--target", "tiny:3", "--draft", "tiny:3:noise=0.3"],
+        ["up", "--tiny", "--once"],
+    ],
+    ids=["generate --local", "up"],
+)
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--device", "cuda"], "device 'cuda' needs CUDA"),
+        (["--draft-device", "cuda:1"], "device 'cuda:1' needs CUDA"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+    ],
+)
+def test_the_local_loop_and_up_refuse_a_missing_device_before_starting_anything(
+    argv: list[str], flags: list[str], says: str, no_gpu: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompt = ["hello"] if argv[0] == "generate" else []
+    assert cli.main([*argv, *flags, *prompt]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("specserve: ") and says in err[-1], err
+    assert not any("loading" in line or "Traceback" in line for line in err)
+
+
+def test_generate_local_runs_on_the_cpu_it_names(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--local", "--target", "tiny:3", "--draft", "tiny:3:noise=0.3"]
+    assert (
+        cli.main([*argv, "--device", "cpu", "--max-new-tokens", "4", "-k", "2", "5 6 7 5 6 7"]) == 0
+    )
+    err = capsys.readouterr().err
+    assert "(float32, cpu)" in err and "(bfloat16, cpu)" in err
