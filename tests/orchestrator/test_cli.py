@@ -61,5 +61,5 @@ def test_up_starts_the_stack_and_answers_one_request(
     )
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    assert "target tiny:3 on 127.0.0.1:" in out and "orchestrator on 127.0.0.1:" in out
+    assert "target tiny:3 (cpu) on 127.0.0.1:" in out and "orchestrator on 127.0.0.1:" in out
     assert "16 tokens" in out and "acceptance" in out
