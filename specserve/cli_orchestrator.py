@@ -69,9 +69,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument(
         "--devices",
         choices=["shared", "separate"],
-        default=os.environ.get("SPECSERVE_DEVICES", "shared"),
+        default=os.environ.get("SPECSERVE_DEVICES"),
         help="declared to the orchestrator: every process here shares this machine's "
-        "cores (shared, the default) unless they run on their own accelerators",
+        "cores (shared, the default) unless they run on their own accelerators (separate, "
+        "the default when --draft-device differs from --device)",
     )
     p.add_argument("--port", type=int, default=50051, help="the orchestrator's port")
     p.add_argument("--threads", type=int, default=None, help="torch threads per server")
@@ -216,7 +217,9 @@ def _run_up(args: argparse.Namespace) -> int:
             "--tokenizer",
             target,
         ]
-        orch_args += ["--devices", args.devices, *tls_args]
+        apart = at.draft_device != at.target_device
+        devices = args.devices or ("separate" if apart else "shared")
+        orch_args += ["--devices", devices, *tls_args]
         if args.api_keys_file:
             orch_args += ["--api-keys-file", args.api_keys_file]
         # The URL may carry a password: the environment keeps it out of the process list.
