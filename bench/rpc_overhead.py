@@ -1,7 +1,7 @@
 """RPC overhead of a speculative round: time outside model compute, per batch size.
 
 A draft and a target server run as separate processes on loopback; the round
-client (:class:`specserve.serving.round_client.RoundClient`) drives batches of 1,
+client (:class:`bench.round_client.RoundClient`) drives batches of 1,
 8 and 32 sessions with k = 4, sampled drafting (every draft position carries a
 sparse q of 64 entries) and a 150k vocabulary. For every RPC the overhead is
 
@@ -45,12 +45,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.common import environment, environment_md, reproduce_command, write_results
+from bench.round_client import RoundClient, RpcTiming
 from bench.rpc_stub import handler_cost
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.sampling import SamplingParams
 from specserve.serving.launch import ServerProcess
-from specserve.serving.round_client import RoundClient, RpcTiming
 from specserve.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 VOCAB = 150_000
@@ -240,10 +240,10 @@ minus the `compute_ns` the server reports, summed over the round's `Propose` and
 `Verify`. Milliseconds, p50 / p99, one run, batch sizes interleaved round by round.
 
 Setup: draft and target servers as separate processes on loopback, driven by
-`RoundClient` (the client the orchestrator uses); k = {K}, sampled drafting, so
-each draft position carries a sparse q of {SUPPORT} ids + probabilities
-(`SparseQ`, packed little-endian); vocabulary {VOCAB:,}; servers with
-`--batch-window-ms 0 --threads 1` (the coalescing window, 2 ms by default, is a
+`RoundClient` (`bench/round_client.py`: the orchestrator's Propose and Verify
+messages); k = {K}, sampled drafting, so each draft position carries a sparse q of
+{SUPPORT} ids + probabilities (`SparseQ`, packed little-endian); vocabulary {VOCAB:,};
+servers with `--batch-window-ms 0 --threads 1` (the coalescing window, 2 ms by default, is a
 deliberate wait for other callers and would add up to its length to a lone
 call). "Msgs" is request + response size per RPC.
 

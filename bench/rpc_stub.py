@@ -29,15 +29,15 @@ from specserve.engine.kv_cache import KVStats
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.verifier import VerifyInput, VerifyOutcome
-from specserve.serving import sparse_q
 from specserve.serving.cli_args import add_server_arguments, server_options
-from specserve.serving.convert import SessionLimit
 from specserve.serving.server import ServerOptions, identity_of, run_process
 from specserve.target_service.backend import TargetBackend, TargetLoad, Verified
 from specserve.target_service.config import TargetServerConfig
 from specserve.target_service.server import start as start_target
 from specserve.target_service.servicer import TargetServicer
 from specserve.v1 import common_pb2, draft_pb2, target_pb2
+from specserve.wire import sparse_q
+from specserve.wire.common_wire import SessionLimit
 
 VOCAB = 150_000
 SUPPORT = 64

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from specserve.engine.drafter import DrafterKind
 from specserve.engine.dtypes import DTYPE_NAMES
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.sampling import SamplingParams, SamplingRule
@@ -58,7 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="default bfloat16: on a CPU with the engine's kernels, bfloat16 weights under "
         "float32 compute (half the bytes of a draft step); the output does not depend on it",
     )
-    p.add_argument("--drafter", default="model", choices=["model", "ngram", "none"])
+    p.add_argument(
+        "--drafter", type=DrafterKind, default=DrafterKind.MODEL, choices=list(DrafterKind)
+    )
     p.add_argument("-k", type=parse_k, default=None, help="draft tokens per round, or 'auto'")
     p.add_argument("--k-max", type=int, default=8, help="largest k the adaptive policy picks")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -149,7 +152,7 @@ def _run_local(args: argparse.Namespace, prompt: str, params: SamplingParams) ->
 
     if not args.target:
         raise InvalidArgument("--local needs --target (or use --demo)")
-    if args.drafter == "model" and not args.draft:
+    if args.drafter == DrafterKind.MODEL and not args.draft:
         raise InvalidArgument("--drafter model needs --draft (or use --drafter ngram)")
     at = pair_placement(args.device, args.draft_device, args.target_dtype, args.draft_dtype)
     print(
@@ -160,7 +163,7 @@ def _run_local(args: argparse.Namespace, prompt: str, params: SamplingParams) ->
     runner = LocalRunner(
         LocalConfig(
             target=args.target,
-            draft=args.draft if args.drafter == "model" else None,
+            draft=args.draft if args.drafter == DrafterKind.MODEL else None,
             target_dtype=at.target_dtype,
             draft_dtype=at.draft_dtype,
             target_device=at.target_device,
@@ -171,7 +174,7 @@ def _run_local(args: argparse.Namespace, prompt: str, params: SamplingParams) ->
     ids = _encode(runner, prompt, args.chat)
     common = {"max_new_tokens": args.max_new_tokens, "stop": args.stop}
     # Warm-up outside the timing: the first forward pays one-off allocation costs.
-    runner.generate(ids[-8:], params, max_new_tokens=2, drafter="none")
+    runner.generate(ids[-8:], params, max_new_tokens=2, drafter=DrafterKind.NONE)
     print(prompt, end="", flush=True)
     spec = runner.generate(
         ids,
@@ -187,7 +190,7 @@ def _run_local(args: argparse.Namespace, prompt: str, params: SamplingParams) ->
         f"speculative ({args.drafter}, k={'auto' if args.k is None else args.k}): " + spec.summary()
     )
     if args.compare:
-        plain = runner.generate(ids, params, drafter="none", **common)
+        plain = runner.generate(ids, params, drafter=DrafterKind.NONE, **common)
         print("target only: " + plain.summary())
         same = plain.tokens == spec.tokens
         print(

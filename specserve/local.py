@@ -17,7 +17,7 @@ import torch
 from specserve import model_store
 from specserve.engine.decode_state import DecodeState, FinishReason, SessionStats, StopCriteria
 from specserve.engine.devices import check_device_name, parse_device
-from specserve.engine.drafter import Drafter
+from specserve.engine.drafter import Drafter, DrafterKind
 from specserve.engine.dtypes import DTYPES
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.loader import LoadedModel, check_compatible, load_spec
@@ -105,13 +105,13 @@ class LocalRunner:
         # Embedding matrices are padded past the tokenizer; those ids are never tokens.
         vocab = loaded.vocab
         self.verifier = TargetVerifier(self.target, config.kv_budget_bytes, vocab_limit=vocab)
-        drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+        drafters: dict[DrafterKind, Drafter] = {DrafterKind.NGRAM: NgramDrafter()}
         if config.draft:
             draft_loaded = load(config.draft, config.draft_dtype, config.draft_device)
             draft, draft_tok = draft_loaded.model, draft_loaded.tokenizer
             if self.tokenizer is not None and draft_tok is not None:
                 check_compatible(draft_tok, self.tokenizer)
-            drafters["model"] = ModelDrafter(
+            drafters[DrafterKind.MODEL] = ModelDrafter(
                 draft,
                 config.draft_kv_budget_bytes,
                 min_confidence=config.min_confidence,
@@ -144,7 +144,7 @@ class LocalRunner:
         params: SamplingParams,
         *,
         max_new_tokens: int = 128,
-        drafter: str = "model",
+        drafter: DrafterKind | str = DrafterKind.MODEL,
         k: int | None = None,
         k_max: int = 8,
         stop: Sequence[str] = (),

@@ -12,23 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.engine.drafter import Drafter, DraftInput, DraftOutcome
+from specserve.engine.drafter import DraftCall, Drafter, DrafterKind, DraftOutcome
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.ngram import NgramDrafter
-from specserve.serving.convert import SessionLimit
+from specserve.wire.common_wire import SessionLimit
 
 # A replica without a draft model (n-gram only) holds no KV: its histories are bounded
 # only so that no call can make it scan without end (above what an orchestrator admits).
 NGRAM_SESSION_TOKENS = 1 << 18
-
-
-@dataclass(frozen=True)
-class DraftCall:
-    """One session of a Propose call: which drafter, and what it is asked."""
-
-    drafter: str  # "model" or "ngram"
-    input: DraftInput
 
 
 @dataclass(frozen=True)
@@ -49,12 +41,12 @@ class DraftLoad:
 
 
 class DraftBackend:
-    """The drafters a draft replica serves ("ngram" always, "model" when a model is loaded)."""
+    """The drafters a draft replica serves (n-gram always, the model when one is loaded)."""
 
     def __init__(self, model: ModelDrafter | None, *, model_name: str, dtype: str, vocab: int):
-        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+        self.drafters: dict[DrafterKind, Drafter] = {DrafterKind.NGRAM: NgramDrafter()}
         if model is not None:
-            self.drafters["model"] = model
+            self.drafters[DrafterKind.MODEL] = model
         self.model = model
         self.model_name = model_name
         self.dtype = dtype
@@ -63,7 +55,7 @@ class DraftBackend:
         if model is not None:  # tokens one session may hold, checked before the model thread
             kv = model.kv_stats()
             self.limit = SessionLimit(model.context_tokens, kv.blocks_total * kv.block_size)
-        self._held: dict[str, set[str]] = {name: set() for name in self.drafters}
+        self._held: dict[DrafterKind, set[str]] = {kind: set() for kind in self.drafters}
         self.load = DraftLoad()
         self._snapshot()
 
@@ -73,12 +65,13 @@ class DraftBackend:
         layers = getattr(getattr(self.model, "model", None), "attention_layers", None)
         return layers() if callable(layers) else []
 
-    def check_drafter(self, name: str, sid: str) -> None:
-        if name not in self.drafters:
+    def check_drafter(self, kind: DrafterKind, sid: str) -> None:
+        if kind not in self.drafters:
             served = ", ".join(sorted(self.drafters))
-            hint = " (this replica runs no draft model)" if name == "model" else ""
+            hint = " (this replica runs no draft model)" if kind == DrafterKind.MODEL else ""
             raise InvalidArgument(
-                f"session {sid!r}: drafter {name!r} is not served here{hint}; served: {served}"
+                f"session {sid!r}: drafter {kind.value!r} is not served here{hint}; "
+                f"served: {served}"
             )
 
     def propose(self, calls: Sequence[Sequence[DraftCall]]) -> list[Proposed]:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import grpc.aio
 from opentelemetry import trace
 
-from specserve.draft_service import convert as wire
-from specserve.draft_service.backend import DraftBackend, DraftCall, Proposed
+from specserve.draft_service.backend import DraftBackend, Proposed
 from specserve.draft_service.metrics import DraftCounts
-from specserve.serving import convert
+from specserve.engine.drafter import DraftCall
 from specserve.serving.errors import check_strict
 from specserve.serving.server import RunningServer
 from specserve.telemetry import attributes as attr
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specserve.wire import common_wire, draft_wire
 
 
 # Batched ops for the model executor: (backend, one payload per coalesced call) -> results.
@@ -42,7 +42,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:
         backend = self.executor.backend
-        calls = wire.draft_calls(request, backend.vocab, backend.limit)
+        calls = draft_wire.draft_calls(request, backend.vocab, backend.limit)
         for c in calls:
             backend.check_drafter(c.drafter, c.input.session_id)
         done = await self.executor.submit(
@@ -74,7 +74,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 if o.stale
             ]
             check_strict(stale, done.value.unknown, "draft")
-        response = wire.propose_response(done.value.outcomes, calls)
+        response = draft_wire.propose_response(done.value.outcomes, calls)
         response.compute_ns = done.compute_ns
         response.batch_size = done.batch_sessions
         response.replica_id = self.running.replica_id
@@ -93,7 +93,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     ) -> common_pb2.LoadReport:
         backend = self.executor.backend
         load = backend.load
-        return convert.load_report(
+        return common_wire.load_report(
             replica_id=self.running.replica_id,
             role="draft",
             model=backend.model_name,

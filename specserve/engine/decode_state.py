@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from specserve.engine.drafter import DraftInput
+from specserve.engine.drafter import DrafterKind, DraftInput
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.k_policy import KPolicy, expected_tokens
 from specserve.engine.rejection import Proposal, Verdict
@@ -72,7 +72,7 @@ class DecodeState:
         stop: StopCriteria,
         k_policy: KPolicy,
         *,
-        drafter: str = "model",
+        drafter: DrafterKind | str = DrafterKind.MODEL,
         decode: Callable[[Sequence[int]], str] | None = None,
         round_index: int = 0,
     ) -> None:
@@ -86,7 +86,7 @@ class DecodeState:
         self.params = params
         self.stop = stop
         self.k_policy = k_policy
-        self.drafter = drafter
+        self.drafter = DrafterKind.parse(drafter)
         self.decode = decode
         self.round_index = round_index
         self.draft_start = 0  # committed tokens the drafter holds
@@ -104,7 +104,7 @@ class DecodeState:
         return self.finish_reason is not None
 
     def next_k(self, k_cap: int | None = None) -> int:
-        if self.drafter == "none":
+        if self.drafter == DrafterKind.NONE:
             return 0
         remaining = self.stop.max_new_tokens - len(self.completion)
         return max(0, min(self.k_policy.next_k(k_cap), remaining - 1))
@@ -114,7 +114,7 @@ class DecodeState:
         commit, the k it would draft), from the policy's plan before any probe and its
         running per-token acceptance (no state changes: the orchestrator weighs every
         cap each round)."""
-        if self.drafter == "none":
+        if self.drafter == DrafterKind.NONE:
             ks = [0] * (limit + 1)
         else:
             remaining = self.stop.max_new_tokens - len(self.completion)

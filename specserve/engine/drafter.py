@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
 from specserve.engine.errors import InvalidArgument
@@ -19,6 +20,27 @@ from specserve.engine.rejection import Proposal
 from specserve.engine.sampling import SamplingParams
 
 MAX_K = 16
+
+
+class DrafterKind(StrEnum):
+    """Which drafter proposes a session's tokens; ``NONE`` decodes target-only (k = 0).
+
+    A ``str`` subclass: members equal, hash and format as their values (``"model"``, ...),
+    which are the names flags, logs and span attributes carry.
+    """
+
+    MODEL = "model"  # a small causal LM (:mod:`specserve.engine.model_drafter`)
+    NGRAM = "ngram"  # prompt lookup (:mod:`specserve.engine.ngram`)
+    NONE = "none"  # no drafts
+
+    @classmethod
+    def parse(cls, value: str) -> DrafterKind:
+        """``value`` as a kind; :class:`InvalidArgument` naming the kinds otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            known = ", ".join(kind.value for kind in cls)
+            raise InvalidArgument(f"unknown drafter {value!r}; one of {known}") from None
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,14 @@ class DraftInput:
 
 
 @dataclass(frozen=True)
+class DraftCall:
+    """One session of a batched propose: which drafter, and what it is asked."""
+
+    drafter: DrafterKind  # never NONE
+    input: DraftInput
+
+
+@dataclass(frozen=True)
 class DraftOutcome:
     """A proposal, or ``stale=True`` when the drafter needs the full history."""
 
@@ -60,7 +90,7 @@ class DraftOutcome:
 class Drafter(Protocol):
     """Proposes draft tokens for a batch of sessions."""
 
-    name: str
+    name: DrafterKind  # never NONE
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftOutcome]:
         """One outcome per input, in order."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.engine import coupling, ops
-from specserve.engine.drafter import DraftInput, DraftOutcome
+from specserve.engine.drafter import DrafterKind, DraftInput, DraftOutcome
 from specserve.engine.kv_cache import KVStats
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.randomness import Stream, uniform
@@ -55,7 +55,7 @@ class _Active:
 class ModelDrafter:
     """Drafts with a :class:`CausalLM` over its own KV pool."""
 
-    name = "model"
+    name = DrafterKind.MODEL
 
     def __init__(
         self,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specserve.engine.drafter import DraftInput, DraftOutcome
+from specserve.engine.drafter import DrafterKind, DraftInput, DraftOutcome
 from specserve.engine.rejection import Proposal
 
 
@@ -26,7 +26,7 @@ class _Session:
 class NgramDrafter:
     """Prompt-lookup drafting over each session's committed tokens."""
 
-    name = "ngram"
+    name = DrafterKind.NGRAM
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         assert 1 <= min_n <= max_n

@@ -20,13 +20,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from specserve.engine.decode_state import DecodeState
-from specserve.engine.drafter import Drafter
+from specserve.engine.drafter import Drafter, DrafterKind
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.rejection import Proposal
 from specserve.engine.round_cost import RoundCosts
 from specserve.engine.verifier import TargetVerifier
-
-DRAFTER_NONE = "none"
 
 
 @dataclass
@@ -50,7 +48,7 @@ class SpeculativeEngine:
     def __init__(
         self,
         verifier: TargetVerifier,
-        drafters: Mapping[str, Drafter],
+        drafters: Mapping[DrafterKind, Drafter],
         *,
         costs: RoundCosts | None = None,
     ) -> None:
@@ -69,9 +67,11 @@ class SpeculativeEngine:
     ) -> None:
         """Decode every session until it finishes; ``on_tokens`` sees each round's tokens."""
         for s in states:
-            if s.drafter != DRAFTER_NONE and s.drafter not in self.drafters:
-                known = ", ".join(sorted([*self.drafters, DRAFTER_NONE]))
-                raise InvalidArgument(f"unknown drafter {s.drafter!r}; available: {known}")
+            if s.drafter != DrafterKind.NONE and s.drafter not in self.drafters:
+                known = ", ".join(sorted([*self.drafters, DrafterKind.NONE]))
+                raise InvalidArgument(
+                    f"drafter {s.drafter.value!r} is not loaded; available: {known}"
+                )
         active = [s for s in states if not s.finished]
         while active:
             for s, tokens in self.round(active):
@@ -126,9 +126,9 @@ class SpeculativeEngine:
         to draft for it (such a round is not a decode step to time)."""
         reread = False
         proposals: list[Proposal] = [Proposal(tokens=[])] * len(states)
-        groups: dict[str, list[int]] = {}
+        groups: dict[DrafterKind, list[int]] = {}
         for i, s in enumerate(states):
-            if s.drafter != DRAFTER_NONE:
+            if s.drafter != DrafterKind.NONE:
                 groups.setdefault(s.drafter, []).append(i)
         for name, idx in groups.items():
             drafter = self.drafters[name]
@@ -155,6 +155,6 @@ def _decoding(s: DecodeState) -> bool:
     prefill)."""
     if len(s.tokens) - s.target_start != 1:
         return False
-    if s.drafter == DRAFTER_NONE:
+    if s.drafter == DrafterKind.NONE:
         return True
     return s.draft_start > 0 and len(s.tokens) - s.draft_start <= s.k_policy.k_max + 1

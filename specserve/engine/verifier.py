@@ -10,8 +10,9 @@ with no drafts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -61,6 +62,35 @@ class VerifyOutcome:
     logprobs: tuple[float, ...] = ()
     # when top_logprobs was asked for: one per emitted token, under the session's params
     token_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class Verifier(Protocol):
+    """What a target server calls: :class:`TargetVerifier` and the tensor-parallel
+    verifiers (``target_service/tp_worker.py``, ``tp_ray.py``) alike."""
+
+    vocab_limit: int  # token ids a request may name
+
+    @property
+    def config(self) -> ModelConfig: ...  # the model's config (its context, for the limits)
+
+    @property
+    def kv(self) -> Container[str]: ...  # ``session_id in verifier.kv``: a cache is held
+
+    def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyOutcome]: ...
+
+    def release(self, session_id: str) -> bool: ...
+
+    def release_sessions(self, session_ids: Sequence[str]) -> frozenset[str]: ...  # had one
+
+    def holding(self, session_ids: Sequence[str]) -> frozenset[str]: ...  # one call per batch
+
+    def kv_stats(self) -> KVStats: ...
+
+    def sessions(self) -> int: ...
+
+    def healthy(self) -> bool: ...  # False once a rank failed or the group was closed
+
+    def close(self) -> None: ...  # stop the rank group (a no-op for a single process)
 
 
 class TargetVerifier:

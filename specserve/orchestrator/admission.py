@@ -10,7 +10,7 @@ tokenizing, store write or replica call, when
 * its tokens (a continued session's history plus the new prompt) are more than
   ``max_prompt_tokens`` or the model's context, or (``RESOURCE_EXHAUSTED``) more
   than a target's KV budget can ever hold for one session (a
-  :class:`~specserve.serving.convert.SessionLimit`, which the targets report in
+  :class:`~specserve.wire.common_wire.SessionLimit`, which the targets report in
   ``GetLoad`` and :class:`TargetLimits` keeps).
 
 A prompt inside the limits is served; its ``max_new_tokens`` is cut so that the
@@ -33,8 +33,8 @@ from specserve.engine.errors import InvalidArgument, KVBudgetExceeded
 from specserve.orchestrator.replicas import ReplicaPool
 from specserve.orchestrator.text import MAX_PROMPT_TOKENS, Tokenization
 from specserve.orchestrator.types import GenerateParams, Prompt
-from specserve.serving.convert import SessionLimit
 from specserve.v1 import common_pb2
+from specserve.wire.common_wire import SessionLimit
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from collections.abc import Iterable
 import grpc
 import grpc.aio
 
-from specserve.draft_service import convert as draft_wire
 from specserve.engine.drafter import DraftInput
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator.draft_ahead import DRAFTER, Bet
 from specserve.orchestrator.replicas import ReplicaPool
 from specserve.v1 import draft_pb2
+from specserve.wire import draft_wire
 
 log = logging.getLogger(__name__)
 

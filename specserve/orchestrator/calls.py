@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 import grpc
 import grpc.aio
 
-from specserve.draft_service import convert as draft_wire
 from specserve.engine.errors import EngineError, InvalidArgument, KVBudgetExceeded, NotFound
 from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.rejection import Proposal, Verdict
@@ -50,8 +49,8 @@ from specserve.orchestrator.replicas import (
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.stall import Stalled, call_watched
 from specserve.serving.errors import Unavailable
-from specserve.target_service import convert as target_wire
 from specserve.v1 import common_pb2, draft_pb2, target_pb2
+from specserve.wire import draft_wire, target_wire
 
 log = logging.getLogger(__name__)
 

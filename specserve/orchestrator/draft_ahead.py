@@ -42,10 +42,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specserve.engine.decode_state import DecodeState
-from specserve.engine.drafter import MAX_K, DraftInput
+from specserve.engine.drafter import MAX_K, DrafterKind, DraftInput
 from specserve.engine.rejection import Proposal
 
-DRAFTER = "model"  # the only drafter that bets
+DRAFTER = DrafterKind.MODEL  # the only drafter that bets
 
 
 class Outcome(enum.StrEnum):

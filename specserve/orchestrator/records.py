@@ -10,8 +10,8 @@ from __future__ import annotations
 from specserve.engine.decode_state import DecodeState
 from specserve.engine.sampling import SamplingParams, SamplingRule
 from specserve.orchestrator.types import GenerateParams, SessionState, SessionSummary, Usage
-from specserve.serving import convert
 from specserve.v1 import generate_pb2, session_pb2
+from specserve.wire import common_wire
 
 STATES = {
     SessionState.ACTIVE: generate_pb2.SESSION_STATE_ACTIVE,
@@ -45,11 +45,11 @@ def start_turn(
     rec.turn_starts.append(len(rec.tokens))
     rec.tokens.extend(prompt)
     rec.completion_start = len(rec.tokens)
-    rec.sampling.CopyFrom(convert.sampling_pb(sampling))
+    rec.sampling.CopyFrom(common_wire.sampling_pb(sampling))
     rec.max_new_tokens = params.max_new_tokens
     del rec.stop[:]
     rec.stop.extend(params.stop)
-    rec.drafter = convert.DRAFTER_ENUMS[params.drafter]
+    rec.drafter = common_wire.DRAFTER_ENUMS[params.drafter]
     if params.k is None:
         rec.ClearField("k")
     else:
@@ -132,7 +132,7 @@ def summary(record: session_pb2.SessionRecord, *, leased: bool) -> SessionSummar
         turns=len(record.turn_starts),
         usage=usage_of(record),
         seed=record.sampling.seed,
-        rule=convert.RULE_NAMES.get(record.sampling.rule, SamplingRule.COUPLED),
+        rule=common_wire.RULE_NAMES.get(record.sampling.rule, SamplingRule.COUPLED),
     )
 
 

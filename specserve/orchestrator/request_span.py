@@ -33,7 +33,7 @@ def start_request_span(params: GenerateParams, model: str) -> Span:
                 attr.GEN_AI_REQUEST_TEMPERATURE: sampling.temperature,
                 attr.GEN_AI_REQUEST_TOP_P: sampling.top_p,
                 attr.GEN_AI_REQUEST_TOP_K: sampling.top_k,
-                attr.SPEC_DRAFTER: params.drafter,
+                attr.SPEC_DRAFTER: str(params.drafter),
             }
         )
         if params.seed is not None:

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 
-from specserve.orchestrator import convert
 from specserve.orchestrator.api_keys import KeysFile, owner_of
 from specserve.orchestrator.errors import status_for
 from specserve.orchestrator.generation import Orchestrator
 from specserve.v1 import generate_pb2, generate_pb2_grpc
+from specserve.wire import public_wire
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.GenerateResponse:
         try:
-            params = convert.generate_params(request, deadline_of(context), self._owner(context))
+            params = public_wire.generate_params(
+                request, deadline_of(context), self._owner(context)
+            )
             chunks = [c async for c in self.orchestrator.generate(params)]
-            return convert.generate_response(chunks, self.orchestrator.token_text)
+            return public_wire.generate_response(chunks, self.orchestrator.token_text)
         except Exception as e:
             await _abort(context, "Generate", e)
             raise  # unreachable: abort raises
@@ -65,9 +67,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         try:
-            params = convert.generate_params(request, deadline_of(context), self._owner(context))
+            params = public_wire.generate_params(
+                request, deadline_of(context), self._owner(context)
+            )
             async for chunk in self.orchestrator.generate(params):
-                yield convert.stream_response(chunk, self.orchestrator.token_text)
+                yield public_wire.stream_response(chunk, self.orchestrator.token_text)
         except Exception as e:
             await _abort(context, "GenerateStream", e)
 
@@ -85,7 +89,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.SessionInfo:
         try:
-            return convert.session_info(
+            return public_wire.session_info(
                 await self.orchestrator.get(request.session_id, self._owner(context))
             )
         except Exception as e:

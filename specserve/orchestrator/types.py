@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from specserve.engine.decode_state import FinishReason
+from specserve.engine.drafter import DrafterKind
 from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sampling import SamplingParams, SamplingRule
 
@@ -40,7 +41,7 @@ class GenerateParams:
     seed: int | None = None  # None = the session's seed, or a new random one
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop: tuple[str, ...] = ()
-    drafter: str = "model"  # "model", "ngram" or "none"
+    drafter: DrafterKind = DrafterKind.MODEL
     k: int | None = None  # None = adaptive
     session_id: str = ""  # continue this kept session; empty = a new one
     keep_session: bool = False

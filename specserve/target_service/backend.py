@@ -26,9 +26,8 @@ from typing import Any
 
 from specserve.engine.errors import FailedPrecondition
 from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk, KvTransfer
-from specserve.engine.verifier import VerifyInput, VerifyOutcome
-from specserve.serving.convert import SessionLimit
-from specserve.target_service.tp_worker import Verifier
+from specserve.engine.verifier import Verifier, VerifyInput, VerifyOutcome
+from specserve.wire.common_wire import SessionLimit
 
 log = logging.getLogger(__name__)
 

@@ -15,14 +15,13 @@ from opentelemetry import trace
 
 from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk
 from specserve.engine.verifier import VerifyInput
-from specserve.serving import convert
 from specserve.serving.errors import check_strict
 from specserve.serving.server import RunningServer
-from specserve.target_service import convert as wire
 from specserve.target_service.backend import TargetBackend, Verified
 from specserve.target_service.metrics import TargetCounts
 from specserve.telemetry import attributes as attr
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specserve.wire import common_wire, target_wire
 
 
 # Batched ops for the model executor: (backend, one payload per coalesced call) -> results.
@@ -56,14 +55,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
         backend = self.executor.backend
-        inputs = wire.prefill_inputs(request, backend.vocab, backend.limit)
+        inputs = target_wire.prefill_inputs(request, backend.vocab, backend.limit)
         return await self._verify(inputs, strict=False)
 
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
         backend = self.executor.backend
-        inputs = wire.verify_inputs(request, backend.vocab, backend.limit)
+        inputs = target_wire.verify_inputs(request, backend.vocab, backend.limit)
         return await self._verify(inputs, strict=request.strict)
 
     async def _verify(
@@ -95,7 +94,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 x.session_id for x, o in zip(inputs, done.value.outcomes, strict=True) if o.stale
             ]
             check_strict(stale, done.value.unknown, "target")
-        response = wire.verify_response(done.value.outcomes, inputs)
+        response = target_wire.verify_response(done.value.outcomes, inputs)
         response.compute_ns = done.compute_ns
         response.batch_size = done.batch_sessions
         response.replica_id = self.running.replica_id
@@ -112,10 +111,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def ExportKv(
         self, request: target_pb2.ExportKvRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.ExportKvResponse:
-        call = wire.export_input(request, self.executor.backend.vocab)
+        call = target_wire.export_input(request, self.executor.backend.vocab)
         done = await self.executor.submit(_run_export, call, sessions=[call.session_id])
         return target_pb2.ExportKvResponse(
-            chunks=[wire.kv_chunk_pb(c) for c in done.value],
+            chunks=[target_wire.kv_chunk_pb(c) for c in done.value],
             compute_ns=done.compute_ns,
             replica_id=self.running.replica_id,
         )
@@ -123,7 +122,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def ImportKv(
         self, request: target_pb2.ImportKvRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.ImportKvResponse:
-        call = wire.import_input(request, self.executor.backend.vocab)
+        call = target_wire.import_input(request, self.executor.backend.vocab)
         done = await self.executor.submit(_run_import, call, sessions=[call.session_id])
         return target_pb2.ImportKvResponse(
             tokens=done.value,
@@ -137,7 +136,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         backend = self.executor.backend
         load = backend.load
         kv = backend.kv_transfer
-        return convert.load_report(
+        return common_wire.load_report(
             replica_id=self.running.replica_id,
             role="target",
             model=backend.model_name,

@@ -29,9 +29,9 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -47,39 +47,11 @@ from specserve.engine.tp import (
     init_tp,
     shutdown_tp,
 )
-from specserve.engine.verifier import TargetVerifier, VerifyInput, VerifyOutcome
+from specserve.engine.verifier import TargetVerifier, Verifier, VerifyInput, VerifyOutcome
 from specserve.target_service.tp_config import TPSettings
 
 # Builds the whole model on the CPU; every rank calls it, then keeps its shard.
 ModelFactory = Callable[[], CausalLM]
-
-
-class Verifier(Protocol):
-    """What a target server calls: :class:`TargetVerifier` and the TP verifiers alike."""
-
-    vocab_limit: int  # token ids a request may name
-
-    @property
-    def config(self) -> Any: ...  # the model's ModelConfig (its context, for the limits)
-
-    @property
-    def kv(self) -> Container[str]: ...  # ``session_id in verifier.kv``: a cache is held
-
-    def verify(self, inputs: Sequence[VerifyInput]) -> list[VerifyOutcome]: ...
-
-    def release(self, session_id: str) -> bool: ...
-
-    def release_sessions(self, session_ids: Sequence[str]) -> frozenset[str]: ...  # had one
-
-    def holding(self, session_ids: Sequence[str]) -> frozenset[str]: ...  # one call per batch
-
-    def kv_stats(self) -> KVStats: ...
-
-    def sessions(self) -> int: ...
-
-    def healthy(self) -> bool: ...  # False once a rank failed or the group was closed
-
-    def close(self) -> None: ...  # stop the rank group (a no-op for a single process)
 
 
 @dataclass(frozen=True)

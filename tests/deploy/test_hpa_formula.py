@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import pytest
 
+from bench.round_client import RoundClient
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.sampling import SamplingParams
 from specserve.serving.launch import ServerProcess
-from specserve.serving.round_client import RoundClient
 from tests.deploy import hpa
 from tests.deploy.manifests import K8S, by_kind, load_docs
 from tests.orchestrator.redis_server import free_port

@@ -15,7 +15,7 @@ from specserve.orchestrator.admission import (
     request_bytes,
 )
 from specserve.orchestrator.types import ChatMessage, GenerateParams, Prompt
-from specserve.serving.convert import SessionLimit
+from specserve.wire.common_wire import SessionLimit
 
 SMALL = AdmissionConfig(
     max_prompt_tokens=100,

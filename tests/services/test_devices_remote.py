@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from bench.round_client import RoundClient
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.model_drafter import ModelDrafter
@@ -22,7 +23,6 @@ from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.tiny import tiny_from_spec
 from specserve.engine.verifier import TargetVerifier
 from specserve.serving.launch import ServerProcess
-from specserve.serving.round_client import RoundClient
 from tests.services.conftest import DRAFT, TARGET, Stubs, run, sid, start_all
 
 pytestmark = [

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from bench.round_client import RoundClient, RpcTiming
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.model_drafter import ModelDrafter
@@ -21,7 +22,6 @@ from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.tiny import tiny_from_spec
 from specserve.engine.verifier import TargetVerifier
 from specserve.serving.launch import ServerProcess
-from specserve.serving.round_client import RoundClient, RpcTiming
 from tests.services.conftest import DRAFT, TARGET, Stubs, run, sid
 
 BUDGET = 8 << 20

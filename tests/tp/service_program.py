@@ -20,11 +20,11 @@ from typing import Any
 
 import grpc
 
+from bench.round_client import RoundClient
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.sampling import SamplingParams
 from specserve.serving.launch import ServerProcess
-from specserve.serving.round_client import RoundClient
 from specserve.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 SEED = 7

@@ -1,7 +1,7 @@
 """The target service split over two ranks (gloo on CPU, loopback only), end to end.
 
 Real gRPC: a draft server in its own process, target servers in theirs, and the
-:class:`~specserve.serving.round_client.RoundClient` loop. A TP=2 target launched
+:class:`~bench.round_client.RoundClient` loop. A TP=2 target launched
 by ``torchrun`` decodes exactly as the TP=1 service for a tiny Qwen2 and a tiny
 Llama; a Ray-launched TP=2 target decodes exactly as the torchrun one; and a
 killed worker rank ends rank 0 (NOT_SERVING, exit 1) within the collective timeout.

@@ -10,10 +10,10 @@ sentence naming it and never spoils a batch it would have shared a forward with:
 * a session's tokens (``start`` + new + drafts) within the replica's
   :class:`SessionLimit`: the model's context (else INVALID_ARGUMENT) and what its
   KV budget can ever hold (else RESOURCE_EXHAUSTED);
-* sparse q: see :mod:`specserve.serving.sparse_q`.
+* sparse q: see :mod:`specserve.wire.sparse_q`.
 
-The client side of the same messages (used by :mod:`specserve.serving.round_client`)
-is here too, so both ends of a field are read and written in one place.
+The client side of the same messages (the orchestrator's calls, the benchmarks'
+``RoundClient``) is here too, so both ends of a field are read and written in one place.
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from specserve.engine.drafter import DrafterKind
 from specserve.engine.errors import InvalidArgument, KVBudgetExceeded
 from specserve.engine.sampling import SamplingParams, SamplingRule
 from specserve.v1 import common_pb2
 
 MAX_SESSIONS = 1024  # per call; far above any useful forward batch
 
-DRAFTER_NAMES = {
-    common_pb2.DRAFTER_UNSPECIFIED: "model",
-    common_pb2.DRAFTER_MODEL: "model",
-    common_pb2.DRAFTER_NGRAM: "ngram",
-    common_pb2.DRAFTER_NONE: "none",
+DRAFTER_KINDS = {
+    common_pb2.DRAFTER_UNSPECIFIED: DrafterKind.MODEL,
+    common_pb2.DRAFTER_MODEL: DrafterKind.MODEL,
+    common_pb2.DRAFTER_NGRAM: DrafterKind.NGRAM,
+    common_pb2.DRAFTER_NONE: DrafterKind.NONE,
 }
 RULE_NAMES = {
     common_pb2.SAMPLING_RULE_UNSPECIFIED: SamplingRule.COUPLED,
@@ -43,9 +44,9 @@ RULE_ENUMS = {
     SamplingRule.REJECTION: common_pb2.SAMPLING_RULE_REJECTION,
 }
 DRAFTER_ENUMS = {
-    "model": common_pb2.DRAFTER_MODEL,
-    "ngram": common_pb2.DRAFTER_NGRAM,
-    "none": common_pb2.DRAFTER_NONE,
+    DrafterKind.MODEL: common_pb2.DRAFTER_MODEL,
+    DrafterKind.NGRAM: common_pb2.DRAFTER_NGRAM,
+    DrafterKind.NONE: common_pb2.DRAFTER_NONE,
 }
 
 
@@ -137,12 +138,12 @@ def sampling_rule(value: int, what: str) -> SamplingRule:
     return RULE_NAMES[value]
 
 
-def drafter_name(value: int, sid: str) -> str:
-    """Drafter enum -> the drafter's name ("model", "ngram", "none")."""
-    if value not in DRAFTER_NAMES:
-        known = ", ".join(common_pb2.Drafter.Name(v) for v in DRAFTER_NAMES)
+def drafter_kind(value: int, sid: str) -> DrafterKind:
+    """Drafter enum -> the engine's :class:`DrafterKind` (unspecified = the model)."""
+    if value not in DRAFTER_KINDS:
+        known = ", ".join(common_pb2.Drafter.Name(v) for v in DRAFTER_KINDS)
         raise InvalidArgument(f"session {sid!r}: drafter {value} is not one of {known}")
-    return DRAFTER_NAMES[value]
+    return DRAFTER_KINDS[value]
 
 
 def load_report(

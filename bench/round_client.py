@@ -11,9 +11,11 @@ phase one batched RPC for every session:
    sessions in full;
 3. ``DecodeState.commit`` the verdicts.
 
-The orchestrator reuses this class; the tests drive it against server processes.
-Every RPC's wall time and server-reported compute go to ``on_rpc`` (the bench
-reads the difference: serialisation + transport).
+A client of both services for the benchmarks (``bench.rpc_overhead``) and the tests,
+which drive it against server processes; the orchestrator does not use it (its round
+is ``specserve/orchestrator/rounds.py``, its RPCs ``orchestrator/calls.py``). Every
+RPC's wall time and server-reported compute go to ``on_rpc`` (the bench reads the
+difference: serialisation + transport).
 """
 
 from __future__ import annotations
@@ -23,14 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.draft_service import convert as draft_wire
 from specserve.engine.decode_state import DecodeState
+from specserve.engine.drafter import DrafterKind
 from specserve.engine.rejection import Proposal, Verdict
-from specserve.serving import convert
-from specserve.target_service import convert as target_wire
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-
-NO_DRAFTER = "none"
+from specserve.wire import common_wire, draft_wire, target_wire
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,7 @@ class RoundClient:
                 target_pb2.PrefillSession(
                     session_id=s.session_id,
                     tokens=s.tokens,
-                    sampling=convert.sampling_pb(s.params),
+                    sampling=common_wire.sampling_pb(s.params),
                     round_index=s.round_index,
                 )
                 for s in states
@@ -121,7 +120,7 @@ class RoundClient:
     ) -> tuple[list[Proposal], dict[int, draft_pb2.DraftResult]]:
         proposals = [Proposal(tokens=[])] * len(states)
         drafts: dict[int, draft_pb2.DraftResult] = {}
-        idx = [i for i, s in enumerate(states) if s.drafter != NO_DRAFTER]
+        idx = [i for i, s in enumerate(states) if s.drafter != DrafterKind.NONE]
         if not idx:
             return proposals, drafts
         assert self.draft is not None, "sessions want drafts but no draft replica is configured"

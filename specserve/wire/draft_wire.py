@@ -1,29 +1,28 @@
-"""draft.proto <-> engine types, both ends: the servicer's and the round client's."""
+"""draft.proto <-> engine types, both ends: the draft servicer's and its callers'."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specserve.draft_service.backend import DraftCall
-from specserve.engine.drafter import MAX_K, DraftInput, DraftOutcome
+from specserve.engine.drafter import MAX_K, DraftCall, DrafterKind, DraftInput, DraftOutcome
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.rejection import Proposal
-from specserve.serving import convert, sparse_q
 from specserve.v1 import common_pb2, draft_pb2
+from specserve.wire import common_wire, sparse_q
 
 # -- server side ---------------------------------------------------------------------
 
 
 def draft_calls(
-    request: draft_pb2.ProposeRequest, vocab: int, limit: convert.SessionLimit
+    request: draft_pb2.ProposeRequest, vocab: int, limit: common_wire.SessionLimit
 ) -> list[DraftCall]:
     """A ProposeRequest -> validated engine inputs (raises InvalidArgument)."""
-    convert.check_session_ids([s.session_id for s in request.sessions])
+    common_wire.check_session_ids([s.session_id for s in request.sessions])
     calls = []
     for s in request.sessions:
         sid = s.session_id
-        name = convert.drafter_name(s.drafter, sid)
-        if name == "none":
+        kind = common_wire.drafter_kind(s.drafter, sid)
+        if kind == DrafterKind.NONE:
             raise InvalidArgument(
                 f"session {sid!r}: drafter DRAFTER_NONE means no drafting; do not send the "
                 "session to Propose"
@@ -31,13 +30,13 @@ def draft_calls(
         if s.k > MAX_K:
             raise InvalidArgument(f"session {sid!r}: k must be between 0 and {MAX_K}, got {s.k}")
         limit.check(sid, s.start, len(s.new_tokens), s.k)
-        tokens = convert.check_tokens(s.new_tokens, vocab, "new_tokens", sid)
-        params = convert.sampling_params(s.sampling, sid)
+        tokens = common_wire.check_tokens(s.new_tokens, vocab, "new_tokens", sid)
+        params = common_wire.sampling_params(s.sampling, sid)
         try:
             x = DraftInput(sid, s.start, tokens, s.k, params, s.round_index)
         except InvalidArgument as e:
             raise InvalidArgument(f"session {sid!r}: {e}") from None
-        calls.append(DraftCall(name, x))
+        calls.append(DraftCall(kind, x))
     return calls
 
 
@@ -63,15 +62,15 @@ def propose_response(
 # -- client side ---------------------------------------------------------------------
 
 
-def draft_session(x: DraftInput, drafter: str) -> draft_pb2.DraftSession:
+def draft_session(x: DraftInput, drafter: DrafterKind) -> draft_pb2.DraftSession:
     return draft_pb2.DraftSession(
         session_id=x.session_id,
         start=x.start,
         new_tokens=x.new_tokens,
         k=x.k,
-        sampling=convert.sampling_pb(x.params),
+        sampling=common_wire.sampling_pb(x.params),
         round_index=x.round_index,
-        drafter=convert.DRAFTER_ENUMS[drafter],
+        drafter=common_wire.DRAFTER_ENUMS[drafter],
     )
 
 
@@ -79,7 +78,7 @@ def proposal(result: draft_pb2.DraftResult, k: int) -> Proposal | None:
     """A DraftResult -> its draft tokens, or None when the replica needs the full history.
 
     q stays in ``result`` and goes to the target as it came
-    (:func:`specserve.target_service.convert.verify_session`), which validates them:
+    (:func:`specserve.target_service.common_wire.verify_session`), which validates them:
     turning them into tensors here and back into lists there would only cost time.
     """
     sid = result.session_id

@@ -1,4 +1,4 @@
-"""target.proto <-> engine types, both ends: the servicer's and the round client's."""
+"""target.proto <-> engine types, both ends: the target servicer's and its callers'."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk
 from specserve.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.verifier import VerifyInput, VerifyOutcome
-from specserve.serving import convert, sparse_q
 from specserve.v1 import common_pb2, draft_pb2, target_pb2
+from specserve.wire import common_wire, sparse_q
 
 # -- server side ---------------------------------------------------------------------
 
 
 def verify_inputs(
-    request: target_pb2.VerifyRequest, vocab: int, limit: convert.SessionLimit
+    request: target_pb2.VerifyRequest, vocab: int, limit: common_wire.SessionLimit
 ) -> list[VerifyInput]:
     """A VerifyRequest -> validated engine inputs (raises InvalidArgument)."""
     sessions = request.sessions
-    convert.check_session_ids([s.session_id for s in sessions])
+    common_wire.check_session_ids([s.session_id for s in sessions])
     wire = []
     for s in sessions:
         sid = s.session_id
@@ -31,16 +31,16 @@ def verify_inputs(
                 "committed token (the last round's recovered or bonus token, or the prompt)"
             )
         limit.check(sid, s.start, len(s.new_tokens), len(s.draft_tokens))
-        drafts = convert.check_tokens(s.draft_tokens, vocab, "draft_tokens", sid)
+        drafts = common_wire.check_tokens(s.draft_tokens, vocab, "draft_tokens", sid)
         wire.append(sparse_q.WireQ.of(sid, drafts, s.q if s.HasField("q") else None))
     proposals = sparse_q.proposals(wire, vocab)
     return [
         VerifyInput(
             s.session_id,
             s.start,
-            convert.check_tokens(s.new_tokens, vocab, "new_tokens", s.session_id),
+            common_wire.check_tokens(s.new_tokens, vocab, "new_tokens", s.session_id),
             p,
-            convert.sampling_params(s.sampling, s.session_id),
+            common_wire.sampling_params(s.sampling, s.session_id),
             s.round_index,
             s.return_logprobs,
             _top_logprobs(s, s.session_id),
@@ -50,18 +50,18 @@ def verify_inputs(
 
 
 def prefill_inputs(
-    request: target_pb2.PrefillRequest, vocab: int, limit: convert.SessionLimit
+    request: target_pb2.PrefillRequest, vocab: int, limit: common_wire.SessionLimit
 ) -> list[VerifyInput]:
     """A PrefillRequest -> verify inputs with start 0 and no drafts (replacing any cache)."""
-    convert.check_session_ids([s.session_id for s in request.sessions])
+    common_wire.check_session_ids([s.session_id for s in request.sessions])
     out = []
     for s in request.sessions:
         sid = s.session_id
         if not s.tokens:
             raise InvalidArgument(f"session {sid!r}: the prompt is empty; send at least one token")
         limit.check(sid, 0, len(s.tokens))
-        tokens = convert.check_tokens(s.tokens, vocab, "tokens", sid)
-        params = convert.sampling_params(s.sampling, sid)
+        tokens = common_wire.check_tokens(s.tokens, vocab, "tokens", sid)
+        params = common_wire.sampling_params(s.sampling, sid)
         out.append(
             VerifyInput(
                 sid,
@@ -116,8 +116,8 @@ def export_input(request: target_pb2.ExportKvRequest, vocab: int) -> ExportInput
     """An ExportKvRequest -> engine input (chunk sizes and ranges are checked on the model
     thread, where the cache is)."""
     sid = request.session_id
-    convert.check_session_ids([sid])
-    tokens = convert.check_tokens(request.tokens, vocab, "tokens", sid)
+    common_wire.check_session_ids([sid])
+    tokens = common_wire.check_tokens(request.tokens, vocab, "tokens", sid)
     return ExportInput(sid, tokens, request.chunk_tokens, request.first_chunk)
 
 
@@ -125,8 +125,8 @@ def import_input(request: target_pb2.ImportKvRequest, vocab: int) -> ImportInput
     """An ImportKvRequest -> engine input; the chunks' keys, fingerprints and sizes are
     checked by :meth:`~specserve.engine.kv_transfer.KvTransfer.import_`."""
     sid = request.session_id
-    convert.check_session_ids([sid])
-    tokens = convert.check_tokens(request.tokens, vocab, "tokens", sid)
+    common_wire.check_session_ids([sid])
+    tokens = common_wire.check_tokens(request.tokens, vocab, "tokens", sid)
     chunks = [kv_chunk(c, sid, i) for i, c in enumerate(request.chunks)]
     return ImportInput(sid, tokens, request.start, chunks)
 
@@ -171,7 +171,7 @@ def verify_session(
         start=x.start,
         new_tokens=x.new_tokens,
         draft_tokens=x.proposal.tokens,
-        sampling=convert.sampling_pb(x.params),
+        sampling=common_wire.sampling_pb(x.params),
         round_index=x.round_index,
         return_logprobs=x.want_logprobs,
         top_logprobs=x.top_logprobs,

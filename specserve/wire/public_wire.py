@@ -21,8 +21,8 @@ from specserve.orchestrator.types import (
     SessionSummary,
     Usage,
 )
-from specserve.serving.convert import DRAFTER_NAMES, RULE_ENUMS, sampling_rule
 from specserve.v1 import common_pb2, generate_pb2
+from specserve.wire.common_wire import DRAFTER_KINDS, RULE_ENUMS, sampling_rule
 
 # The OpenAI range; higher temperatures give noise, and the bound catches unit mistakes.
 MAX_TEMPERATURE = 2.0
@@ -79,8 +79,8 @@ def generate_params(
         rule=sampling_rule(s.rule, "sampling.rule"),
     )
     spec = request.speculation
-    if spec.drafter not in DRAFTER_NAMES:
-        known = ", ".join(common_pb2.Drafter.Name(v) for v in DRAFTER_NAMES)
+    if spec.drafter not in DRAFTER_KINDS:
+        known = ", ".join(common_pb2.Drafter.Name(v) for v in DRAFTER_KINDS)
         raise InvalidArgument(f"speculation.drafter {spec.drafter} is not one of {known}")
     k = spec.k if spec.HasField("k") else None
     if k is not None and k > MAX_K:
@@ -91,7 +91,7 @@ def generate_params(
         seed=s.seed if s.HasField("seed") else None,
         max_new_tokens=s.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
         stop=tuple(s.stop),
-        drafter=DRAFTER_NAMES[spec.drafter],
+        drafter=DRAFTER_KINDS[spec.drafter],
         k=k,
         session_id=request.session_id,
         keep_session=request.keep_session,
