@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import environment_md, reproduce_command
-from specserve.orchestrator.scheduler import SchedulerConfig
+from specserve.orchestrator.fleet.scheduler import SchedulerConfig
 
 if TYPE_CHECKING:
     from bench.concurrency import LocalRun, Run

@@ -5,13 +5,13 @@ A target server runs as a child process on loopback and a Redis (a throwaway
 length L (256, 512, 1024, 2048 by default; multiples of the chunk size) a session
 of L + ``--tail`` committed tokens is prefilled once, and the whole chunks of its
 first L tokens are saved exactly as the orchestrator saves them
-(:func:`~specserve.orchestrator.kv_chain.save_chain`: ``ExportKv`` + ``SET``).
+(:func:`~specserve.orchestrator.snapshots.kv_chain.save_chain`: ``ExportKv`` + ``SET``).
 Then, repeatedly, with a fresh session id each time and the variants interleaved
 (re-prefill, restore, save, re-prefill, ...):
 
 * **re-prefill** — one ``Prefill`` of all L + tail tokens: what a target failover
   costs without snapshots;
-* **restore** — :func:`~specserve.orchestrator.kv_chain.restore_chain` (pipelined
+* **restore** — :func:`~specserve.orchestrator.snapshots.kv_chain.restore_chain` (pipelined
   ``GETEX`` of the L / c chunks, ``ImportKv`` calls of at most 32 MiB over
   loopback gRPC), then a ``Verify`` of the tail tokens: what a failover costs with
   ``--kv-snapshots``. The default tail is 1 token, the last committed one, which
@@ -59,17 +59,17 @@ from bench.common import (
 )
 from specserve.devtools.redis_server import RedisNotInstalled, throwaway_redis
 from specserve.engine.kv_chunks import chain_keys
-from specserve.orchestrator import keys
-from specserve.orchestrator.kv_chain import (
+from specserve.orchestrator.fleet.replicas import channel_options
+from specserve.orchestrator.snapshots.kv_chain import (
     ChainParams,
     TargetKv,
     restore_chain,
     save_chain,
     target_kv,
 )
-from specserve.orchestrator.kv_store import ChunkStore
-from specserve.orchestrator.redis_settings import RedisSettings
-from specserve.orchestrator.replicas import channel_options
+from specserve.orchestrator.snapshots.kv_store import ChunkStore
+from specserve.orchestrator.store import keys
+from specserve.orchestrator.store.redis_settings import RedisSettings
 from specserve.serving.launch import ServerProcess
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 

@@ -13,7 +13,7 @@ phase one batched RPC for every session:
 
 A client of both services for the benchmarks (``bench.rpc_overhead``) and the tests,
 which drive it against server processes; the orchestrator does not use it (its round
-is ``specserve/orchestrator/rounds.py``, its RPCs ``orchestrator/calls.py``). Every
+is ``specserve/orchestrator/round/runner.py``, its RPCs ``orchestrator/round/calls.py``). Every
 RPC's wall time and server-reported compute go to ``on_rpc`` (the bench reads the
 difference: serialisation + transport).
 """

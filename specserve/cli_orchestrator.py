@@ -17,7 +17,7 @@ import time
 
 from specserve.engine.dtypes import DTYPE_NAMES
 from specserve.engine.errors import InvalidArgument
-from specserve.orchestrator.redis_settings import redacted
+from specserve.orchestrator.store.redis_settings import redacted
 from specserve.serving.cli_args import add_pair_device_arguments, pair_placement
 from specserve.serving.tls import ClientTls, client_tls
 

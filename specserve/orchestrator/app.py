@@ -14,21 +14,21 @@ from dataclasses import dataclass
 
 import grpc.aio
 
-from specserve.orchestrator import admission
-from specserve.orchestrator.api_keys import AuthInterceptor, KeysFile
+from specserve.orchestrator.api import admission
+from specserve.orchestrator.api.api_keys import AuthInterceptor, KeysFile
+from specserve.orchestrator.api.generation import Orchestrator
+from specserve.orchestrator.api.service import GenerationServicer
+from specserve.orchestrator.api.text import Tokenization
 from specserve.orchestrator.config import OrchestratorConfig
-from specserve.orchestrator.generation import Orchestrator
-from specserve.orchestrator.kv_snapshots import KvSnapshots
-from specserve.orchestrator.kv_store import ChunkStore
+from specserve.orchestrator.fleet.replicas import ReplicaPool
+from specserve.orchestrator.fleet.scheduler import Scheduler
 from specserve.orchestrator.metrics import serve_metrics
 from specserve.orchestrator.policy import Planner
-from specserve.orchestrator.redis_settings import embedded_client
-from specserve.orchestrator.replicas import ReplicaPool
-from specserve.orchestrator.rounds import RoundRunner
-from specserve.orchestrator.scheduler import Scheduler
-from specserve.orchestrator.service import GenerationServicer
-from specserve.orchestrator.session_store import SessionStore
-from specserve.orchestrator.text import Tokenization
+from specserve.orchestrator.round.runner import RoundRunner
+from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
+from specserve.orchestrator.snapshots.kv_store import ChunkStore
+from specserve.orchestrator.store.redis_settings import embedded_client
+from specserve.orchestrator.store.session_store import SessionStore
 from specserve.serving.server import RunningServer, identity_of, start_server
 from specserve.telemetry.process import setup_telemetry
 from specserve.telemetry.tracing import client_interceptors, instrument_redis

@@ -11,17 +11,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, replace
 
-from specserve.orchestrator.admission import AdmissionConfig
-from specserve.orchestrator.api_keys import ApiKeys
+from specserve.orchestrator.api.admission import AdmissionConfig
+from specserve.orchestrator.api.api_keys import ApiKeys
 from specserve.orchestrator.flags import DEFAULT_PORT, add_arguments
-from specserve.orchestrator.kv_snapshots import SnapshotConfig
+from specserve.orchestrator.fleet.replicas import EndpointSpec
+from specserve.orchestrator.fleet.scheduler import SchedulerConfig
 from specserve.orchestrator.policy import PolicyConfig, with_overrides
-from specserve.orchestrator.redis_settings import RedisSettings, password_from, url_warning
-from specserve.orchestrator.replicas import EndpointSpec
-from specserve.orchestrator.rounds import RoundTimeouts
-from specserve.orchestrator.scheduler import SchedulerConfig
-from specserve.orchestrator.session_store import StoreTtls
-from specserve.orchestrator.store_retry import DEFAULT_WINDOW_S as DEFAULT_REDIS_RETRY_S
+from specserve.orchestrator.round.runner import RoundTimeouts
+from specserve.orchestrator.snapshots.kv_snapshots import SnapshotConfig
+from specserve.orchestrator.store.redis_settings import RedisSettings, password_from, url_warning
+from specserve.orchestrator.store.session_store import StoreTtls
+from specserve.orchestrator.store.store_retry import DEFAULT_WINDOW_S as DEFAULT_REDIS_RETRY_S
 from specserve.serving.cli_args import flag_values
 from specserve.serving.server import ServerOptions
 from specserve.serving.tls import (

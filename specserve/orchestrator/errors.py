@@ -12,7 +12,7 @@ from __future__ import annotations
 import grpc
 
 from specserve.engine.errors import EngineError
-from specserve.orchestrator.scheduler import NoReplica
+from specserve.orchestrator.fleet.scheduler import NoReplica
 from specserve.serving import errors as serving_errors
 
 

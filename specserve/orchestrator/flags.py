@@ -34,18 +34,18 @@ Security (``docs/security.md``): ``--tls-cert``/``--tls-key`` serve the public A
 TLS and are the client certificate presented to the replicas; ``--tls-ca`` turns on
 TLS towards the replicas and is the CA their certificates must chain to;
 ``--api-keys-file`` makes every public call carry a bearer key
-(:mod:`specserve.orchestrator.api_keys`). Secrets come from files or the environment:
+(:mod:`specserve.orchestrator.api.api_keys`). Secrets come from files or the environment:
 a password on the command line works but warns (``warnings``, logged at start).
 
 the admission bounds (``--max-prompt-tokens``, ``--max-prompt-bytes``,
 ``--max-stop-strings``, ``--max-stop-bytes``, ``--max-stop-total-bytes``; see
-:mod:`specserve.orchestrator.admission`), the scheduling knobs below (``--k-max``,
+:mod:`specserve.orchestrator.api.admission`), the scheduling knobs below (``--k-max``,
 ``--k-full-below``, ``--k-zero-at``,
 ``--pipeline-groups``, ``--max-batch``, ``--max-prefill-tokens``,
 ``--admission-window-ms``, ``--draft-ahead``, ``--k-cap``, ``--devices``, ``--policy``,
 ``--draft-timeout-s``, ...), the KV
 snapshot ones (``--kv-snapshot-chunk-tokens``, ``--kv-snapshot-every``,
-``--kv-snapshot-ttl-s``; see :mod:`specserve.orchestrator.kv_snapshots`), and the
+``--kv-snapshot-ttl-s``; see :mod:`specserve.orchestrator.snapshots.kv_snapshots`), and the
 telemetry flags every server takes (:mod:`specserve.telemetry.config`: tracing,
 logs, ``--metrics-port``).
 """
@@ -56,10 +56,10 @@ import argparse
 import os
 from collections.abc import Mapping
 
-from specserve.orchestrator import keys
-from specserve.orchestrator.admission import AdmissionConfig
-from specserve.orchestrator.stall import DEFAULT_STALL_S
-from specserve.orchestrator.store_retry import DEFAULT_WINDOW_S as DEFAULT_REDIS_RETRY_S
+from specserve.orchestrator.api.admission import AdmissionConfig
+from specserve.orchestrator.fleet.stall import DEFAULT_STALL_S
+from specserve.orchestrator.store import keys
+from specserve.orchestrator.store.store_retry import DEFAULT_WINDOW_S as DEFAULT_REDIS_RETRY_S
 from specserve.serving.cli_args import add_health_port_argument
 from specserve.serving.tls import add_tls_arguments
 from specserve.telemetry.config import add_telemetry_arguments

@@ -1,8 +1,8 @@
 """Prometheus metrics of the orchestrator, read from its plain counts at scrape time.
 
 A collector rather than counters sprinkled through the round loop: the runner
-keeps plain counts (:class:`~specserve.orchestrator.rounds.RunnerStats`), the
-request path its latencies (:class:`~specserve.orchestrator.request_stats.RequestStats`),
+keeps plain counts (:class:`~specserve.orchestrator.round.runner.RunnerStats`), the
+request path its latencies (:class:`~specserve.orchestrator.api.request_stats.RequestStats`),
 and this module names them. Served on ``--metrics-port`` when given. The token
 counts grow exactly as the requests' usage does, so
 ``specserve_orchestrator_accepted_tokens_total`` over a run equals the sum of
@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from specserve.orchestrator.draft_ahead import Outcome
-from specserve.orchestrator.kv_snapshots import SnapshotStats
-from specserve.orchestrator.request_stats import RequestStats
-from specserve.orchestrator.rounds import RoundRunner
+from specserve.orchestrator.api.request_stats import RequestStats
+from specserve.orchestrator.round.draft_ahead import Outcome
+from specserve.orchestrator.round.runner import RoundRunner
+from specserve.orchestrator.snapshots.kv_snapshots import SnapshotStats
 from specserve.telemetry.prometheus import histogram_family, serve
 
 P = "specserve_orchestrator"

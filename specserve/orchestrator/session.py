@@ -15,7 +15,7 @@ from opentelemetry import context as otel_context
 
 from specserve.engine.decode_state import DecodeState, FinishReason
 from specserve.engine.logprobs import TokenLogprob
-from specserve.orchestrator import records
+from specserve.orchestrator.store import records
 from specserve.orchestrator.types import Usage
 from specserve.v1 import session_pb2
 

@@ -1,6 +1,6 @@
 """The orchestrator's domain types: what a request asks for and what the client gets back.
 
-The servicer converts protobuf to these and back (:mod:`specserve.orchestrator.convert`);
+The servicer converts protobuf to these and back (:mod:`specserve.wire.public_wire`);
 nothing between it and the session store sees a pb object of the public API.
 """
 

@@ -9,8 +9,8 @@ from specserve.engine.drafter import MAX_K
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from specserve.engine.sampling import SamplingParams
-from specserve.orchestrator import records
-from specserve.orchestrator.text import MAX_PROMPT_TOKENS
+from specserve.orchestrator.api.text import MAX_PROMPT_TOKENS
+from specserve.orchestrator.store import records
 from specserve.orchestrator.types import (
     DEFAULT_MAX_NEW_TOKENS,
     ChatMessage,

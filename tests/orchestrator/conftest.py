@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 import fakeredis
 import pytest
 
-from specserve.orchestrator.redis_settings import RedisSettings
-from specserve.orchestrator.session_store import SessionStore, StoreTtls
+from specserve.orchestrator.store.redis_settings import RedisSettings
+from specserve.orchestrator.store.session_store import SessionStore, StoreTtls
 from tests.orchestrator.byte_tokenizer import write_byte_tokenizer
 from tests.orchestrator.redis_server import redis_server
 from tests.orchestrator.stack import Reference, Stack

@@ -24,8 +24,8 @@ from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.tiny import tiny_from_spec
 from specserve.engine.verifier import TargetVerifier
 from specserve.orchestrator.launch import OrchestratorProcess
-from specserve.orchestrator.redis_settings import RedisSettings
-from specserve.orchestrator.session_store import SessionStore
+from specserve.orchestrator.store.redis_settings import RedisSettings
+from specserve.orchestrator.store.session_store import SessionStore
 from specserve.serving.launch import ServerProcess
 from specserve.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from tests.orchestrator.redis_server import free_port

@@ -6,7 +6,7 @@ import pytest
 
 from specserve.engine.errors import InvalidArgument, KVBudgetExceeded
 from specserve.engine.sampling import SamplingParams
-from specserve.orchestrator.admission import (
+from specserve.orchestrator.api.admission import (
     AdmissionConfig,
     check_request,
     check_tokens,

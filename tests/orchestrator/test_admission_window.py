@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from specserve.orchestrator.rounds import RoundRunner
-from specserve.orchestrator.scheduler import Placement, Scheduler, SchedulerConfig
+from specserve.orchestrator.fleet.scheduler import Placement, Scheduler, SchedulerConfig
+from specserve.orchestrator.round.runner import RoundRunner
 from tests.orchestrator.test_slow_replicas import offline_runner
 
 

@@ -22,7 +22,7 @@ from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.tiny import tiny_from_spec
 from specserve.engine.verifier import TargetVerifier
-from specserve.orchestrator.draft_ahead import (
+from specserve.orchestrator.round.draft_ahead import (
     Outcome,
     next_k_if_accepted,
     place,

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from specserve.client import Client
-from specserve.orchestrator import keys
-from specserve.orchestrator.redis_settings import RedisSettings
-from specserve.orchestrator.session_store import SessionStore
+from specserve.orchestrator.store import keys
+from specserve.orchestrator.store.redis_settings import RedisSettings
+from specserve.orchestrator.store.session_store import SessionStore
 from tests.orchestrator.redis_server import free_port
 from tests.orchestrator.stack import Reference, Stack, kv_used, redis_keys, stored_record
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from specserve.client import Client
-from specserve.orchestrator import keys
+from specserve.orchestrator.store import keys
 from specserve.v1 import generate_pb2
 from tests.orchestrator.redis_server import RestartableRedis, restartable_redis
 from tests.orchestrator.stack import Reference, Stack, redis_keys, stored_record

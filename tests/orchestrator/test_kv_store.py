@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from specserve.orchestrator import keys
-from specserve.orchestrator.kv_store import ChunkStore
+from specserve.orchestrator.snapshots.kv_store import ChunkStore
+from specserve.orchestrator.store import keys
 from specserve.serving.errors import Unavailable
 from tests.orchestrator.conftest import StoreFactory
 
@@ -42,7 +42,7 @@ def test_put_touch_get_with_ttls(make_store: StoreFactory) -> None:
 
 
 def test_an_unreachable_store_is_unavailable() -> None:
-    from specserve.orchestrator.redis_settings import RedisSettings
+    from specserve.orchestrator.store.redis_settings import RedisSettings
     from tests.orchestrator.redis_server import free_port
 
     async def body() -> None:

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from specserve.engine.errors import InvalidArgument
-from specserve.orchestrator.redis_settings import RedisSettings
-from specserve.orchestrator.session_store import SessionStore
+from specserve.orchestrator.store.redis_settings import RedisSettings
+from specserve.orchestrator.store.session_store import SessionStore
 from specserve.serving.errors import Unavailable
 from tests.orchestrator.redis_server import redis_server
 

@@ -9,9 +9,9 @@ import pytest
 
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator import config
-from specserve.orchestrator.replicas import EndpointSpec, ReplicaPool
-from specserve.orchestrator.rounds import RoundTimeouts
-from specserve.orchestrator.scheduler import SchedulerConfig
+from specserve.orchestrator.fleet.replicas import EndpointSpec, ReplicaPool
+from specserve.orchestrator.fleet.scheduler import SchedulerConfig
+from specserve.orchestrator.round.runner import RoundTimeouts
 
 
 def test_endpoint_lists() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.orchestrator.scheduler import (
+from specserve.orchestrator.fleet.scheduler import (
     NoReplica,
     Placement,
     Scheduler,

@@ -9,10 +9,10 @@ import uuid
 import pytest
 
 from specserve.engine.errors import NotFound
-from specserve.orchestrator import keys
 from specserve.orchestrator.errors import RecordError, VersionConflict
-from specserve.orchestrator.record_deltas import delta_of
-from specserve.orchestrator.session_store import (
+from specserve.orchestrator.store import keys
+from specserve.orchestrator.store.record_deltas import delta_of
+from specserve.orchestrator.store.session_store import (
     SCHEMA_VERSION,
     CommitStatus,
     SessionStore,
@@ -203,7 +203,7 @@ def test_newer_schema_is_refused(make_store: StoreFactory) -> None:
 
 @pytest.mark.redis
 def test_unreachable_redis_is_unavailable() -> None:
-    from specserve.orchestrator.redis_settings import RedisSettings
+    from specserve.orchestrator.store.redis_settings import RedisSettings
     from tests.orchestrator.redis_server import free_port
 
     async def body() -> None:

@@ -26,15 +26,15 @@ from grpc_health.v1.health import aio as health_aio
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.sampling import SamplingParams
-from specserve.orchestrator import calls
-from specserve.orchestrator.calls import Plan
+from specserve.orchestrator.fleet.replicas import EndpointSpec, ReplicaPool
+from specserve.orchestrator.fleet.scheduler import Placement, Scheduler
 from specserve.orchestrator.policy import BatchPlan, Devices, Planner, PolicyConfig, WarmWhere
-from specserve.orchestrator.redis_settings import embedded_client
-from specserve.orchestrator.replicas import EndpointSpec, ReplicaPool
-from specserve.orchestrator.rounds import RoundRunner, RoundTimeouts
-from specserve.orchestrator.scheduler import Placement, Scheduler
+from specserve.orchestrator.round import calls
+from specserve.orchestrator.round.calls import Plan
+from specserve.orchestrator.round.runner import RoundRunner, RoundTimeouts
 from specserve.orchestrator.session import LiveSession
-from specserve.orchestrator.session_store import SessionStore
+from specserve.orchestrator.store.redis_settings import embedded_client
+from specserve.orchestrator.store.session_store import SessionStore
 from specserve.v1 import (
     common_pb2,
     draft_pb2,

@@ -11,10 +11,10 @@ from typing import Any
 import grpc.aio
 import pytest
 
-from specserve.orchestrator import calls
-from specserve.orchestrator.calls import Plan
-from specserve.orchestrator.replicas import EndpointSpec, ReplicaPool
-from specserve.orchestrator.stall import Stalled, call_watched
+from specserve.orchestrator.fleet.replicas import EndpointSpec, ReplicaPool
+from specserve.orchestrator.fleet.stall import Stalled, call_watched
+from specserve.orchestrator.round import calls
+from specserve.orchestrator.round.calls import Plan
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tests.orchestrator.test_slow_replicas import live
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from specserve.engine.errors import InvalidArgument
-from specserve.orchestrator.text import TextStream, Tokenization
+from specserve.orchestrator.api.text import TextStream, Tokenization
 from specserve.orchestrator.types import ChatMessage, Prompt
 
 

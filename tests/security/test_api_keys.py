@@ -12,7 +12,7 @@ import pytest
 from specserve.draft_service import config as draft_config
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator import config as orchestrator_config
-from specserve.orchestrator.api_keys import RELOAD_CHECK_S, ApiKeys, KeysFile, Refused, owner_of
+from specserve.orchestrator.api.api_keys import RELOAD_CHECK_S, ApiKeys, KeysFile, Refused, owner_of
 from specserve.serving.tls import ClientTls
 from tests.security.certs import make_ca
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specserve.orchestrator.replicas import EndpointSpec, ReplicaPool
+from specserve.orchestrator.fleet.replicas import EndpointSpec, ReplicaPool
 from specserve.serving.launch import ServerProcess
 from specserve.serving.tls import ClientTls, sync_channel
 from specserve.v1 import common_pb2, target_pb2_grpc

@@ -18,7 +18,7 @@ import pytest
 from specserve.client import Client
 from specserve.orchestrator import config as orchestrator_config
 from specserve.orchestrator.launch import OrchestratorProcess
-from specserve.orchestrator.redis_settings import redacted, url_has_password
+from specserve.orchestrator.store.redis_settings import redacted, url_has_password
 from tests.orchestrator.redis_server import redis_server
 from tests.orchestrator.stack import ENV
 

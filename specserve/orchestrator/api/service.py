@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 import grpc
 import grpc.aio
 
-from specserve.orchestrator.api_keys import KeysFile, owner_of
+from specserve.orchestrator.api.api_keys import KeysFile, owner_of
+from specserve.orchestrator.api.generation import Orchestrator
 from specserve.orchestrator.errors import status_for
-from specserve.orchestrator.generation import Orchestrator
 from specserve.v1 import generate_pb2, generate_pb2_grpc
 from specserve.wire import public_wire
 
@@ -39,7 +39,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     """Serves the public API from an :class:`Orchestrator`.
 
     With ``keys`` every call has been authenticated by
-    :class:`~specserve.orchestrator.api_keys.AuthInterceptor`; the servicer only asks
+    :class:`~specserve.orchestrator.api.api_keys.AuthInterceptor`; the servicer only asks
     whose key it was, and a session of another key is NOT_FOUND (the orchestrator checks).
     """
 

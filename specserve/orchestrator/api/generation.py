@@ -5,7 +5,7 @@ before the first round, so a kept session and its owner are visible to every
 replica — hands it to the round runner, and turns the runner's committed tokens
 into text chunks. Every check that can fail on the request happens before
 anything is written; a turn that fails before its first round commits is rolled
-back (see :mod:`specserve.orchestrator.rounds`).
+back (see :mod:`specserve.orchestrator.round.runner`).
 """
 
 from __future__ import annotations
@@ -25,19 +25,20 @@ from opentelemetry import trace
 
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.errors import EngineError, InvalidArgument, NotFound
-from specserve.orchestrator import admission, records
-from specserve.orchestrator.admission import AdmissionConfig, TargetLimits
-from specserve.orchestrator.errors import SessionBusy, VersionConflict
-from specserve.orchestrator.request_span import (
+from specserve.orchestrator.api import admission
+from specserve.orchestrator.api.admission import AdmissionConfig, TargetLimits
+from specserve.orchestrator.api.request_span import (
     fail_request_span,
     finish_request_span,
     start_request_span,
 )
-from specserve.orchestrator.request_stats import RequestStats
-from specserve.orchestrator.rounds import RoundRunner
+from specserve.orchestrator.api.request_stats import RequestStats
+from specserve.orchestrator.api.text import TextStream, Tokenization
+from specserve.orchestrator.errors import SessionBusy, VersionConflict
+from specserve.orchestrator.round.runner import RoundRunner
 from specserve.orchestrator.session import Ended, LiveSession
-from specserve.orchestrator.session_store import SessionStore
-from specserve.orchestrator.text import TextStream, Tokenization
+from specserve.orchestrator.store import records
+from specserve.orchestrator.store.session_store import SessionStore
 from specserve.orchestrator.types import Chunk, GenerateParams, SessionState, SessionSummary
 from specserve.v1 import session_pb2
 

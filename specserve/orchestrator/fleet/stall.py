@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from specserve.orchestrator.replicas import Replica
+from specserve.orchestrator.fleet.replicas import Replica
 from specserve.v1 import common_pb2
 
 T = TypeVar("T")

@@ -6,7 +6,7 @@ a connection error, a timeout or ``LOADING`` (Redis reading its data back) is
 retried with exponential backoff until ``window_s`` has passed since the first
 attempt; then, and on any other error at once, the caller gets
 :class:`~specserve.serving.errors.Unavailable`. Retrying is safe because every
-write is an idempotent script (:mod:`specserve.orchestrator.store_scripts`).
+write is an idempotent script (:mod:`specserve.orchestrator.store.store_scripts`).
 A round whose commit is being retried simply waits: its stream pauses and goes
 on once Redis is back.
 """

@@ -1,7 +1,7 @@
 """One session's KV chunk chain, saved and restored: the RPC and Redis steps, no policy.
 
 :func:`save_chain` and :func:`restore_chain` are what
-:class:`~specserve.orchestrator.kv_snapshots.KvSnapshots` runs for a session (and
+:class:`~specserve.orchestrator.snapshots.kv_snapshots.KvSnapshots` runs for a session (and
 what ``bench/kv_restore.py`` times). Both work in calls of at most
 ``max_call_bytes`` of chunk data, under the 64 MiB message limit. Errors (gRPC,
 the store's ``Unavailable``, a corrupt value) propagate; the caller decides
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from specserve.engine.errors import FailedPrecondition
 from specserve.engine.kv_chunks import chain_keys
-from specserve.orchestrator.kv_store import ChunkStore
+from specserve.orchestrator.snapshots.kv_store import ChunkStore
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 

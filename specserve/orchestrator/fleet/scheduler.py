@@ -34,7 +34,7 @@ plans each round's k per session from the target's load (:meth:`Scheduler.target
 **Draft-ahead** (``draft_ahead``): while round r of a session is verified, its
 draft replica drafts round r + 1 on the bet that all k drafts are accepted and
 the bonus token is the draft's own guess; a hit skips round r + 1's Propose (the
-bet itself is :mod:`specserve.orchestrator.draft_ahead`). It uses draft time
+bet itself is :mod:`specserve.orchestrator.round.draft_ahead`). It uses draft time
 that would otherwise idle, so a lane bets only while its draft replica serves no
 other lane (:meth:`Scheduler.draft_idle_while_verifying`): once two lanes share
 a draft replica, pipelining already keeps it busy during verification, and bets

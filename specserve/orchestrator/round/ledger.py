@@ -16,12 +16,12 @@ import logging
 
 from specserve.engine.decode_state import FinishReason
 from specserve.engine.errors import EngineError
-from specserve.orchestrator import records
 from specserve.orchestrator.errors import VersionConflict
-from specserve.orchestrator.replicas import ReplicaPool
-from specserve.orchestrator.scheduler import Scheduler
+from specserve.orchestrator.fleet.replicas import ReplicaPool
+from specserve.orchestrator.fleet.scheduler import Scheduler
 from specserve.orchestrator.session import LiveSession
-from specserve.orchestrator.session_store import CommitStatus, SessionStore
+from specserve.orchestrator.store import records
+from specserve.orchestrator.store.session_store import CommitStatus, SessionStore
 from specserve.orchestrator.types import SessionState
 from specserve.v1 import session_pb2
 

@@ -2,7 +2,7 @@
 
 * ``NEEDS_HISTORY`` answers are resent at once with the whole committed history.
 * A target whose model thread makes no progress for ``stall_s`` while a Verify is
-  out (hung, stopped: :mod:`specserve.orchestrator.stall`) is lost at once.
+  out (hung, stopped: :mod:`specserve.orchestrator.fleet.stall`) is lost at once.
 * A transport failure (unreachable, past the deadline), or INTERNAL from a
   replica whose health then says NOT_SERVING (a device failure), takes the
   replica out of its pool for a backoff and is reported as ``lost``: drafts then
@@ -40,14 +40,14 @@ import grpc.aio
 from specserve.engine.errors import EngineError, InvalidArgument, KVBudgetExceeded, NotFound
 from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.rejection import Proposal, Verdict
-from specserve.orchestrator.replicas import (
+from specserve.orchestrator.fleet.replicas import (
     TRANSPORT_CODES,
     ReplicaPool,
     is_serving,
     replica_lost,
 )
+from specserve.orchestrator.fleet.stall import Stalled, call_watched
 from specserve.orchestrator.session import LiveSession
-from specserve.orchestrator.stall import Stalled, call_watched
 from specserve.serving.errors import Unavailable
 from specserve.v1 import common_pb2, draft_pb2, target_pb2
 from specserve.wire import draft_wire, target_wire
@@ -183,7 +183,7 @@ async def warm(
     A one-token ``Propose`` whose draft is dropped: the replica prefills what it
     lacks of each history (a whole prompt, for a new session). Runs beside the
     rounds, which keep verifying these sessions at k = 0 meanwhile, so a prefill
-    on the draft never holds up a round (:class:`~specserve.orchestrator.rounds.RoundRunner`).
+    on the draft never holds up a round (:class:`~specserve.orchestrator.round.runner.RoundRunner`).
     Each session's ``draft_start`` becomes the length this call sent; returns the
     sessions that are warm now (failures leave the others cold, to try again).
     """
@@ -206,7 +206,7 @@ async def verify(
     target timeout; if it passes while the replica still answers SERVING, the batch
     ``expired`` and the replica stays in the pool. Without the cut, the same is ``slow``.
     ``stall_s`` > 0: a replica whose model thread makes no progress that long while the
-    call is out is ``lost`` at once (:mod:`specserve.orchestrator.stall`).
+    call is out is ``lost`` at once (:mod:`specserve.orchestrator.fleet.stall`).
     """
     out = VerifyOutcome()
     replica = pool.get(endpoint)

@@ -3,7 +3,7 @@
 Named ``"{gen_ai.operation.name} {gen_ai.request.model}"`` (``chat`` for chat
 messages, ``text_completion`` for text or token ids), a child of the gRPC server
 span. It is the parent of the turn's store calls and of every round span of its
-session (:mod:`specserve.orchestrator.round_spans`), so one request is one trace.
+session (:mod:`specserve.orchestrator.round.spans`), so one request is one trace.
 Usage and the finish reason are set when the turn ends.
 """
 

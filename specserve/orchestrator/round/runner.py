@@ -1,6 +1,6 @@
 """The distributed speculative loop: one asyncio task per lane, one round at a time.
 
-A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
+A round of a lane (see :mod:`specserve.orchestrator.fleet.scheduler`) is the round of
 :class:`~specserve.engine.speculative.SpeculativeEngine`, over gRPC:
 
 1. sessions whose client left, whose deadline passed or that were cancelled end
@@ -28,12 +28,12 @@ A round of a lane (see :mod:`specserve.orchestrator.scheduler`) is the round of
 
 With draft-ahead on, step 3 also sends each eligible session's bet on round
 r + 1 to its draft replica, and step 2 of round r + 1 uses a bet that came true
-instead of proposing (:mod:`specserve.orchestrator.draft_ahead`).
+instead of proposing (:mod:`specserve.orchestrator.round.draft_ahead`).
 
 Commits and endings (releasing KV, final records) are the
-:class:`~specserve.orchestrator.ledger.Ledger`'s; the round's spans are
-:class:`~specserve.orchestrator.round_spans.RoundSpans`'; saving and restoring KV
-snapshots are :class:`~specserve.orchestrator.kv_snapshots.KvSnapshots`'s (after
+:class:`~specserve.orchestrator.round.ledger.Ledger`'s; the round's spans are
+:class:`~specserve.orchestrator.round.spans.RoundSpans`'; saving and restoring KV
+snapshots are :class:`~specserve.orchestrator.snapshots.kv_snapshots.KvSnapshots`'s (after
 each commit, off the round's path; before a replay).
 """
 
@@ -50,14 +50,10 @@ from opentelemetry import trace
 
 from specserve.engine.decode_state import FinishReason
 from specserve.engine.errors import EngineError
-from specserve.orchestrator import calls, draft_ahead
-from specserve.orchestrator.bets import BetBook
-from specserve.orchestrator.calls import Plan
-from specserve.orchestrator.draft_ahead import Outcome
 from specserve.orchestrator.errors import VersionConflict
-from specserve.orchestrator.kv_snapshots import KvSnapshots
-from specserve.orchestrator.leases import LeaseKeeper
-from specserve.orchestrator.ledger import Ending, Ledger
+from specserve.orchestrator.fleet.replicas import ReplicaPool
+from specserve.orchestrator.fleet.scheduler import LaneKey, Placement, Scheduler
+from specserve.orchestrator.fleet.stall import DEFAULT_STALL_S
 from specserve.orchestrator.policy import (
     BatchPlan,
     Cache,
@@ -66,12 +62,16 @@ from specserve.orchestrator.policy import (
     SessionView,
     WarmWhere,
 )
-from specserve.orchestrator.replicas import ReplicaPool
-from specserve.orchestrator.round_spans import RoundSpans
-from specserve.orchestrator.scheduler import LaneKey, Placement, Scheduler
+from specserve.orchestrator.round import calls, draft_ahead
+from specserve.orchestrator.round.bets import BetBook
+from specserve.orchestrator.round.calls import Plan
+from specserve.orchestrator.round.draft_ahead import Outcome
+from specserve.orchestrator.round.ledger import Ending, Ledger
+from specserve.orchestrator.round.spans import RoundSpans
 from specserve.orchestrator.session import LiveSession
-from specserve.orchestrator.session_store import SessionStore
-from specserve.orchestrator.stall import DEFAULT_STALL_S
+from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
+from specserve.orchestrator.store.leases import LeaseKeeper
+from specserve.orchestrator.store.session_store import SessionStore
 from specserve.serving.errors import Unavailable
 from specserve.telemetry import attributes as attr
 from specserve.v1 import session_pb2

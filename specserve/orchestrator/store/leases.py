@@ -1,7 +1,7 @@
 """Keeping the leases of the sessions this orchestrator generates.
 
 A generating session's record is ACTIVE and carries its orchestrator's lease
-(:mod:`specserve.orchestrator.keys`). Commits renew it, but a round can take
+(:mod:`specserve.orchestrator.store.keys`). Commits renew it, but a round can take
 longer than a lease (a long prefill, a failover), so :class:`LeaseKeeper` also
 renews every lease this orchestrator holds each third of the lease, whatever the
 rounds are doing. An orchestrator that dies stops renewing: its sessions' leases
@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Collection
 
 from specserve.engine.errors import EngineError
-from specserve.orchestrator.session_store import SessionStore
+from specserve.orchestrator.store.session_store import SessionStore
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """The session store: every Redis call of the orchestrator goes through :class:`SessionStore`.
 
-A session is one hash (see :mod:`specserve.orchestrator.keys`): the record's
+A session is one hash (see :mod:`specserve.orchestrator.store.keys`): the record's
 version ``v``, the serialized ``SessionRecord`` ``r`` as written when its turn
 began, and since record schema 2 the tokens ``t`` and the latest
-``SessionDelta`` ``d`` its rounds wrote (:mod:`specserve.orchestrator.record_deltas`).
-Every write is one Lua script (:mod:`specserve.orchestrator.store_scripts`), so
+``SessionDelta`` ``d`` its rounds wrote (:mod:`specserve.orchestrator.store.record_deltas`).
+Every write is one Lua script (:mod:`specserve.orchestrator.store.store_scripts`), so
 it is atomic and complete — a record is either the old one or the new one, never
 half of each — and every write sets the expiry:
 
@@ -29,13 +29,13 @@ an ACTIVE record's orchestrator is alive.
 Every script is idempotent, so a call whose reply was lost may be sent again: a
 retried create or commit that finds its own bytes already stored succeeds. Every
 call is retried on transient errors for ``retry_s`` seconds
-(:mod:`specserve.orchestrator.store_retry`): a Redis restart inside that window
+(:mod:`specserve.orchestrator.store.store_retry`): a Redis restart inside that window
 only pauses the streams. Past it, or on any other error,
 :class:`~specserve.serving.errors.Unavailable` is raised.
 
 A replica that lost a session re-prefills from the committed tokens held here,
 or, with ``--kv-snapshots``, first restores the KV chunks saved under
-``specserve:kv:`` (:mod:`specserve.orchestrator.kv_store` reads and writes
+``specserve:kv:`` (:mod:`specserve.orchestrator.snapshots.kv_store` reads and writes
 those; the record only notes how far they reach).
 """
 
@@ -51,10 +51,10 @@ from typing import Any, TypeVar
 from google.protobuf.message import DecodeError
 
 from specserve.engine.errors import NotFound
-from specserve.orchestrator import keys, store_scripts
 from specserve.orchestrator.errors import RecordError, VersionConflict
-from specserve.orchestrator.record_deltas import assemble, delta_of
-from specserve.orchestrator.store_retry import DEFAULT_WINDOW_S, RetryWindow
+from specserve.orchestrator.store import keys, store_scripts
+from specserve.orchestrator.store.record_deltas import assemble, delta_of
+from specserve.orchestrator.store.store_retry import DEFAULT_WINDOW_S, RetryWindow
 from specserve.v1 import generate_pb2, session_pb2
 
 # 2: a record is stored as deltas (``r`` + ``t`` + ``d``); 1 (``r`` alone) is still read.
@@ -81,7 +81,7 @@ _STATUS = {
 
 @dataclass(frozen=True)
 class StoreTtls:
-    """Key lifetimes (see :mod:`specserve.orchestrator.keys`)."""
+    """Key lifetimes (see :mod:`specserve.orchestrator.store.keys`)."""
 
     session_s: float = keys.SESSION_TTL_S
     cancel_s: float = keys.CANCEL_TTL_S

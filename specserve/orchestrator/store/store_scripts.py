@@ -1,6 +1,6 @@
 """The session store's Lua scripts: each write of a session is one of them, atomic and whole.
 
-Keys and hash fields are :mod:`specserve.orchestrator.keys`'. Every script is
+Keys and hash fields are :mod:`specserve.orchestrator.store.keys`'. Every script is
 idempotent, so a call whose reply was lost (Redis restarted, the connection
 dropped) may be sent again: a retried create or commit that finds its own bytes
 already stored succeeds and writes nothing twice — a round's tokens are never

@@ -1,6 +1,6 @@
 """Session records as deltas (record schema 2): what a round writes instead of the record.
 
-A stored session is three hash fields (see :mod:`specserve.orchestrator.keys`):
+A stored session is three hash fields (see :mod:`specserve.orchestrator.store.keys`):
 ``r``, the whole ``SessionRecord`` as written when its turn began; ``t``, the
 tokens committed since, packed little-endian int32 and appended by each round;
 and ``d``, the latest ``SessionDelta``, whose fields replace the record's. A

@@ -21,7 +21,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from specserve.orchestrator import keys
+from specserve.orchestrator.store import keys
 from specserve.serving.errors import Unavailable
 
 

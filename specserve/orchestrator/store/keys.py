@@ -30,7 +30,7 @@ renewal every third of ``LEASE_S`` keep it, and the write that ends the turn
 drops it. A record that says ACTIVE with no lease belongs to a dead orchestrator:
 another one may continue, cancel or close the session at once.
 
-KV snapshot chunks (``--kv-snapshots``, :mod:`specserve.orchestrator.kv_snapshots`)
+KV snapshot chunks (``--kv-snapshots``, :mod:`specserve.orchestrator.snapshots.kv_snapshots`)
 are content-addressed: ``<chunk key>`` is the hex of the chunk's chained hash
 (:mod:`specserve.engine.kv_chunks`), so sessions with a common token prefix under
 one model share its chunks. They are never deleted by a session's end (another

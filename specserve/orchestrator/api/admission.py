@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import grpc.aio
 
 from specserve.engine.errors import InvalidArgument, KVBudgetExceeded
-from specserve.orchestrator.replicas import ReplicaPool
-from specserve.orchestrator.text import MAX_PROMPT_TOKENS, Tokenization
+from specserve.orchestrator.api.text import MAX_PROMPT_TOKENS, Tokenization
+from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.types import GenerateParams, Prompt
 from specserve.v1 import common_pb2
 from specserve.wire.common_wire import SessionLimit

@@ -47,8 +47,9 @@ from google.protobuf.message import DecodeError
 
 from specserve.engine.errors import EngineError
 from specserve.engine.kv_chunks import MAX_CHUNK_TOKENS
-from specserve.orchestrator import keys
-from specserve.orchestrator.kv_chain import (
+from specserve.orchestrator.fleet.replicas import ReplicaPool
+from specserve.orchestrator.session import LiveSession
+from specserve.orchestrator.snapshots.kv_chain import (
     ChainParams,
     Restored,
     TargetKv,
@@ -56,9 +57,8 @@ from specserve.orchestrator.kv_chain import (
     save_chain,
     target_kv,
 )
-from specserve.orchestrator.kv_store import ChunkStore
-from specserve.orchestrator.replicas import ReplicaPool
-from specserve.orchestrator.session import LiveSession
+from specserve.orchestrator.snapshots.kv_store import ChunkStore
+from specserve.orchestrator.store import keys
 from specserve.v1 import session_pb2
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Draft-ahead bets in flight: sent to the draft replicas, awaited, handed back to settle.
 
-The decisions are :mod:`specserve.orchestrator.draft_ahead`'s; this is the asyncio
+The decisions are :mod:`specserve.orchestrator.round.draft_ahead`'s; this is the asyncio
 shell the round runner drives. :meth:`BetBook.place` sends one batched
 ``Propose`` per draft replica for a round's bets and returns at once (the target
 verifies meanwhile); :meth:`BetBook.collect` awaits the bets of the sessions about
@@ -24,8 +24,8 @@ import grpc.aio
 
 from specserve.engine.drafter import DraftInput
 from specserve.engine.errors import InvalidArgument
-from specserve.orchestrator.draft_ahead import DRAFTER, Bet
-from specserve.orchestrator.replicas import ReplicaPool
+from specserve.orchestrator.fleet.replicas import ReplicaPool
+from specserve.orchestrator.round.draft_ahead import DRAFTER, Bet
 from specserve.v1 import draft_pb2
 from specserve.wire import draft_wire
 

@@ -1,0 +1,1 @@
+"""The replicas and placement: replica pools, the scheduler that places sessions, stalls."""

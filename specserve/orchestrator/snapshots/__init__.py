@@ -1,0 +1,1 @@
+"""KV snapshots: saving a session's target KV to Redis in chunks and restoring it on failover."""

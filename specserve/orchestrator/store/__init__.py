@@ -1,0 +1,1 @@
+"""Session state in Redis: the store, its scripts and retries, records, keys, leases."""
