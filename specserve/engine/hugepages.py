@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specserve.engine.quant import QuantizedWeight
+
 log = logging.getLogger(__name__)
 
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -66,10 +68,17 @@ def move_to_huge_pages(module: nn.Module, min_bytes: int = 1 << 20) -> int:
     it is a view of that mapping, so a single bias left on it would keep the whole
     file mapped, and every page the copy read resident beside the copy (7 GB of a
     1.5B float32 target's checkpoint).
+
+    Quantized weights (the ``weight`` of a module that is a ``QuantizedWeight``) move
+    too, whatever their size.
     """
     if not huge_pages_available():
         log.info("transparent huge pages unavailable: weights stay on normal pages")
         return 0
+    return _move_parameters(module, min_bytes) + _move_quantized(module)
+
+
+def _move_parameters(module: nn.Module, min_bytes: int) -> int:
     params: dict[int, nn.Parameter] = {}
     small: dict[int, nn.Parameter] = {}
     for p in module.parameters():  # parameters() already yields a shared one once
@@ -93,4 +102,31 @@ def move_to_huge_pages(module: nn.Module, min_bytes: int = 1 << 20) -> int:
             new = raw[off : off + nbytes].view(p.dtype).view(p.shape)
             new.copy_(p.data)
             p.data = new
+    return total
+
+
+def _move_quantized(module: nn.Module) -> int:
+    """Copy the blocks of every quantized weight of ``module`` onto huge pages (shared
+    weights once) and point their owners at the copies; return the bytes moved."""
+    owners: dict[int, list[nn.Module]] = {}
+    weights: dict[int, QuantizedWeight] = {}
+    for sub in module.modules():
+        w = getattr(sub, "weight", None)
+        if isinstance(w, QuantizedWeight) and w.blocks.device.type == "cpu":
+            owners.setdefault(id(w), []).append(sub)
+            weights[id(w)] = w
+    if not weights:
+        return 0
+    offsets: list[int] = []
+    total = 0
+    for w in weights.values():
+        offsets.append(total)
+        total += -(-w.nbytes // _ALIGN) * _ALIGN
+    raw = huge_page_buffer(total)
+    for off, (key, w) in zip(offsets, weights.items(), strict=True):
+        blocks = raw[off : off + w.nbytes].view(w.blocks.shape)
+        blocks.copy_(w.blocks)
+        moved = QuantizedWeight(w.ggml_type, w.shape, blocks)
+        for sub in owners[key]:
+            sub.weight = moved
     return total

@@ -1,13 +1,15 @@
 """Checkpoint -> engine weights and tokenizer, and a parsed model spec -> a ready model.
 
 The engine reads a local Hugging Face directory (``config.json`` + ``*.safetensors``, a
-sharded ``model.safetensors.index.json`` included). Finding that directory for a store
-name, a GGUF file or a hub id is the model store's job (:mod:`specserve.model_store`, a
-layer above the engine): :func:`load_spec` takes it as the ``locate`` function, so the
-engine imports nothing above itself.
+sharded ``model.safetensors.index.json`` included) or a GGUF file, directly and
+memory-mapped (:mod:`specserve.engine.gguf_reader`), whose block-quantized matrices stay
+quantized or are dequantized at load (:mod:`specserve.engine.gguf_weights`). Finding the
+directory or file for a store name or a hub id is the model store's job
+(:mod:`specserve.model_store`, a layer above the engine): :func:`load_spec` takes it as
+the ``locate`` function, so the engine imports nothing above itself.
 
-Weights go straight from safetensors into a :class:`CausalLM` built on the
-``meta`` device, one tensor at a time, so a model is never held twice in memory.
+Weights go straight from the file into a :class:`CausalLM` built on the ``meta``
+device, one tensor at a time, so a model is never held twice in memory.
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ from specserve.engine import cpu_kernels
 from specserve.engine.config import ModelConfig
 from specserve.engine.dtypes import DTYPES, parse_dtype
 from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
+from specserve.engine.gguf_reader import GGUFCheckpoint, is_gguf
+from specserve.engine.gguf_weights import fill_from_gguf
 from specserve.engine.hugepages import move_to_huge_pages
 from specserve.engine.model import CausalLM
-from specserve.engine.model_spec import ModelSpec
+from specserve.engine.model_spec import DEFAULT_WEIGHT_FORM, ModelSpec, WeightForm
+from specserve.engine.quantized_layers import is_quantized
 from specserve.engine.rope import RotaryEmbedding
 from specserve.engine.tiny import tiny_from_spec
 from specserve.engine.tokenizer import Tokenizer, check_compatible
@@ -47,22 +52,25 @@ __all__ = [
     "read_config",
 ]
 
-# A checkpoint source (directory, GGUF file, store name, hub id) -> its local directory.
+# A checkpoint source (directory, GGUF file, store name, hub id) -> its local directory
+# or GGUF file.
 Locate = Callable[[str], Path]
 # Checkpoint entries that are not weights of ours; skipped when present.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def _model_directory(path: str | Path) -> Path:
-    directory = Path(path).expanduser()
-    if directory.is_dir():
-        return directory
-    if directory.exists():
+def _model_path(path: str | Path) -> Path:
+    """``path`` if it is a model directory or a GGUF file."""
+    found = Path(path).expanduser()
+    if found.is_dir():
+        return found
+    if found.is_file():
+        if found.suffix == ".gguf" or is_gguf(found):
+            return found
         raise ModelLoadError(
-            f"{path} is a file, not a model directory; the model store turns GGUF files, "
-            "store names and hub ids into directories"
+            f"{path} is a file but not a GGUF file; pass a model directory or a .gguf file"
         )
-    raise NotFound(f"{str(path)!r} is not a model directory")
+    raise NotFound(f"{str(path)!r} is not a model directory or a GGUF file")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -76,8 +84,12 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def read_config(directory: Path) -> ModelConfig:
-    """:class:`ModelConfig` of a model directory, with generation-config EOS ids merged in."""
-    directory = _model_directory(directory)
+    """:class:`ModelConfig` of a model directory, with generation-config EOS ids merged in,
+    or of a GGUF file (from its metadata)."""
+    directory = _model_path(directory)
+    if directory.is_file():
+        with GGUFCheckpoint(directory) as checkpoint:
+            return checkpoint.config()
     path = directory / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{directory} has no config.json, so it is not a model directory")
@@ -168,8 +180,15 @@ def load_model(
     device: str | torch.device = "cpu",
     *,
     huge_pages: bool = True,
+    weights: WeightForm | str = DEFAULT_WEIGHT_FORM,
 ) -> tuple[CausalLM, ModelConfig]:
-    """Load the model directory ``source`` as a :class:`CausalLM` in ``dtype`` on ``device``.
+    """Load the model directory or GGUF file ``source`` as a :class:`CausalLM` in ``dtype``
+    on ``device``.
+
+    A GGUF file's block-quantized matrices stay blocks (``weights="quantized"``) or are
+    dequantized to ``dtype`` at load (``"dequantized"``); its other tensors are read in
+    ``dtype`` (:mod:`specserve.engine.gguf_weights`). ``weights`` does not matter for a
+    safetensors directory.
 
     On CPU the weights then move onto transparent huge pages where the kernel offers
     them (:mod:`specserve.engine.hugepages`): resident, 64-byte aligned memory that a
@@ -182,42 +201,64 @@ def load_model(
     """
     if dtype not in DTYPES.values():
         raise InvalidArgument(f"dtype {dtype} is not supported; choose from {', '.join(DTYPES)}")
-    directory = _model_directory(source)
-    cfg = read_config(directory)
-    files = _weight_files(directory)
+    form = WeightForm.parse(str(weights))
+    path = _model_path(source)
+    if path.is_file():
+        with GGUFCheckpoint(path) as checkpoint:
+            cfg = checkpoint.config()
+            model = _meta_model(cfg)
+            fill_from_gguf(model, checkpoint, dtype, torch.device(device), form)
+    else:
+        cfg = read_config(path)
+        files = _weight_files(path)
+        model = _meta_model(cfg)
+        _fill(model, files, dtype, torch.device(device))
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "unfilled tensor"
+    return prepare(model, huge_pages=huge_pages), cfg
+
+
+def _meta_model(cfg: ModelConfig) -> CausalLM:
+    """A model of ``cfg`` whose weights are still to be filled in."""
     with torch.device("meta"):
         model = CausalLM(cfg)
     # The rotary tables are plain tensors, not parameters: rebuild them off the meta device.
     model.rope = RotaryEmbedding(cfg)
-    _fill(model, files, dtype, torch.device(device))
-    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "unfilled tensor"
-    return prepare(model, huge_pages=huge_pages), cfg
+    return model
 
 
 def prepare(model: CausalLM, *, huge_pages: bool = True) -> CausalLM:
     """Ready a model whose weights are in place (loaded, or ``.to()`` a dtype) to serve.
 
     On CPU: bfloat16 weights compute in float32 where the kernels exist (see
-    :func:`load_model`), and the weights move onto huge pages if ``huge_pages``.
+    :func:`load_model`), and the weights move onto huge pages if ``huge_pages``. A model
+    with block-quantized weights always computes in float32, on any device: its
+    products are those of the float32 model on the dequantized weights.
     """
+    quantized = is_quantized(model)
     if model.device.type == "cpu":
-        if model.dtype == torch.bfloat16 and cpu_kernels.kernels() is not None:
+        if quantized or (model.dtype == torch.bfloat16 and cpu_kernels.kernels() is not None):
             model.compute_in_float32()
         if huge_pages:
             move_to_huge_pages(model)
+    elif quantized:
+        model.compute_in_float32()
     return model.eval()
 
 
 def load_tokenizer(source: str | Path) -> Tokenizer:
-    """The tokenizer of the model directory ``source``."""
-    directory = _model_directory(source)
-    cfg = read_config(directory)
+    """The tokenizer of the model directory or GGUF file ``source`` (for GGUF, built by
+    transformers from the file's metadata)."""
+    path = _model_path(source)
+    cfg = read_config(path)
     from transformers import AutoTokenizer  # heavy; only needed here
 
     try:
-        hf = AutoTokenizer.from_pretrained(str(directory))
+        if path.is_file():
+            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            hf = AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
-        raise ModelLoadError(f"could not load the tokenizer in {directory} ({exc})") from exc
+        raise ModelLoadError(f"could not load the tokenizer in {path} ({exc})") from exc
     return Tokenizer(hf, cfg.eos_token_ids)
 
 
@@ -247,16 +288,17 @@ def load_spec(
     """The model ``spec`` names, in ``dtype``, prepared (:func:`prepare`) to serve.
 
     A tiny spec is built here (never on huge pages: it is a few hundred KiB); any other is
-    read from ``locate(spec.source)``. ``tokenizer`` False skips loading the tokenizer.
+    read from ``locate(spec.source)``, a GGUF file in the spec's weight form
+    (:attr:`ModelSpec.weights`). ``tokenizer`` False skips loading the tokenizer.
     """
     spec = ModelSpec.parse(spec) if isinstance(spec, str) else spec
     torch_dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     if spec.tiny is not None:
         model = tiny_from_spec(spec.tiny).to(device=device, dtype=torch_dtype)
         return LoadedModel(prepare(model, huge_pages=False), None)
-    directory = locate(spec.source)
-    model, _ = load_model(directory, torch_dtype, device, huge_pages=huge_pages)
-    return LoadedModel(model, load_tokenizer(directory) if tokenizer else None)
+    path = locate(spec.source)
+    model, _ = load_model(path, torch_dtype, device, huge_pages=huge_pages, weights=spec.weights)
+    return LoadedModel(model, load_tokenizer(path) if tokenizer else None)
 
 
 def load_spec_tokenizer(spec: ModelSpec | str, *, locate: Locate) -> Tokenizer | None:

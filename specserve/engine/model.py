@@ -257,8 +257,10 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of the weight matrices."""
-        return self.model.embed_tokens.weight.dtype
+        """The dtype of the weight matrices (of those not block-quantized: a quantized
+        embedding reports the dtype the others were loaded in)."""
+        embed = self.model.embed_tokens
+        return embed.weight.dtype if isinstance(embed, nn.Embedding) else embed.dtype
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -283,7 +285,8 @@ class CausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        embed = self.model.embed_tokens
+        return embed.weight.device if isinstance(embed, nn.Embedding) else embed.device
 
     def new_kv_pool(self, budget_bytes: int, block_size: int = 16) -> KVPool:
         """A pool shaped for this model (after any tensor-parallel sharding)."""

@@ -3,19 +3,43 @@
 A spec is either a tiny random test model,
 ``tiny:<seed>[:<model_type>][:noise=<x>][:vocab=<n>][:ctx=<n>]`` (see
 :mod:`specserve.engine.tiny`), or a *source*: a model directory, a GGUF file, the name of
-a model in the store or a hub id. The engine only parses a source; turning it into a
-local directory (store look-up, GGUF conversion, hub download) is the model store's job,
-a layer above the engine.
+a model in the store or a hub id, optionally followed by ``:weights=quantized`` or
+``:weights=dequantized`` (:class:`WeightForm`: how a GGUF file's block-quantized matrices
+are held). The engine only parses a source; turning it into a local directory or GGUF
+file (store look-up, hub download) is the model store's job, a layer above the engine.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from specserve.engine.errors import InvalidArgument
 
 TINY_PREFIX = "tiny:"
+WEIGHTS_OPTION = ":weights="
 TINY_VOCAB = 256
+
+
+class WeightForm(enum.StrEnum):
+    """How a GGUF file's block-quantized matrices are held: as blocks, or dequantized to
+    the model's dtype at load (:mod:`specserve.engine.gguf_weights`)."""
+
+    QUANTIZED = "quantized"
+    DEQUANTIZED = "dequantized"
+
+    @classmethod
+    def parse(cls, name: str) -> WeightForm:
+        """``"quantized" | "dequantized"`` -> the form; :class:`InvalidArgument` otherwise."""
+        try:
+            return cls(name)
+        except ValueError:
+            choices = ", ".join(f.value for f in cls)
+            raise InvalidArgument(f"weights {name!r} is not one of {choices}") from None
+
+
+# What a GGUF file loads as when its spec names no form.
+DEFAULT_WEIGHT_FORM = WeightForm.QUANTIZED
 _TINY_FORM = "tiny:<seed>[:<model_type>][:noise=<x>][:vocab=<n>][:ctx=<n>]"
 
 
@@ -50,6 +74,7 @@ class ModelSpec:
 
     text: str  # as given, for messages and child-process flags
     tiny: TinySpec | None = None
+    weights: WeightForm = DEFAULT_WEIGHT_FORM  # a GGUF source's form
 
     @property
     def is_tiny(self) -> bool:
@@ -59,7 +84,7 @@ class ModelSpec:
     def source(self) -> str:
         """The directory, GGUF file, store name or hub id; only for a non-tiny spec."""
         assert self.tiny is None, f"{self.text!r} is a tiny model, not a checkpoint source"
-        return self.text
+        return self.text.partition(WEIGHTS_OPTION)[0]
 
     def __str__(self) -> str:
         return self.text
@@ -70,7 +95,12 @@ class ModelSpec:
         if not isinstance(text, str) or not text.strip():
             raise InvalidArgument(f"a model spec must be a non-empty string, got {text!r}")
         if not text.startswith(TINY_PREFIX):
-            return cls(text)
+            source, has_form, form = text.partition(WEIGHTS_OPTION)
+            if not has_form:
+                return cls(text)
+            if not source:
+                raise InvalidArgument(f"model spec {text!r} names a weight form but no model")
+            return cls(text, weights=WeightForm.parse(form))
         return cls(text, _parse_tiny(text))
 
 

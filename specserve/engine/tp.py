@@ -14,7 +14,8 @@ Rank ``r`` keeps query heads ``[r * H / N, (r + 1) * H / N)`` and KV heads
 read under grouped-query attention, so attention needs no communication. The
 decoder reads head counts from weight shapes and ``CausalLM.new_kv_pool`` sizes the
 KV pool from the sharded ``k_proj``: each rank caches only its own KV heads.
-Embeddings, norms and the LM head stay whole on every rank.
+Embeddings, norms and the LM head stay whole on every rank. Block-quantized weights
+split along the same lines, on whole blocks (:func:`_shard_quantized`).
 
 :func:`init_tp` joins the process group (NCCL on GPUs, gloo on CPU) with a
 collective timeout, so a dead rank makes the others raise instead of hang.
@@ -33,6 +34,8 @@ from torch import nn
 
 from specserve.engine.errors import InvalidArgument, ModelLoadError
 from specserve.engine.model import CausalLM
+from specserve.engine.quant import QuantizedWeight, block_format
+from specserve.engine.quantized_layers import set_quantized_weight
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT_S = 30.0
@@ -167,13 +170,47 @@ def _shard_linear(proj: nn.Linear, dim: int, rank: int, world_size: int) -> None
 
     Output features are laid out head after head, so an even split along dim 0 keeps
     whole heads. A row-parallel bias is added once, after the all-reduce: only rank 0
-    keeps it.
+    keeps it. A block-quantized weight is split the same way (:func:`_shard_quantized`).
     """
-    weight = proj.weight.detach()  # [out, in]
-    assert weight.shape[dim] % world_size == 0, (weight.shape, dim, world_size)
-    # A fresh contiguous tensor, so the full weight is freed once the caller drops it.
-    shard = weight.chunk(world_size, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
+    shard: torch.Tensor | QuantizedWeight
+    if isinstance(proj.weight, QuantizedWeight):
+        shard = _shard_quantized(proj.weight, dim, rank, world_size)
+        del proj.weight
+        if isinstance(shard, QuantizedWeight):
+            proj.out_features, proj.in_features = shard.shape
+            set_quantized_weight(proj, shard)
+            _shard_bias(proj, dim, rank, world_size)
+            return
+    else:
+        weight = proj.weight.detach()  # [out, in]
+        assert weight.shape[dim] % world_size == 0, (weight.shape, dim, world_size)
+        # A fresh contiguous tensor, so the full weight is freed once the caller drops it.
+        shard = weight.chunk(world_size, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
     proj.weight = nn.Parameter(shard, requires_grad=False)
+    proj.out_features, proj.in_features = shard.shape
+    _shard_bias(proj, dim, rank, world_size)
+
+
+def _shard_quantized(
+    weight: QuantizedWeight, dim: int, rank: int, world_size: int
+) -> QuantizedWeight | torch.Tensor:
+    """Slice ``rank`` of a quantized weight: whole rows of blocks along dim 0; along dim 1
+    whole blocks of every row where each rank's columns are whole blocks, else (e.g. 35
+    K-quant blocks a row over 2 ranks) the float32 slice of the dequantized weight, which
+    the quantized products equal."""
+    out_features, in_features = weight.shape
+    assert weight.shape[dim] % world_size == 0, (weight.shape, dim, world_size)
+    blocks_per_row = weight.bytes_per_row // block_format(weight.ggml_type).bytes_per_block
+    if dim == 0:
+        rows = weight.blocks.chunk(world_size, dim=0)[rank].clone()
+        return QuantizedWeight(weight.ggml_type, (out_features // world_size, in_features), rows)
+    if blocks_per_row % world_size == 0:
+        cols = weight.blocks.chunk(world_size, dim=1)[rank].contiguous()
+        return QuantizedWeight(weight.ggml_type, (out_features, in_features // world_size), cols)
+    return weight.dequantize().chunk(world_size, dim=1)[rank].contiguous()
+
+
+def _shard_bias(proj: nn.Linear, dim: int, rank: int, world_size: int) -> None:
     if proj.bias is not None:
         bias = proj.bias.detach()
         if dim == 0:
@@ -181,7 +218,6 @@ def _shard_linear(proj: nn.Linear, dim: int, rank: int, world_size: int) -> None
         elif rank != 0:
             bias = torch.zeros_like(bias)
         proj.bias = nn.Parameter(bias, requires_grad=False)
-    proj.out_features, proj.in_features = shard.shape
 
 
 def _all_reduce_hook(

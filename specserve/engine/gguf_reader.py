@@ -1,0 +1,305 @@
+"""A GGUF file, memory-mapped: its model config and its tensors under Hugging Face names.
+
+:class:`GGUFCheckpoint` parses the header, the metadata and the tensor table of a
+GGUF file (format version 2 or 3, little-endian) and maps the file read-only; the
+tensor bytes are never read into Python objects. Metadata arrays (the tokenizer's
+151k tokens and merges) are skipped, not decoded: opening the Qwen2.5 target's
+1 GiB file takes a fraction of a second.
+
+Tensors are named as the Hugging Face checkpoints name them (``blk.3.attn_q.weight``
+-> ``model.layers.3.self_attn.q_proj.weight``) and arranged as transformers arranges
+them when it reads a GGUF file, so that a model loaded from here equals the one the
+earlier GGUF -> safetensors conversion produced: for ``llama`` files, whose q/k rows
+llama.cpp's converter interleaves for its RoPE kernel, those rows are put back in
+Hugging Face order (a row permutation, which a block-quantized matrix undergoes on
+its rows of blocks unchanged); ``qwen2`` and ``mistral``-in-``llama`` files need
+nothing else.
+
+Every problem with the file (not GGUF, truncated, a tensor past the end, an
+unsupported architecture, metadata the decoder needs missing) is a
+:class:`ModelLoadError` naming the file; a missing file is :class:`NotFound`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specserve.engine.config import ModelConfig
+from specserve.engine.errors import ModelLoadError, NotFound
+
+GGUF_MAGIC = b"GGUF"
+# GGUF `general.architecture` values whose tensors map onto our decoder.
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+_DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types: id -> struct format of a scalar (8: string, 9: array).
+_SCALARS = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+# llama.cpp tensor name (inside blk.N) -> Hugging Face module path.
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a file that starts with the GGUF magic bytes."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file, under its Hugging Face name, still in the file's encoding.
+
+    ``shape`` is the torch shape (``[out_features, in_features]`` for a matrix: GGUF
+    lists dimensions innermost first, so this is its ``ne`` reversed). ``data`` is a
+    read-only view of the mapped file, ``[rows, bytes_per_row]`` uint8 with
+    ``rows = prod(shape[:-1])``, q/k rows already in Hugging Face order.
+    """
+
+    name: str
+    gguf_name: str
+    ggml_type: int  # a gguf.GGMLQuantizationType value
+    shape: tuple[int, ...]
+    data: np.ndarray  # [rows, bytes_per_row] uint8
+
+
+class _Cursor:
+    """Reads little-endian GGUF values from a buffer, raising ValueError past its end."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        if self.pos + size > len(self.buf):
+            raise ValueError("the header ends past the end of the file")
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = self.take("Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError("a string ends past the end of the file")
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, kind: int) -> Any:
+        """One metadata value; an array is skipped and stands as its length (an int in a
+        tuple), except short arrays of scalars, which are returned as tuples."""
+        if kind in _SCALARS:
+            return self.take(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise ValueError(f"unknown metadata value type {kind}")
+        item, count = self.take("I"), self.take("Q")
+        if item in _SCALARS:
+            size = struct.calcsize("<" + _SCALARS[item])
+            if count <= 64:
+                return tuple(self.take(_SCALARS[item]) for _ in range(count))
+            self.pos += size * count
+            if self.pos > len(self.buf):
+                raise ValueError("an array ends past the end of the file")
+            return (count,)
+        for _ in range(count):  # strings (or nested arrays): walk over them
+            self.value(item)
+        return (count,)
+
+
+class GGUFCheckpoint:
+    """An open, validated GGUF file (see the module doc). Close it, or use ``with``."""
+
+    def __init__(self, path: Path) -> None:
+        if not path.is_file():
+            raise NotFound(f"GGUF file {path} does not exist")
+        if not is_gguf(path):
+            raise ModelLoadError(
+                f"{path} is not a GGUF file (it does not start with the GGUF magic)"
+            )
+        self.path = path
+        with path.open("rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self._parse()
+        except ValueError as exc:
+            self.close()
+            raise ModelLoadError(f"GGUF file {path} is truncated or corrupt ({exc})") from exc
+        except ModelLoadError:
+            self.close()
+            raise
+
+    def _parse(self) -> None:
+        import gguf  # constants and block sizes of every GGML type
+
+        cur = _Cursor(self._map)
+        cur.pos = 4
+        version = cur.take("I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (this reader knows 2 and 3)")
+        n_tensors, n_kv = cur.take("Q"), cur.take("Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = cur.value(cur.take("I"))
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelLoadError(f"GGUF file {self.path} has no general.architecture entry")
+        if arch not in GGUF_ARCHITECTURES:
+            supported = ", ".join(GGUF_ARCHITECTURES)
+            raise ModelLoadError(
+                f"GGUF file {self.path} holds a {arch!r} model; supported architectures: "
+                f"{supported}"
+            )
+        self.architecture = arch
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            dims = tuple(cur.take("Q") for _ in range(cur.take("I")))
+            infos.append((name, dims, cur.take("I"), cur.take("Q")))
+        align = int(self.metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        start = -(-cur.pos // align) * align
+        self._tensors: dict[str, tuple[str, int, tuple[int, ...], int, int]] = {}
+        for name, dims, kind, offset in infos:
+            try:
+                qtype = gguf.GGMLQuantizationType(kind)
+            except ValueError:
+                raise ValueError(f"tensor {name} has unknown GGML type {kind}") from None
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            if not dims or dims[0] % block:
+                raise ValueError(f"tensor {name} has {dims} elements, not whole {block}-blocks")
+            row_bytes = dims[0] // block * type_size
+            rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+            begin = start + offset
+            if begin + rows * row_bytes > len(self._map):
+                raise ValueError(f"tensor {name} ends past the end of the file")
+            self._tensors[name] = (name, int(qtype), tuple(reversed(dims)), begin, row_bytes)
+
+    def close(self) -> None:
+        """Unmap the file (tensors handed out before must have been copied)."""
+        # A caller still holding a view (BufferError) keeps the map alive until it lets go.
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+    def __enter__(self) -> GGUFCheckpoint:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        value = self.metadata.get(f"{self.architecture}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF file {self.path} has no {self.architecture}.{key} entry")
+        return value
+
+    def config(self) -> ModelConfig:
+        """The decoder's config, as transformers derives it from the same metadata."""
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        vocab = self.metadata.get(f"{self.architecture}.vocab_size")
+        if vocab is None and isinstance(tokens, tuple) and tokens:
+            vocab = tokens[0] if len(tokens) == 1 else len(tokens)
+        if vocab is None:
+            raise ModelLoadError(f"GGUF file {self.path} states no vocabulary size")
+        hf: dict[str, Any] = {
+            "model_type": self.architecture,
+            "vocab_size": int(vocab),
+            "hidden_size": int(self._field("embedding_length")),
+            "intermediate_size": int(self._field("feed_forward_length")),
+            "num_hidden_layers": int(self._field("block_count")),
+            "num_attention_heads": int(self._field("attention.head_count")),
+            "num_key_value_heads": self._field("attention.head_count_kv", 0) or None,
+            "rms_norm_eps": float(self._field("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._field("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self._field("context_length", 32768)),
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "bos_token_id": self.metadata.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
+        }
+        key_length = self.metadata.get(f"{self.architecture}.attention.key_length")
+        if key_length:
+            hf["head_dim"] = int(key_length)
+        scaling = self.metadata.get(f"{self.architecture}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            hf["rope_scaling"] = {
+                "rope_type": scaling,
+                "factor": float(self._field("rope.scaling.factor")),
+                "original_max_position_embeddings": int(
+                    self._field("rope.scaling.original_context_length")
+                ),
+            }
+        try:
+            return ModelConfig.from_hf(hf)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"GGUF file {self.path} has a bad value for {exc}") from exc
+
+    def tensors(self) -> Iterator[GGUFTensor]:
+        """Every tensor under its Hugging Face name (see :class:`GGUFTensor`)."""
+        heads = self._field("attention.head_count")
+        kv_heads = self._field("attention.head_count_kv", 0) or heads
+        for gguf_name, qtype, shape, begin, row_bytes in self._tensors.values():
+            rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+            data = np.frombuffer(self._map, np.uint8, rows * row_bytes, begin)
+            data = data.reshape(rows, row_bytes)
+            name = hf_name(gguf_name)
+            if self.architecture == "llama" and name.endswith(
+                ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
+            ):
+                data = _unpermute_rows(data, heads if "q_proj" in name else kv_heads)
+            yield GGUFTensor(name, gguf_name, qtype, shape, data)
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; a name this
+    decoder does not know comes back unchanged (and is reported as unexpected)."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return gguf_name
+
+
+def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row interleaving (as transformers' ``_reverse_permute_weights``):
+    within each head, rows ``[0, 2, 4, ..., 1, 3, 5, ...]`` go back to ``[0, 1, 2, ...]``."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, -1).swapaxes(2, 1).reshape(rows.shape)
