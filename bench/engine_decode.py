@@ -90,6 +90,14 @@ class Models:
     moved_bytes: int
 
 
+def _hf_source(path: Path) -> dict[str, str]:
+    """transformers' ``from_pretrained`` arguments for a model directory or a GGUF file
+    (which transformers dequantizes to float32 as it loads)."""
+    if path.is_file():
+        return {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    return {"pretrained_model_name_or_path": str(path)}
+
+
 def _engine_over(hf: Any, directory: Path) -> CausalLM:
     """Our CausalLM over the weight tensors of a transformers model (no copy)."""
     cfg = read_config(directory)
@@ -135,7 +143,7 @@ def load_pair(directory: Path, huge_pages: bool = False) -> tuple[Any, CausalLM]
     """
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(**_hf_source(directory), dtype=torch.float32).eval()
     if huge_pages:
         move_to_huge_pages(hf)
     return hf, _engine_over(hf, directory)
@@ -149,7 +157,7 @@ def load_models(directory: Path, huge_pages: bool) -> Models:
     """
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(**_hf_source(directory), dtype=torch.float32).eval()
     ours = _engine_over(hf, directory)
     if not huge_pages:
         return Models(ours, {HF: hf}, 0)
@@ -425,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     directory = locate(args.model)
-    tok = AutoTokenizer.from_pretrained(str(directory))
+    tok = AutoTokenizer.from_pretrained(**_hf_source(directory))
     problems = list(read_problems().values())
     prompts = [p["prompt"] for p in problems[: args.prompts]]
 

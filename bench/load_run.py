@@ -41,6 +41,7 @@ from typing import Any
 
 from bench.common import environment, environment_md, reproduce_command, write_results
 from bench.http_stack import MODEL_NAME, add_stack_arguments, http_stack
+from specserve.engine.loader import load_tokenizer
 from specserve.model_store import resolve
 
 SETTINGS = {"on": {"drafter": "model"}, "off": {"drafter": "none"}}
@@ -179,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     version = subprocess.run([args.guidellm, "--version"], capture_output=True, text=True)
     with tempfile.TemporaryDirectory(prefix="specserve-load-") as tmp, http_stack(args) as s:
         tokenizer = s.tokenizer if s.tokenizer.startswith("/") else str(resolve(s.tokenizer))
+        if Path(tokenizer).is_file():  # a GGUF file: guidellm reads a tokenizer directory
+            saved = Path(tmp) / "tokenizer"
+            load_tokenizer(Path(tokenizer)).hf.save_pretrained(saved)
+            tokenizer = str(saved)
         for i, c in enumerate(args.concurrency):
             order = ("on", "off") if i % 2 == 0 else ("off", "on")
             for setting in order:

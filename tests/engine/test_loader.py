@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -298,7 +300,7 @@ def test_plain_file_is_not_a_model(tmp_path: Path) -> None:
     path.write_bytes(b"\0" * 100)
     with pytest.raises(ModelLoadError, match=r"is a file but not a GGUF file"):
         model_store.locate(str(path), tmp_path)
-    with pytest.raises(ModelLoadError, match=r"is a file, not a model directory"):
+    with pytest.raises(ModelLoadError, match=r"is a file but not a GGUF file"):
         load_model(path)
 
 
@@ -390,33 +392,27 @@ def write_tiny_gguf(path: Path, model_type: str, arch: str | None = None) -> Cau
     return model
 
 
-def test_gguf_converted_once_and_loaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A llama GGUF (tied, q/k permuted) converts in a child process, once, to the same model."""
+def test_gguf_loads_directly(tmp_path: Path) -> None:
+    """A llama GGUF (tied, q/k permuted) loads from the file itself: nothing is converted
+    or written, and the model equals the one written."""
     gguf_file = tmp_path / "tiny-llama.gguf"
     original = write_tiny_gguf(gguf_file, "smollm2")
     home = tmp_path / "home"
-    model, cfg = load_model(model_store.locate(str(gguf_file), home))
+    assert model_store.locate(str(gguf_file), home) == gguf_file
+    model, cfg = load_model(gguf_file)
     assert cfg.tie_word_embeddings and cfg.model_type == "llama"
     torch.testing.assert_close(logits(model), logits(original), atol=1e-5, rtol=0)
-    [converted] = (home / "converted").iterdir()
-    assert converted.name.startswith("tiny-llama-")
-    tok = load_tokenizer(model_store.locate(str(gguf_file), home))
+    tok = load_tokenizer(gguf_file)
     assert set(tok.eos_token_ids) == {255, 254}
     assert tok.decode(tok.encode("abc")) == "abc"
-
-    def no_second_conversion(*_: object, **__: object) -> float:
-        raise AssertionError("converted twice")
-
-    monkeypatch.setattr(model_store, "convert_gguf", no_second_conversion)
-    again, _ = load_model(model_store.locate(str(gguf_file), home))
-    assert torch.equal(logits(again), logits(model))
+    assert not home.exists() and sorted(p.name for p in tmp_path.iterdir()) == [gguf_file.name]
 
 
 def test_gguf_bad_magic(tmp_path: Path) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(b"NOPE" + b"\0" * 100)
     with pytest.raises(ModelLoadError, match=r"is not a GGUF file .*GGUF magic"):
-        model_store.locate(str(path), tmp_path)
+        load_model(model_store.locate(str(path), tmp_path))
 
 
 def test_gguf_truncated(tmp_path: Path) -> None:
@@ -425,17 +421,17 @@ def test_gguf_truncated(tmp_path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - 1000])
     with pytest.raises(ModelLoadError, match=r"is truncated or corrupt"):
-        model_store.locate(str(path), tmp_path)
+        load_model(model_store.locate(str(path), tmp_path))
     path.write_bytes(data[:200])
     with pytest.raises(ModelLoadError, match=r"is truncated or corrupt"):
-        model_store.locate(str(path), tmp_path)
+        load_model(model_store.locate(str(path), tmp_path))
 
 
 def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
     path = tmp_path / "model.gguf"
     write_tiny_gguf(path, "llama", arch="gpt2")
     with pytest.raises(ModelLoadError, match=r"holds a 'gpt2' model; supported architectures"):
-        model_store.locate(str(path), tmp_path)
+        load_model(model_store.locate(str(path), tmp_path))
 
 
 # --- tokenizers -------------------------------------------------------------------
@@ -502,21 +498,29 @@ def test_tokenizer_of_missing_source(tmp_path: Path) -> None:
         load_tokenizer(tmp_path / "missing")
 
 
-def test_store_resolution_is_used(tmp_path: Path, llama_dir: tuple[Path, CausalLM]) -> None:
-    """A fetched model name loads from the store directory."""
+def test_store_resolution_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetched model name loads from the store's verified GGUF file."""
     name = "smollm2-135m-instruct"
-    target = copy_dir(llama_dir[0], model_store.model_dir(name, tmp_path))
-    sha = model_store.MODELS[name].sha256
-    (target / "specserve-conversion.json").write_text(json.dumps({"sha256": sha}))
+    path = model_store.gguf_path(name, tmp_path)
+    path.parent.mkdir(parents=True)
+    original = write_tiny_gguf(path, "smollm2")
+    data = path.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    pinned = replace(model_store.MODELS[name], size=len(data), sha256=sha)
+    monkeypatch.setitem(model_store.MODELS, name, pinned)
+    with pytest.raises(NotFound, match=r"is not fetched"):  # not verified yet
+        model_store.locate(name, tmp_path)
+    marker = model_store.verified_marker(name, tmp_path)
+    marker.write_text(json.dumps({"sha256": sha, "size": len(data)}))
     model, _ = load_model(model_store.locate(name, tmp_path))
-    assert torch.equal(logits(model), logits(llama_dir[1]))
+    torch.testing.assert_close(logits(model), logits(original), atol=1e-5, rtol=0)
 
 
 # --- real models (slow; skipped unless `specserve models fetch` ran) ----------------
 
 
 def store_dir(name: str) -> Path:
-    """The fetched model's directory, or skip the test."""
+    """The fetched model's GGUF file, or skip the test."""
     try:
         return model_store.resolve(name)
     except NotFound as exc:
@@ -526,16 +530,19 @@ def store_dir(name: str) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
 def test_real_model_matches_transformers(name: str) -> None:
-    """Our decoder on a converted checkpoint agrees with transformers' within 1e-4 (fp32)."""
+    """Our decoder on a GGUF file, dequantized at load, agrees with transformers' within
+    1e-4 (fp32)."""
     from transformers import AutoModelForCausalLM
 
     path = store_dir(name)
-    model, cfg = load_model(path, torch.float32)
+    model, cfg = load_model(path, torch.float32, weights="dequantized")
     tok = load_tokenizer(path)
     ids = tok.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
     ours = logits(model, ids)
     del model
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0].float()
     assert ours.shape == theirs.shape == (len(ids), cfg.vocab_size)
