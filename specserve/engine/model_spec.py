@@ -5,8 +5,9 @@ A spec is either a tiny random test model,
 :mod:`specserve.engine.tiny`), or a *source*: a model directory, a GGUF file, the name of
 a model in the store or a hub id, optionally followed by ``:weights=quantized`` or
 ``:weights=dequantized`` (:class:`WeightForm`: how a GGUF file's block-quantized matrices
-are held). The engine only parses a source; turning it into a local directory or GGUF
-file (store look-up, hub download) is the model store's job, a layer above the engine.
+are held; default :data:`DEFAULT_WEIGHT_FORM`). The engine only parses a source; turning
+it into a local directory or GGUF file (store look-up, hub download) is the model store's
+job, a layer above the engine.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ class WeightForm(enum.StrEnum):
             raise InvalidArgument(f"weights {name!r} is not one of {choices}") from None
 
 
-# What a GGUF file loads as when its spec names no form.
-DEFAULT_WEIGHT_FORM = WeightForm.QUANTIZED
+# What a GGUF file loads as when its spec names no form. Dequantized while the products
+# of quantized weights take the reference path (each call dequantizes its weight, far
+# slower than streaming float32); quantized once the CPU kernels read the blocks.
+DEFAULT_WEIGHT_FORM = WeightForm.DEQUANTIZED
 _TINY_FORM = "tiny:<seed>[:<model_type>][:noise=<x>][:vocab=<n>][:ctx=<n>]"
 
 

@@ -71,7 +71,7 @@ def test_dequantized_form_equals_the_old_conversion(files: dict[str, Path], arch
 
 
 def test_quantized_form_keeps_blocks(files: dict[str, Path]) -> None:
-    model, cfg = load_model(files["qwen2"], huge_pages=False)
+    model, cfg = load_model(files["qwen2"], huge_pages=False, weights="quantized")
     layer0, layer1 = (layer for layer in model.model.layers)
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
     assert model.model.embed_tokens.weight.ggml_type is GGMLType.Q4_K
@@ -97,7 +97,7 @@ def test_quantized_form_keeps_blocks(files: dict[str, Path]) -> None:
 
 
 def test_tied_head_shares_the_embedding_blocks(files: dict[str, Path]) -> None:
-    model, cfg = load_model(files["llama"], huge_pages=False)
+    model, cfg = load_model(files["llama"], huge_pages=False, weights="quantized")
     assert cfg.tie_word_embeddings and cfg.model_type == "llama"
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
@@ -107,7 +107,7 @@ def test_quantized_forward_equals_dequantized_forward(files: dict[str, Path], ar
     """The quantized model's logits are the float32 model's on the dequantized weights,
     bit for bit: a 40-token prefill, and one-token steps (kernels off: until the quantized
     kernels exist, a quantized product is the float32 product on the dequantized weight)."""
-    quantized, _ = load_model(files[arch], huge_pages=False)
+    quantized, _ = load_model(files[arch], weights="quantized", huge_pages=False)
     dequantized, _ = load_model(files[arch], weights="dequantized", huge_pages=False)
     long_prompt = [(7 * i + 3) % 256 for i in range(40)]
     assert torch.equal(logits(quantized, long_prompt), logits(dequantized, long_prompt))
@@ -118,7 +118,7 @@ def test_quantized_forward_equals_dequantized_forward(files: dict[str, Path], ar
 def test_quantized_embedding_rows_are_rows_of_the_dequantized_table(
     files: dict[str, Path],
 ) -> None:
-    quantized, _ = load_model(files["qwen2"], huge_pages=False)
+    quantized, _ = load_model(files["qwen2"], weights="quantized", huge_pages=False)
     dequantized, _ = load_model(files["qwen2"], weights="dequantized", huge_pages=False)
     ids = torch.tensor([0, 255, 17, 17, 3])
     table = dequantized.model.embed_tokens.weight
@@ -250,10 +250,10 @@ def test_quantized_tensor_parallel_shards_sum_to_the_full_product() -> None:
 
 def test_spec_names_the_weight_form(files: dict[str, Path]) -> None:
     from specserve.engine.loader import load_spec
-    from specserve.engine.model_spec import ModelSpec, WeightForm
+    from specserve.engine.model_spec import DEFAULT_WEIGHT_FORM, ModelSpec, WeightForm
 
     plain = ModelSpec.parse("qwen2.5-coder-1.5b-instruct")
-    assert plain.weights is WeightForm.QUANTIZED and plain.source == plain.text
+    assert plain.weights is DEFAULT_WEIGHT_FORM and plain.source == plain.text
     spec = ModelSpec.parse(f"{files['qwen2']}:weights=dequantized")
     assert spec.weights is WeightForm.DEQUANTIZED and spec.source == str(files["qwen2"])
     with pytest.raises(InvalidArgument, match=r"weights 'fp8' is not one of quantized"):
@@ -263,7 +263,8 @@ def test_spec_names_the_weight_form(files: dict[str, Path]) -> None:
     loaded = load_spec(spec, "float32", locate=Path, huge_pages=False, tokenizer=False)
     assert not any(quantized_weights(loaded.model))
     # On huge pages (where the kernel offers them) the blocks move and compute the same.
-    loaded = load_spec(str(files["qwen2"]), "float32", locate=Path, tokenizer=False)
+    quantized = f"{files['qwen2']}:weights=quantized"
+    loaded = load_spec(quantized, "float32", locate=Path, tokenizer=False)
     assert any(quantized_weights(loaded.model))
-    unmoved, _ = load_model(files["qwen2"], huge_pages=False)
+    unmoved, _ = load_model(files["qwen2"], huge_pages=False, weights="quantized")
     assert torch.equal(logits(loaded.model), logits(unmoved))
