@@ -39,9 +39,8 @@ class WeightForm(enum.StrEnum):
             raise InvalidArgument(f"weights {name!r} is not one of {choices}") from None
 
 
-# What a GGUF file loads as when its spec names no form. Dequantized while the products
-# of quantized weights take the reference path (each call dequantizes its weight, far
-# slower than streaming float32); quantized once the CPU kernels read the blocks.
+# What a GGUF file loads as when its spec names no form: the float32 path the demo pair
+# has always run, until the real pair has been run and measured in the quantized form.
 DEFAULT_WEIGHT_FORM = WeightForm.DEQUANTIZED
 _TINY_FORM = "tiny:<seed>[:<model_type>][:noise=<x>][:vocab=<n>][:ctx=<n>]"
 
