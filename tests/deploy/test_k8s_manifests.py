@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from specserve.cli import build_parser
@@ -51,11 +52,19 @@ ADAPTER_VALUES = K8S / "monitoring" / "prometheus-adapter-values.yaml"
 
 
 def parse(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Parse ``argv`` as the container would and build the process's config."""
+    """Parse ``argv`` as the container would and build the process's config.
+
+    The config is built as on the pod's node: a manifest asking for ``--device cuda``
+    runs where CUDA exists, so this machine is made to report one device then (the
+    device name is still checked; only the machine check is the node's).
+    """
     with monkeypatch.context() as m:
         for k, v in env.items():
             m.setenv(k, v)
         args = build_parser().parse_args(expand(argv, env))
+    if str(getattr(args, "device", "cpu")).startswith("cuda"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     sub = argv[0]
     if sub == "draft-server":
         from specserve.draft_service import config
