@@ -17,7 +17,7 @@ from specserve.orchestrator.flags import DEFAULT_PORT, add_arguments
 from specserve.orchestrator.fleet.replicas import EndpointSpec
 from specserve.orchestrator.fleet.scheduler import SchedulerConfig
 from specserve.orchestrator.policy import PolicyConfig, with_overrides
-from specserve.orchestrator.round.runner import RoundTimeouts
+from specserve.orchestrator.round.calls import RoundTimeouts
 from specserve.orchestrator.snapshots.kv_snapshots import SnapshotConfig
 from specserve.orchestrator.store.redis_settings import RedisSettings, password_from, url_warning
 from specserve.orchestrator.store.session_store import StoreTtls

@@ -1,7 +1,7 @@
 """Prometheus metrics of the orchestrator, read from its plain counts at scrape time.
 
 A collector rather than counters sprinkled through the round loop: the runner
-keeps plain counts (:class:`~specserve.orchestrator.round.runner.RunnerStats`), the
+keeps plain counts (:class:`~specserve.orchestrator.round.stats.RunnerStats`), the
 request path its latencies (:class:`~specserve.orchestrator.api.request_stats.RequestStats`),
 and this module names them. Served on ``--metrics-port`` when given. The token
 counts grow exactly as the requests' usage does, so

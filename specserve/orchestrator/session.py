@@ -3,11 +3,20 @@
 The round runner owns every :class:`LiveSession` while it decodes: it commits
 rounds to the record, puts the committed tokens in the outbox, and at the end
 one :class:`Ended`. The request handler reads the outbox.
+
+A session's lifecycle here is one :class:`Phase`: ``WAITING`` between rounds,
+``IN_ROUND`` while a lane runs a round with it, ``ENDED`` once its :class:`Ended`
+is in the outbox (for good). Three facts are independent of it and stay flags:
+``cancel_requested`` (the client asked; the runner acts at the next round
+boundary), ``draft_warming`` (its draft replica is prefilling it beside the
+rounds, in any phase) and ``gone`` (its record was deleted or taken over: never
+write it again, whatever the phase).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from dataclasses import dataclass
 
@@ -29,6 +38,14 @@ class Ended:
 
 
 Outbox = asyncio.Queue[list[int] | Ended]
+
+
+class Phase(enum.Enum):
+    """Where a session is in its turn; ``ENDED`` is final."""
+
+    WAITING = "waiting"  # placed on a lane, between rounds
+    IN_ROUND = "in_round"  # a lane is running a round with it now
+    ENDED = "ended"  # its Ended is in the outbox: no more rounds
 
 
 class LiveSession:
@@ -57,8 +74,7 @@ class LiveSession:
         self.outbox: Outbox = asyncio.Queue()
         self.cancel_requested = False
         self.rounds_committed = 0  # rounds of this turn now in the store
-        self.done = False
-        self.in_round = False  # a lane is running a round with it now
+        self.phase = Phase.WAITING
         self.draft_warming = False  # its draft replica is prefilling it beside the rounds
         self.gone = False  # the record was deleted or taken over: never write it again
         # How far KV snapshots reach (--kv-snapshots); goes into the next record written.
@@ -70,6 +86,20 @@ class LiveSession:
         # the TokenLogprob of each completion token committed so far.
         self.top_logprobs = top_logprobs
         self.logprobs: list[TokenLogprob] = []
+
+    @property
+    def done(self) -> bool:
+        """The session ended (:meth:`end`); nothing is decoded or written for it now."""
+        return self.phase is Phase.ENDED
+
+    def enter_round(self) -> None:
+        assert self.phase is Phase.WAITING, f"a {self.phase.value} session cannot start a round"
+        self.phase = Phase.IN_ROUND
+
+    def leave_round(self) -> None:
+        """The round is over: back to waiting, unless it ended in it."""
+        if self.phase is Phase.IN_ROUND:
+            self.phase = Phase.WAITING
 
     @property
     def is_new(self) -> bool:
@@ -95,5 +125,5 @@ class LiveSession:
             self.outbox.put_nowait(tokens)
 
     def end(self, reason: FinishReason | None, error: BaseException | None = None) -> None:
-        self.done = True
+        self.phase = Phase.ENDED
         self.outbox.put_nowait(Ended(reason, error))

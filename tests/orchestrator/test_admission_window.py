@@ -11,7 +11,21 @@ import pytest
 
 from specserve.orchestrator.fleet.scheduler import Placement, Scheduler, SchedulerConfig
 from specserve.orchestrator.round.runner import RoundRunner
+from specserve.orchestrator.session import Phase
 from tests.orchestrator.test_slow_replicas import offline_runner
+
+
+class WaitingSession(SimpleNamespace):
+    """Just the lifecycle of a live session that the lane loop reads."""
+
+    phase = Phase.WAITING
+    done = False
+
+    def enter_round(self) -> None:
+        self.phase = Phase.IN_ROUND
+
+    def leave_round(self) -> None:
+        self.phase = Phase.WAITING
 
 
 def first_round(window_s: float, gaps_s: list[float]) -> list[str]:
@@ -32,8 +46,8 @@ def first_round(window_s: float, gaps_s: list[float]) -> list[str]:
             await asyncio.sleep(gap)
             sid = f"s{i}"
             state = SimpleNamespace(tokens=[1, 2], target_start=1)  # decoding: one new token
-            runner.sessions[sid] = SimpleNamespace(  # type: ignore[assignment]
-                sid=sid, state=state, in_round=False, trace_context=None, done=False
+            runner.sessions[sid] = WaitingSession(  # type: ignore[assignment]
+                sid=sid, state=state, trace_context=None
             )
             runner._run_lane(runner.scheduler.join(sid, Placement("t", 0, None)))
         await asyncio.wait_for(asyncio.gather(*runner._lanes.values()), timeout=5)

@@ -11,7 +11,7 @@ from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator import config
 from specserve.orchestrator.fleet.replicas import EndpointSpec, ReplicaPool
 from specserve.orchestrator.fleet.scheduler import SchedulerConfig
-from specserve.orchestrator.round.runner import RoundTimeouts
+from specserve.orchestrator.round.calls import RoundTimeouts
 
 
 def test_endpoint_lists() -> None:

@@ -30,8 +30,8 @@ from specserve.orchestrator.fleet.replicas import EndpointSpec, ReplicaPool
 from specserve.orchestrator.fleet.scheduler import Placement, Scheduler
 from specserve.orchestrator.policy import BatchPlan, Devices, Planner, PolicyConfig, WarmWhere
 from specserve.orchestrator.round import calls
-from specserve.orchestrator.round.calls import Plan
-from specserve.orchestrator.round.runner import RoundRunner, RoundTimeouts
+from specserve.orchestrator.round.calls import Plan, RoundTimeouts
+from specserve.orchestrator.round.runner import RoundRunner
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.store.redis_settings import embedded_client
 from specserve.orchestrator.store.session_store import SessionStore
@@ -229,7 +229,7 @@ def test_a_slow_target_gets_the_round_again_before_it_fails_over(slow_calls: int
             s = live("a", [1, 2, 3])
             s.record = record
             s.state.target_start = 2  # the first target holds two of the three tokens
-            out, moved = await runner._verify(a, [(s, Plan())])
+            out, moved = await runner.failover.verify(a, [(s, Plan())])
             assert out.verdicts["a"].next_token == 5 and not out.errors
             assert runner.stats.slow_verifies == slow_calls
             if slow_calls == 1:

@@ -25,7 +25,11 @@ import grpc.aio
 from specserve.engine.drafter import DraftInput
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator.fleet.replicas import ReplicaPool
+from specserve.orchestrator.fleet.scheduler import LaneKey, Scheduler
+from specserve.orchestrator.round import draft_ahead
+from specserve.orchestrator.round.calls import Plan
 from specserve.orchestrator.round.draft_ahead import DRAFTER, Bet
+from specserve.orchestrator.session import LiveSession
 from specserve.v1 import draft_pb2
 from specserve.wire import draft_wire
 
@@ -84,6 +88,30 @@ class BetBook:
             task = loop.create_task(propose_ahead(self.drafts, endpoint, inputs, self.timeout_s))
             for b in group:
                 self._pending[b.input.session_id] = (b, task)
+
+    def place_for_round(
+        self, scheduler: Scheduler, live: list[LiveSession], plans: dict[str, Plan], k_cap: int
+    ) -> int:
+        """Bet on round r + 1 of each session whose draft replica would idle while the
+        target verifies round r (:func:`draft_ahead.place` decides each bet); returns
+        the number of bets placed."""
+        bets = []
+        idle: dict[tuple[str, LaneKey], bool] = {}
+        for s in live:
+            placement = scheduler.placement(s.sid)
+            plan = plans.get(s.sid)
+            if placement is None or plan is None or placement.draft is None:
+                continue
+            key = (placement.draft, placement.lane)
+            if key not in idle:
+                idle[key] = scheduler.draft_idle_while_verifying(placement.lane, placement.draft)
+            if not idle[key]:
+                continue
+            bet = draft_ahead.place(s.state, plan.proposal, placement.draft, k_cap)
+            if bet is not None:
+                bets.append(bet)
+        self.place(bets)
+        return len(bets)
 
     async def collect(self, session_ids: Iterable[str]) -> dict[str, tuple[Bet, list[int] | None]]:
         """Await and hand back the bets of these sessions (None: no answer)."""

@@ -1,6 +1,7 @@
-"""One batched Propose or Verify on one replica, and what its failures mean.
+"""One batched Propose or Verify on one replica, what its failures mean, and its timeouts.
 
-* ``NEEDS_HISTORY`` answers are resent at once with the whole committed history.
+* ``NEEDS_HISTORY`` answers are resent at once with the whole committed history
+  (:func:`send_resending_history`, for both calls).
 * A target whose model thread makes no progress for ``stall_s`` while a Verify is
   out (hung, stopped: :mod:`specserve.orchestrator.fleet.stall`) is lost at once.
 * A transport failure (unreachable, past the deadline), or INTERNAL from a
@@ -32,7 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -46,7 +50,7 @@ from specserve.orchestrator.fleet.replicas import (
     is_serving,
     replica_lost,
 )
-from specserve.orchestrator.fleet.stall import Stalled, call_watched
+from specserve.orchestrator.fleet.stall import DEFAULT_STALL_S, Stalled, call_watched
 from specserve.orchestrator.session import LiveSession
 from specserve.serving.errors import Unavailable
 from specserve.v1 import common_pb2, draft_pb2, target_pb2
@@ -54,11 +58,37 @@ from specserve.wire import draft_wire, target_wire
 
 log = logging.getLogger(__name__)
 
+A = TypeVar("A", bound="Answer")
+
 NEEDS_HISTORY = common_pb2.SESSION_STATUS_NEEDS_HISTORY
 # A session whose draft replica lacks more committed tokens than this (a new prompt,
 # a new replica after a failover, an evicted cache) is brought up to date beside the
 # rounds (:func:`warm`), not inside one.
 WARM_ABOVE_TOKENS = 32
+
+
+@dataclass(frozen=True, kw_only=True)  # six floats: never positional
+class RoundTimeouts:
+    draft_s: float = 2.0  # a Propose slower than this costs the round its drafts
+    draft_warm_s: float = 120.0  # a draft replica's prefill of a session's history
+    target_s: float = 60.0  # a Verify slower than this is replayed, twice: a lost target
+    failover_s: float = 20.0  # how long a session waits for some target to come back
+    release_s: float = 2.0
+    # A target whose model thread stood still this long while it held a round is lost
+    # (hung); 0 = wait for target_s alone.
+    stall_s: float = DEFAULT_STALL_S
+
+
+def batch_timeout(base: float, sessions: Sequence[LiveSession]) -> float:
+    """``base``, cut to the latest client deadline of the batch (never below 50 ms).
+
+    A batch with a session that has no deadline keeps ``base``.
+    """
+    deadlines = [s.deadline for s in sessions]
+    if not deadlines or any(d is None for d in deadlines):
+        return base
+    left = max(d for d in deadlines if d is not None) - time.monotonic()
+    return max(0.05, min(base, left))
 
 
 @dataclass
@@ -81,6 +111,34 @@ class VerifyOutcome:
     batch_sizes: list[int] = field(default_factory=list)  # as the target reported them
     resent: int = 0  # sessions the target answered NEEDS_HISTORY, resent whole
     expired: bool = False  # the clients' deadlines passed first: nothing was verified
+
+
+class Answer(Protocol):
+    """A batched Propose or Verify response: one result per session, in order."""
+
+    @property
+    def results(self) -> Sequence[Any]: ...
+
+
+async def send_resending_history(
+    sessions: list[LiveSession],
+    send: Callable[[list[LiveSession], bool], Awaitable[A]],
+    resend: Callable[[LiveSession], bool] = lambda s: True,
+) -> tuple[dict[str, Any], list[A], int]:
+    """One batched call with each session's news only, then, at once, one with the whole
+    history for the sessions the replica answered ``NEEDS_HISTORY`` (those ``resend``
+    admits; the others keep that answer). ``send(sessions, full)`` makes one call.
+
+    Returns each session's result, the responses in order, and how many were resent.
+    """
+    first = await send(sessions, False)
+    results = dict(zip([s.sid for s in sessions], first.results, strict=True))
+    stale = [s for s in sessions if results[s.sid].status == NEEDS_HISTORY and resend(s)]
+    if not stale:
+        return results, [first], 0
+    again = await send(stale, True)
+    results.update(zip([s.sid for s in stale], again.results, strict=True))
+    return results, [first, again], len(stale)
 
 
 def engine_error(e: grpc.aio.AioRpcError, role: str) -> EngineError:
@@ -131,17 +189,16 @@ async def propose(
         )
 
     sessions = [s for s, _ in items]
+
+    async def call(which: list[LiveSession], full: bool) -> draft_pb2.ProposeResponse:
+        return await replica.stub.Propose(request(which, full), timeout=timeout_s)
+
+    def short(s: LiveSession) -> bool:
+        return resend_up_to is None or len(s.state.tokens) <= resend_up_to
+
     try:
-        response = await replica.stub.Propose(request(sessions, False), timeout=timeout_s)
-        results = dict(zip([s.sid for s in sessions], response.results, strict=True))
-        stale = [s for s in sessions if results[s.sid].status == NEEDS_HISTORY]
-        if resend_up_to is not None:
-            for s in [s for s in stale if len(s.state.tokens) > resend_up_to]:
-                stale.remove(s)
-                s.state.draft_start = 0  # cold: warmed beside the rounds
-        if stale:
-            again = await replica.stub.Propose(request(stale, True), timeout=timeout_s)
-            results.update(zip([s.sid for s in stale], again.results, strict=True))
+        results, responses, _ = await send_resending_history(sessions, call, short)
+        response = responses[0]
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and await is_serving(replica):
             # Slow, not lost (busy with other sessions' drafts or a prefill): this
@@ -163,6 +220,8 @@ async def propose(
     pool.mark_ok(endpoint, response.replica_id)
     plans = {}
     for s in sessions:
+        if results[s.sid].status == NEEDS_HISTORY:
+            s.state.draft_start = 0  # cold: warmed beside the rounds (or refused twice)
         try:
             proposal = draft_wire.proposal(results[s.sid], k_of[s.sid])
         except InvalidArgument as e:  # a misbehaving replica: skip drafting this round
@@ -233,15 +292,9 @@ async def verify(
         return await call_watched(replica, rpc, stall_s)
 
     try:
-        response = await call(sessions, False)
-        out.batch_sizes.append(response.batch_size)
-        results = dict(zip([s.sid for s in sessions], response.results, strict=True))
-        stale = [s for s in sessions if results[s.sid].status == NEEDS_HISTORY]
-        if stale:
-            again = await call(stale, True)
-            out.resent += len(stale)
-            out.batch_sizes.append(again.batch_size)
-            results.update(zip([s.sid for s in stale], again.results, strict=True))
+        results, responses, out.resent = await send_resending_history(sessions, call)
+        out.batch_sizes.extend(r.batch_size for r in responses)
+        response = responses[0]
     except Stalled as e:  # hung: as good as lost, without waiting for the timeout
         out.lost, out.why = True, f"Verify on {endpoint}: {e}"
         pool.mark_failed(endpoint, out.why)

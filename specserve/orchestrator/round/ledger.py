@@ -48,6 +48,17 @@ class Ledger:
         self.store = store
         self.sessions = sessions  # the runner's: ending a session removes it
         self.release_timeout_s = release_timeout_s
+        self._releasing: set[asyncio.Task[None]] = set()  # held until done
+
+    def release_later(self, pool: ReplicaPool, endpoint: str, session_ids: list[str]) -> None:
+        """Best effort, off the round's path: drop caches on a replica sessions left."""
+        if not session_ids:
+            return
+        task = asyncio.get_running_loop().create_task(
+            pool.release(endpoint, session_ids, self.release_timeout_s)
+        )
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     def ownership(self, s: LiveSession) -> tuple[session_pb2.KvOwnership, session_pb2.KvOwnership]:
         placement = self.scheduler.placement(s.sid)

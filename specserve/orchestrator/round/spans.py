@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
+from specserve.orchestrator.round.calls import Plan, VerifyOutcome
 from specserve.orchestrator.session import LiveSession
 from specserve.telemetry import attributes as attr
 
@@ -61,6 +62,34 @@ class RoundSpans:
         """A batch-level span, current while the phase runs (its calls nest below it)."""
         with tracer.start_as_current_span(name, context=self._context, links=self._links) as span:
             yield span
+
+    @staticmethod
+    def proposed(span: Span, plans: dict[str, Plan], k_cap: int) -> None:
+        """The propose phase's attributes: sessions with drafts, tokens drafted, the cap."""
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    attr.BATCH_SIZE: sum(1 for p in plans.values() if p.draft is not None),
+                    attr.SPEC_DRAFTED: sum(len(p.proposal.tokens) for p in plans.values()),
+                    attr.SPEC_K_CAP: k_cap,
+                }
+            )
+
+    @staticmethod
+    def verified(
+        span: Span, target: str, plans: dict[str, Plan], outcome: VerifyOutcome, replayed: int
+    ) -> None:
+        """The verify phase's attributes; ``replayed``: sessions moved to another target."""
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    attr.TARGET: target,
+                    attr.BATCH_SIZE: max(outcome.batch_sizes, default=0),
+                    attr.SPEC_DRAFTED: sum(len(p.proposal.tokens) for p in plans.values()),
+                    attr.SPEC_ACCEPTED: sum(v.accepted for v in outcome.verdicts.values()),
+                    attr.REPLAYED: replayed,
+                }
+            )
 
     def asked(self, s: LiveSession, k: int) -> None:
         span = self.spans[s.sid]

@@ -1,0 +1,172 @@
+"""Verify with failover: a round's ``Verify``, replayed elsewhere when its target is lost.
+
+:meth:`Failover.verify` sends the batch to its lane's target (:func:`calls.verify`).
+
+* A target past the target timeout that still answers SERVING is *slow*: the same
+  round is replayed on it once more (its KV is warm there), and only a second miss
+  counts as a loss.
+* A lost target: each session's stored record is re-read, and a session whose
+  record moved on (closed, or taken over by another orchestrator) is dropped with
+  ``VersionConflict`` and marked ``gone``; the rest — same drafts, same (seed, round
+  index, position) draws — are replayed on the least loaded usable target with the
+  whole history (or, with ``--kv-snapshots``, after restoring the saved chunks), so
+  the tokens do not change. With no usable target for ``failover_s`` they end with
+  ``UNAVAILABLE``.
+* Clients whose deadlines passed first: the outcome is ``expired``, no failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from opentelemetry import trace
+
+from specserve.engine.errors import EngineError
+from specserve.orchestrator.errors import VersionConflict
+from specserve.orchestrator.fleet.replicas import ReplicaPool
+from specserve.orchestrator.fleet.scheduler import Scheduler
+from specserve.orchestrator.policy import Planner
+from specserve.orchestrator.round import calls
+from specserve.orchestrator.round.calls import Plan, RoundTimeouts, batch_timeout
+from specserve.orchestrator.round.stats import RunnerStats
+from specserve.orchestrator.session import LiveSession
+from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
+from specserve.orchestrator.store.session_store import SessionStore
+from specserve.serving.errors import Unavailable
+from specserve.telemetry import attributes as attr
+
+log = logging.getLogger(__name__)
+
+Items = list[tuple[LiveSession, Plan]]
+
+
+class Failover:
+    """The verify step of every lane's rounds."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        targets: ReplicaPool,
+        store: SessionStore,
+        timeouts: RoundTimeouts,
+        stats: RunnerStats,
+        planner: Planner,
+        snapshots: KvSnapshots | None,
+        refresh_usable: Callable[[], None],
+    ) -> None:
+        self.scheduler = scheduler
+        self.targets = targets
+        self.store = store
+        self.timeouts = timeouts
+        self.stats = stats
+        self.planner = planner  # forgets a lost target's costs
+        self.snapshots = snapshots  # None: --kv-snapshots is off
+        self.refresh_usable = refresh_usable  # the scheduler's view of usable replicas
+
+    async def verify(self, target: str, items: Items) -> tuple[calls.VerifyOutcome, dict[str, str]]:
+        """Verify on ``target``; if it is lost, replay on others.
+
+        Returns the outcome of every session (a verdict or an error, unless it
+        ``expired``) and the sessions that now live on another target (id -> target).
+        """
+        total = calls.VerifyOutcome()
+        moved: dict[str, str] = {}
+        give_up = time.monotonic() + self.timeouts.failover_s
+        todo = items
+        slow_before = False  # this replica already missed the target timeout once
+        while todo:
+            timeout = batch_timeout(self.timeouts.target_s, [s for s, _ in todo])
+            cut = timeout < self.timeouts.target_s
+            out = await calls.verify(
+                self.targets, target, todo, timeout, deadline_cut=cut, stall_s=self.timeouts.stall_s
+            )
+            if out.expired:  # the clients left, not the target: no failover
+                total.expired = True
+                break
+            if out.slow:
+                self.stats.slow_verifies += 1
+                if not slow_before:  # busy, not broken: same replica, same round
+                    slow_before = True
+                    log.warning("%s; replaying the round there once", out.why)
+                    trace.get_current_span().add_event(
+                        "slow target", {attr.TARGET: target, attr.BATCH_SIZE: len(todo)}
+                    )
+                    continue
+                out.lost = True  # twice: as good as lost for these sessions
+                self.targets.mark_failed(target, out.why)
+            self._add(total, out)
+            todo = [
+                (s, p) for s, p in todo if s.sid not in out.verdicts and s.sid not in out.errors
+            ]
+            if not todo:
+                break
+            if out.lost:
+                self.planner.forget(target)  # a replacement may be another machine
+            todo = await self._resume_from_store(todo, total)
+            next_target = await self._another_target(give_up)
+            if next_target is None:
+                for s, _ in todo:
+                    total.errors[s.sid] = Unavailable(
+                        f"no target replica could verify the session; retry later "
+                        f"(last failure: {out.why})"
+                    )
+                break
+            target = next_target
+            await self._replay_on(target, todo, moved, out.why)
+        return total, moved
+
+    def _add(self, total: calls.VerifyOutcome, out: calls.VerifyOutcome) -> None:
+        total.verdicts.update(out.verdicts)
+        total.logprobs.update(out.logprobs)
+        total.errors.update(out.errors)
+        total.batch_sizes.extend(out.batch_sizes)
+        for size in out.batch_sizes:
+            self.stats.verify_batch_sizes[size] += 1
+        self.stats.target_history_resends += out.resent
+
+    async def _replay_on(self, target: str, todo: Items, moved: dict[str, str], why: str) -> None:
+        """Make ``target`` the sessions' target: from their whole history, or saved chunks."""
+        log.warning("replaying a round of %d sessions on target %s", len(todo), target)
+        trace.get_current_span().add_event(
+            "replay", {attr.TARGET: target, attr.BATCH_SIZE: len(todo), "why": why}
+        )
+        self.stats.replayed_rounds += 1
+        for s, _ in todo:
+            s.state.target_start = 0  # the new replica rebuilds the KV from the history
+            moved[s.sid] = target
+            self.stats.target_failovers += 1
+        if self.snapshots is not None:  # ... or from saved chunks, up to a short tail
+            await self.snapshots.restore(target, [s for s, _ in todo])
+
+    async def _resume_from_store(self, todo: Items, total: calls.VerifyOutcome) -> Items:
+        """Keep the sessions whose stored record still is what this round started from."""
+        kept = []
+        for s, p in todo:
+            try:
+                stored = await self.store.get(s.sid)
+            except EngineError as e:
+                total.errors[s.sid] = e
+                continue
+            if stored is None or stored.version != s.record.version:
+                s.gone = True
+                total.errors[s.sid] = VersionConflict(
+                    f"session {s.sid!r} was closed or taken over while its target was lost"
+                )
+                continue
+            assert list(stored.tokens) == s.state.tokens, "memory and store disagree"
+            kept.append((s, p))
+        return kept
+
+    async def _another_target(self, give_up: float) -> str | None:
+        """The least loaded usable target, waiting for one until ``give_up``; None past it."""
+        while True:
+            self.refresh_usable()
+            usable = self.scheduler.targets
+            if usable:
+                return min(usable, key=self.scheduler.target_load)
+            if time.monotonic() >= give_up:
+                return None
+            await asyncio.sleep(0.2)

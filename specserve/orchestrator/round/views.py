@@ -1,0 +1,44 @@
+"""What the planner and the scheduler see of a live session: plain numbers, no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from specserve.orchestrator.policy import Cache, SessionView
+from specserve.orchestrator.session import LiveSession
+
+
+def session_view(s: LiveSession, warm_above_tokens: int) -> SessionView:
+    """The session as the planner sees it (a model drafter more than
+    ``warm_above_tokens`` behind its history is cold; n-gram drafters index any
+    history cheaply)."""
+    st = s.state
+    behind = draft_backlog([s])
+    cache = Cache.WARM
+    if s.draft_warming:
+        cache = Cache.WARMING
+    elif st.drafter == "model" and behind > warm_above_tokens:
+        cache = Cache.COLD
+    return SessionView(
+        sid=s.sid,
+        drafter=str(st.drafter),
+        greedy=st.params.greedy,
+        requested_k=st.k_policy.fixed,
+        tokens_left=st.stop.max_new_tokens - len(st.completion),
+        alpha=st.k_policy.alpha,
+        turn_drafted=st.stats.drafted,
+        turn_accepted=st.stats.accepted,
+        cache=cache,
+        draft_behind=behind,
+        target_behind=target_backlog(s),
+    )
+
+
+def target_backlog(s: LiveSession) -> int:
+    """Tokens of a session's history its target has not seen (its prefill)."""
+    return len(s.state.tokens) - s.state.target_start
+
+
+def draft_backlog(sessions: Iterable[LiveSession]) -> int:
+    """History tokens of these sessions their draft replica has not seen (a warm-up)."""
+    return sum(len(s.state.tokens) - s.state.draft_start for s in sessions)
