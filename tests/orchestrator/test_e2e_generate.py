@@ -34,7 +34,7 @@ def wait_until(check, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyp
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize(("drafter", "k"), [("model", 4), ("model", None), ("ngram", 3)])
+@pytest.mark.parametrize(("drafter", "k"), [("model", 4), ("ngram", 3)])
 def test_unary_greedy_equals_target_only(
     stack: Stack, reference: Reference, drafter: str, k: int | None
 ) -> None:
@@ -48,6 +48,33 @@ def test_unary_greedy_equals_target_only(
     assert got.usage.drafted_tokens > 0 and got.usage.accepted_tokens > 0
     assert got.usage.rounds < 40  # speculation saved target forwards
     assert got.text == "".join(f" {t}" for t in expected)  # no tokenizer: ids as text
+
+
+@pytest.fixture
+def fresh(redis_url: str) -> Iterator[Stack]:
+    """A stack of its own, as a new deployment's first request meets the default policy.
+
+    The session's shared stack has learnt every earlier test's rounds, and on two shared
+    cores with a draft as large as its target its planner rightly stops drafting, so
+    only a fresh stack can be asked to draft at adaptive k.
+    """
+    s = Stack(redis_url)
+    try:
+        yield s.start()
+    finally:
+        s.stop()
+
+
+def test_a_fresh_stacks_first_request_speculates_at_adaptive_k(
+    fresh: Stack, reference: Reference
+) -> None:
+    p = prompt(1)
+    expected = reference.decode(p, 40)
+    with Client(fresh.address, timeout_s=60) as c:
+        got = c.generate(p, max_new_tokens=40, drafter="model")  # k unset: the default policy
+    assert got.token_ids == expected
+    assert got.usage.drafted_tokens > 0 and got.usage.accepted_tokens > 0
+    assert got.usage.rounds < 40  # speculation saved target forwards
 
 
 @pytest.fixture(scope="module")
