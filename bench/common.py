@@ -259,6 +259,8 @@ def reproduce_command(module: str, argv: list[str] | None = None) -> str:
         elif a.split("=", 1)[0] in _PATH_FLAGS and "=" in a:
             flag, value = a.split("=", 1)
             args[i] = f"{flag}={shlex.quote(Path(value).name)}"
+        else:  # quoted so the line runs as printed (a prompt holds spaces and parentheses)
+            args[i] = shlex.quote(a)
     settings = [
         f"{k}={shlex.quote(v)}"
         for k, v in sorted(os.environ.items())

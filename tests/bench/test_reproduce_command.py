@@ -4,6 +4,7 @@ nothing private (paths of the machine, secrets)."""
 from __future__ import annotations
 
 import os
+import shlex
 
 import pytest
 
@@ -30,3 +31,11 @@ def test_paths_of_the_machine_keep_only_their_last_part() -> None:
     assert reproduce_command("bench.k_policy_replay", ["--replay=/some/where/a b.json"]).endswith(
         "-m bench.k_policy_replay --replay='a b.json'"
     )
+
+
+def test_an_argument_with_spaces_comes_back_as_one_word() -> None:
+    line = reproduce_command(
+        "bench.first_request", ["--prompt", "def fib(n):", "--new-tokens", "96"]
+    )
+    words = shlex.split(line)
+    assert words[words.index("--prompt") + 1] == "def fib(n):"
