@@ -13,6 +13,7 @@ from opentelemetry import trace
 from specserve.draft_service.backend import DraftBackend, Proposed
 from specserve.draft_service.metrics import DraftCounts
 from specserve.engine.drafter import DraftCall
+from specserve.serving.call_stream import StreamMethod, serve_call_stream
 from specserve.serving.errors import check_strict
 from specserve.serving.server import RunningServer
 from specserve.telemetry import attributes as attr
@@ -37,10 +38,23 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.running = running
         self.executor = running.executor
         self.counts = DraftCounts()
+        self.propose_stream = StreamMethod(
+            "/specserve.v1.DraftService/Propose", self.propose, draft_pb2.ProposeStreamResponse
+        )
 
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:
+        return await self.propose(request)
+
+    async def ProposeStream(
+        self, request_iterator: object, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Propose calls on one stream (:mod:`specserve.serving.call_stream`)."""
+        await serve_call_stream(self.propose_stream, context)
+
+    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
+        """One Propose call, unary or on the stream; errors raise (mapped by the caller)."""
         backend = self.executor.backend
         calls = draft_wire.draft_calls(request, backend.vocab, backend.limit)
         for c in calls:
@@ -53,7 +67,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             kind="propose",
         )
         self.counts.record(calls, done.value.outcomes)
-        span = trace.get_current_span()  # the gRPC server span
+        span = trace.get_current_span()  # the call's server span
         if span.is_recording():
             span.set_attributes(
                 {

@@ -20,7 +20,9 @@ are mapped for unary-unary handlers; the health ``Watch`` stream and reflection
 pass through untouched. Every unary-request handler (unary-unary and
 unary-stream, such as ``GenerateStream``) gets a tolerant deserializer: bytes
 that do not parse as its request message are answered ``INVALID_ARGUMENT`` with
-one rate-limited WARNING line (:mod:`specserve.serving.malformed`).
+one rate-limited WARNING line (:mod:`specserve.serving.malformed`). A
+stream-stream handler (the data-plane streams, :mod:`specserve.serving.call_stream`)
+gets the same deserializer and maps each call's errors itself.
 """
 
 from __future__ import annotations
@@ -125,6 +127,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(method, handler.unary_stream),
+                request_deserializer=tolerant(handler.request_deserializer, limit),
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:  # the data-plane streams map their own errors
+            return grpc.stream_stream_rpc_method_handler(
+                handler.stream_stream,
                 request_deserializer=tolerant(handler.request_deserializer, limit),
                 response_serializer=handler.response_serializer,
             )

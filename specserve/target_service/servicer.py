@@ -15,6 +15,7 @@ from opentelemetry import trace
 
 from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk
 from specserve.engine.verifier import VerifyInput
+from specserve.serving.call_stream import StreamMethod, serve_call_stream
 from specserve.serving.errors import check_strict
 from specserve.serving.server import RunningServer
 from specserve.target_service.backend import TargetBackend, Verified
@@ -50,6 +51,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.running = running
         self.executor = running.executor
         self.counts = TargetCounts()
+        self.verify_stream = StreamMethod(
+            "/specserve.v1.TargetService/Verify", self.verify, target_pb2.VerifyStreamResponse
+        )
 
     async def Prefill(
         self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -61,6 +65,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
+        return await self.verify(request)
+
+    async def VerifyStream(
+        self, request_iterator: object, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Verify calls on one stream (:mod:`specserve.serving.call_stream`)."""
+        await serve_call_stream(self.verify_stream, context)
+
+    async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+        """One Verify call, unary or on the stream; errors raise (mapped by the caller)."""
         backend = self.executor.backend
         inputs = target_wire.verify_inputs(request, backend.vocab, backend.limit)
         return await self._verify(inputs, strict=request.strict)
@@ -77,7 +91,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         )
         outcomes = done.value.outcomes
         self.counts.record(inputs, outcomes)
-        span = trace.get_current_span()  # the gRPC server span
+        span = trace.get_current_span()  # the call's server span
         if span.is_recording():
             span.set_attributes(
                 {

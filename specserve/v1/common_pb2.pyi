@@ -123,3 +123,23 @@ class LoadReport(_message.Message):
     max_context_tokens: int
     kv_capacity_tokens: int
     def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_fingerprint: _Optional[bytes] = ..., kv_bytes_per_token: _Optional[int] = ..., progress_steps: _Optional[int] = ..., busy: _Optional[bool] = ..., max_context_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
+
+class StreamCallHeader(_message.Message):
+    __slots__ = ("request_id", "timeout_ms", "traceparent", "tracestate")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    timeout_ms: int
+    traceparent: str
+    tracestate: str
+    def __init__(self, request_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+
+class StreamCallError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

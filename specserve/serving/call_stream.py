@@ -1,0 +1,193 @@
+"""Serving a unary method's calls over one long-lived bidirectional stream.
+
+The data plane (``DraftService.ProposeStream``, ``TargetService.VerifyStream``)
+carries many calls on one stream, so that a call costs one message each way
+instead of a whole unary RPC. Framing (``specserve/v1/*.proto``): a request
+message holds a :class:`StreamCallHeader` (request id, the call's own deadline
+in ms, W3C ``traceparent`` / ``tracestate``) and the unary request; the answer
+holds the request id and either the unary response or a ``StreamCallError``
+(status code and sentence).
+
+:func:`serve_call_stream` reads the stream and runs each call in a task of its
+own, through the very coroutine the unary method runs (``StreamMethod.handle``),
+so calls from several streams and unary callers still coalesce into one batch on
+the model thread. Per call, as for a unary call:
+
+* its error is mapped by :func:`~specserve.serving.errors.status_for` and
+  answered under its request id; the stream stays open;
+* a message without a request, or with a request id already in flight, is
+  answered ``INVALID_ARGUMENT``; more than ``max_in_flight`` calls at once are
+  answered ``RESOURCE_EXHAUSTED``;
+* past its ``timeout_ms`` it is answered ``DEADLINE_EXCEEDED`` (its work is
+  abandoned as a cancelled unary call's is);
+* it runs in a SERVER span named after the unary method, child of the
+  message's trace context (the stream itself has no span: the tracing
+  interceptors leave the stream methods out, see
+  :mod:`specserve.telemetry.tracing`).
+
+Bytes that do not parse as the request message (or exceed the method's byte
+limit) end the whole stream with ``INVALID_ARGUMENT``: without a request id
+there is no call to answer. Answers go out in the order calls finish. When the
+client half-closes, the calls in flight are answered and the stream ends OK;
+when the client cancels (or the stream breaks), the calls in flight are
+cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+import grpc.aio
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from specserve.engine.errors import InvalidArgument
+from specserve.serving.errors import status_for
+from specserve.serving.malformed import Malformed, Oversized, refuse
+from specserve.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+# Calls one stream may have in flight; past it a call is answered RESOURCE_EXHAUSTED.
+# The orchestrator has at most one round per session in flight, so this is far above
+# what it sends (and bounds what one client can make a replica hold).
+MAX_IN_FLIGHT = 4096
+
+
+@dataclass(frozen=True)
+class StreamMethod(Generic[Req, Resp]):
+    """One stream method: what a call runs, and how its answers are built."""
+
+    unary_method: str  # full name of the unary twin, e.g. "/specserve.v1.DraftService/Propose"
+    handle: Callable[[Req], Awaitable[Resp]]  # the unary method's own path
+    answer_type: Callable[..., Any]  # the stream's response message class
+    max_in_flight: int = MAX_IN_FLIGHT
+
+    def answer(self, request_id: int, response: Resp) -> Any:
+        return self.answer_type(request_id=request_id, response=response)
+
+    def refusal(self, request_id: int, code: grpc.StatusCode, message: str) -> Any:
+        error = common_pb2.StreamCallError(code=code.value[0], message=message)
+        return self.answer_type(request_id=request_id, error=error)
+
+
+def _parent_context(header: common_pb2.StreamCallHeader) -> otel_context.Context:
+    """The caller's trace context from the header (an empty context when not traced)."""
+    if not header.traceparent:
+        return otel_context.Context()
+    carrier = {"traceparent": header.traceparent}
+    if header.tracestate:
+        carrier["tracestate"] = header.tracestate
+    return propagate.extract(carrier, context=otel_context.Context())
+
+
+async def _run_call(method: StreamMethod[Req, Resp], message: Any) -> Any:
+    """One call of the stream, answered: its response or its error, under its request id."""
+    header = message.header
+    request_id = header.request_id
+    service, _, name = method.unary_method.lstrip("/").rpartition("/")
+    with tracer.start_as_current_span(
+        method.unary_method,
+        context=_parent_context(header),
+        kind=SpanKind.SERVER,
+        attributes={
+            "rpc.system": "grpc",
+            "rpc.service": service,
+            "rpc.method": name,
+            "specserve.transport": "stream",
+        },
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        timeout_s = header.timeout_ms / 1000 if header.timeout_ms else None
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            if not message.HasField("request"):
+                raise InvalidArgument(
+                    f"stream call {request_id} carries no request: set the message's `request`"
+                )
+            async with deadline:
+                response = await method.handle(message.request)
+        except TimeoutError as error:
+            if deadline.expired():
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
+                text = (
+                    f"the call's deadline of {header.timeout_ms} ms passed before it was answered"
+                )
+            else:
+                code, text = status_for(error)
+        except Exception as error:
+            code, text = status_for(error)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s (stream call %d) failed", method.unary_method, request_id)
+        else:
+            span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.OK.value[0])
+            return method.answer(request_id, response)
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {text}"))
+        return method.refusal(request_id, code, text)
+
+
+async def serve_call_stream(
+    method: StreamMethod[Req, Resp], context: grpc.aio.ServicerContext
+) -> None:
+    """Serve one stream until the client half-closes it (then answer what is in flight)
+    or it ends otherwise (then cancel what is in flight). See the module docstring."""
+    in_flight: dict[int, asyncio.Task[None]] = {}
+    write_lock = asyncio.Lock()  # one write at a time on the stream
+
+    async def write(answer: Any) -> None:
+        async with write_lock:
+            await context.write(answer)
+
+    async def call(message: Any) -> None:
+        try:
+            await write(await _run_call(method, message))
+        finally:
+            in_flight.pop(message.header.request_id, None)
+
+    stream_method = method.unary_method + "Stream"
+    try:
+        while True:
+            message = await context.read()
+            if message is grpc.aio.EOF:
+                break
+            if isinstance(message, Malformed | Oversized):
+                await refuse(stream_method, message, context)  # ends the stream
+            request_id = message.header.request_id
+            if request_id in in_flight:
+                await write(
+                    method.refusal(
+                        request_id,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"stream call {request_id} is already in flight on this stream: "
+                        "give each call in flight its own request id",
+                    )
+                )
+                continue
+            if len(in_flight) >= method.max_in_flight:
+                await write(
+                    method.refusal(
+                        request_id,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"this stream has {len(in_flight)} calls in flight, the most it takes; "
+                        "wait for answers before sending more",
+                    )
+                )
+                continue
+            in_flight[request_id] = asyncio.get_running_loop().create_task(call(message))
+        if in_flight:
+            await asyncio.gather(*in_flight.values(), return_exceptions=True)
+    finally:
+        for task in list(in_flight.values()):
+            task.cancel()

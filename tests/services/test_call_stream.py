@@ -1,0 +1,187 @@
+"""The data-plane streams (ProposeStream, VerifyStream) against real servers.
+
+Each call on a stream is served as the unary call is (same answer, same batching,
+same status code and sentence), a bad call gets its own error while the stream goes
+on serving, a call past its own deadline is answered DEADLINE_EXCEEDED, and bytes
+that do not parse end the stream with INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import grpc.aio
+import pytest
+
+from specserve.serving.launch import ServerProcess
+from specserve.serving.replica_stream import ReplicaStream
+from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.services.conftest import COMMON, DRAFT, TARGET, run, sid
+
+PROMPT = [(7 * i) % 256 for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """(target, draft); the target waits 50 ms for company, so calls sent together share
+    a forward."""
+    target = ServerProcess("target", ["--model", TARGET, *COMMON, "--batch-window-ms", "50"])
+    draft = ServerProcess("draft", ["--model", DRAFT, *COMMON])
+    try:
+        for server in (target, draft):
+            server.start(timeout_s=300)  # a busy machine imports torch slowly
+        for server in (target, draft):
+            server.wait_serving(timeout_s=300)
+        yield target, draft
+    finally:
+        target.stop()
+        draft.stop()
+
+
+def verify_request(session_id: str, tokens: list[int]) -> target_pb2.VerifyRequest:
+    return target_pb2.VerifyRequest(
+        sessions=[target_pb2.VerifySession(session_id=session_id, new_tokens=tokens)]
+    )
+
+
+def propose_request(session_id: str, tokens: list[int], k: int = 3) -> draft_pb2.ProposeRequest:
+    return draft_pb2.ProposeRequest(
+        sessions=[draft_pb2.DraftSession(session_id=session_id, new_tokens=tokens, k=k)]
+    )
+
+
+def test_stream_calls_share_forwards_and_answer_as_unary(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
+    target, _ = servers
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(target.address) as channel:
+            stream = ReplicaStream.verify(channel)
+            ids = [sid() for _ in range(4)]
+            answers = await asyncio.gather(
+                *(stream.call(verify_request(i, PROMPT), 30) for i in ids)
+            )
+            unary = await target_pb2_grpc.TargetServiceStub(channel).Verify(
+                verify_request(sid(), PROMPT), timeout=30
+            )
+            await stream.close()
+        assert stream.opened == 1
+        assert max(a.batch_size for a in answers) > 1, [a.batch_size for a in answers]
+        for session_id, answer in zip(ids, answers, strict=True):
+            (result,) = answer.results
+            assert result.session_id == session_id
+            assert result.next_token == unary.results[0].next_token  # greedy, same prompt
+
+    run(main())
+
+
+def test_a_bad_call_gets_its_error_and_the_stream_keeps_serving(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
+    _, draft = servers
+    bad = propose_request(sid(), [1, 256])  # 256 is outside the tiny vocabulary
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(draft.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as unary:
+                await draft_pb2_grpc.DraftServiceStub(channel).Propose(bad, timeout=30)
+            stream = ReplicaStream.propose(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as streamed:
+                await stream.call(bad, 30)
+            good = await stream.call(propose_request(sid(), PROMPT), 30)
+            await stream.close()
+        assert streamed.value.code() == unary.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert streamed.value.details() == unary.value.details()
+        assert len(good.results[0].tokens) == 3
+        assert stream.opened == 1  # the same stream served the good call
+
+    run(main())
+
+
+def test_a_message_without_request_is_refused_by_id_and_the_stream_goes_on(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
+    _, draft = servers
+
+    async def main() -> list[draft_pb2.ProposeStreamResponse]:
+        async with grpc.aio.insecure_channel(draft.address) as channel:
+            call = draft_pb2_grpc.DraftServiceStub(channel).ProposeStream()
+            header = common_pb2.StreamCallHeader
+            await call.write(draft_pb2.ProposeStreamRequest(header=header(request_id=7)))
+            first = await call.read()
+            await call.write(
+                draft_pb2.ProposeStreamRequest(
+                    header=header(request_id=8), request=propose_request(sid(), PROMPT)
+                )
+            )
+            second = await call.read()
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+            return [first, second]
+
+    first, second = run(main())
+    assert first.request_id == 7 and first.WhichOneof("outcome") == "error"
+    assert first.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "carries no request" in first.error.message
+    assert second.request_id == 8 and second.WhichOneof("outcome") == "response"
+
+
+def test_a_call_past_its_own_deadline_is_answered_deadline_exceeded(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
+    target, _ = servers
+    long_prompt = [(3 * i) % 256 for i in range(3000)]
+
+    async def main() -> list[target_pb2.VerifyStreamResponse]:
+        async with grpc.aio.insecure_channel(target.address) as channel:
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            call = stub.VerifyStream()
+            slow, quick = sid(), sid()
+            for request_id, session_id, tokens, timeout_ms in (
+                (1, slow, long_prompt, 1),
+                (2, quick, PROMPT, 30_000),
+            ):
+                await call.write(
+                    target_pb2.VerifyStreamRequest(
+                        header=common_pb2.StreamCallHeader(
+                            request_id=request_id, timeout_ms=timeout_ms
+                        ),
+                        request=verify_request(session_id, tokens),
+                    )
+                )
+            answers = [await call.read(), await call.read()]
+            call.cancel()
+            await stub.Release(common_pb2.ReleaseRequest(session_ids=[slow, quick]))
+            return answers
+
+    answers = {a.request_id: a for a in run(main())}
+    assert answers[1].error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert "deadline of 1 ms" in answers[1].error.message
+    assert answers[2].WhichOneof("outcome") == "response"
+
+
+def test_bytes_that_do_not_parse_end_the_stream_invalid_argument(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
+    _, draft = servers
+
+    async def main() -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(draft.address) as channel:
+            raw = channel.stream_stream(
+                "/specserve.v1.DraftService/ProposeStream",
+                request_serializer=lambda b: b,
+                response_deserializer=draft_pb2.ProposeStreamResponse.FromString,
+            )
+            call = raw()
+            await call.write(b"\xff\xff\xff\xff")
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await call.read()
+            return ended.value
+
+    error = run(main())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse as a specserve.v1.ProposeStreamRequest" in (error.details() or "")
