@@ -17,8 +17,11 @@ timed round (``decay`` of weight kept by the older rounds at each new one), the
 drafting coefficients held non-negative (by enumeration of their subsets, exact for
 three). Where the rounds cannot tell two unknowns apart (no plain round: ``t0`` and
 ``fixed``; one batch size: ``per_step`` and ``per_token``) the fit keeps the one it
-prefers: per drafted token first (the dearer reading for a larger batch), fewer
-unknowns, the fixed cost last. Until ``min_rounds`` rounds were timed and some
+prefers: the slope the caller names first (``steps_first``), fewer unknowns, the
+fixed cost last. Per drafted token (the default) is the dearer reading for a larger
+batch, right where draft and target share cores; per step is right on separate
+devices, where the draft's sequential forwards are on the round's path and a verify a
+few tokens wider costs about nothing. Until ``min_rounds`` rounds were timed and some
 drafting coefficient is identified, there is no fit.
 
 The local loop (:mod:`specserve.engine.speculative`) feeds it a lone session's rounds;
@@ -38,12 +41,17 @@ DECAY = 0.98  # weight kept by older rounds at each new one (about 50 rounds)
 
 # The drafting unknowns, in the order of their regressors after the bucket's intercept.
 FIXED, PER_STEP, PER_TOKEN = 0, 1, 2
-_SUBSETS: tuple[tuple[int, ...], ...] = tuple(
-    sorted(
-        (c for n in (1, 2, 3) for c in itertools.combinations((FIXED, PER_STEP, PER_TOKEN), n)),
-        key=lambda c: (PER_TOKEN not in c, len(c), FIXED in c),
-    )
-)
+
+
+def _subsets(first: int) -> tuple[tuple[int, ...], ...]:
+    """The drafting unknowns' subsets in the order the fit prefers them (a later one
+    replaces an earlier one only if it fits strictly better): with slope ``first``,
+    fewer unknowns, without the fixed cost."""
+    every = (c for n in (1, 2, 3) for c in itertools.combinations((FIXED, PER_STEP, PER_TOKEN), n))
+    return tuple(sorted(every, key=lambda c: (first not in c, len(c), FIXED in c)))
+
+
+_SUBSETS = {PER_TOKEN: _subsets(PER_TOKEN), PER_STEP: _subsets(PER_STEP)}
 _WIDTH = 5  # regressors and target: (1, drafting, depth, drafts, seconds)
 
 
@@ -109,11 +117,17 @@ class _Moments:
 class RoundCosts:
     """Timed rounds in, the fitted :class:`RoundFit` out (None until the rounds tell)."""
 
-    def __init__(self, *, min_rounds: int = MIN_ROUNDS, decay: float = DECAY) -> None:
+    def __init__(
+        self, *, min_rounds: int = MIN_ROUNDS, decay: float = DECAY, steps_first: bool = False
+    ) -> None:
+        """``steps_first``: where the rounds cannot tell the draft's steps from the
+        verify's drafted tokens, read drafting's cost as steps (separate devices), not
+        as drafted tokens (shared cores, the default)."""
         if min_rounds < 2 or not 0.0 < decay <= 1.0:
             raise ValueError(f"need min_rounds >= 2 and 0 < decay <= 1, got {min_rounds}, {decay}")
         self.min_rounds = min_rounds
         self.decay = decay
+        self._order = _SUBSETS[PER_STEP if steps_first else PER_TOKEN]
         self.rounds = 0
         self._buckets: dict[int, _Moments] = {}
         self._fit: RoundFit | None = None
@@ -130,7 +144,7 @@ class RoundCosts:
         v = (1.0, float(depth > 0), float(depth), float(drafts), seconds)
         self._buckets.setdefault(key, _Moments()).add(v, self.decay)
         self.rounds += 1
-        self._fit = _fit(self._buckets) if self.rounds >= self.min_rounds else None
+        self._fit = _fit(self._buckets, self._order) if self.rounds >= self.min_rounds else None
 
     def fit(self) -> RoundFit | None:
         return self._fit
@@ -140,7 +154,7 @@ class RoundCosts:
         return None if self._fit is None else self._fit.relative(batch)
 
 
-def _fit(buckets: dict[int, _Moments]) -> RoundFit | None:
+def _fit(buckets: dict[int, _Moments], order: tuple[tuple[int, ...], ...]) -> RoundFit | None:
     heaviest = max(b.m[0][0] for b in buckets.values())
     keys = sorted(k for k, b in buckets.items() if b.m[0][0] >= 1e-3 * heaviest)  # not aged out
     n = len(keys)
@@ -161,7 +175,7 @@ def _fit(buckets: dict[int, _Moments]) -> RoundFit | None:
         yy += m[4][4]
     best: tuple[float, list[float], tuple[int, ...]] | None = None
     tolerance = 1e-9 * max(yy, 1e-12)
-    for subset in _SUBSETS:
+    for subset in order:
         idx = list(range(n)) + [n + j for j in subset]
         beta = _solve([[a[r][s] for s in idx] for r in idx], [c[r] for r in idx])
         if beta is None or any(x < 0 for x in beta[n:]):

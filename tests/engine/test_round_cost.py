@@ -49,6 +49,32 @@ def test_a_lone_session_without_plain_rounds_is_fitted_per_drafted_token() -> No
     assert model.verify_per_token == pytest.approx((STEP + TOKEN) / (T0 + FIXED))
 
 
+def test_steps_first_reads_one_batch_sizes_rounds_as_the_drafts_sequential_steps() -> None:
+    """Separate devices: the same lone-session rounds are read as draft steps, so a batch
+    of eight drafting as deep costs what one does, not eight times its drafted tokens;
+    rounds of two batch sizes are fitted alike either way."""
+    lone = [(1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 2), (1, 1)]
+    steps = RoundCosts(steps_first=True)
+    feed(steps, lone)
+    fit = steps.fit()
+    assert fit is not None and fit.per_token == 0.0
+    assert fit.per_step == pytest.approx(STEP + TOKEN) and fit.fixed == pytest.approx(FIXED)
+    tokens = RoundCosts()
+    feed(tokens, lone)
+    dear = tokens.fit()
+    assert (
+        dear is not None and dear.per_step == 0.0 and dear.per_token == pytest.approx(STEP + TOKEN)
+    )
+    both = [*lone, (8, 0), (8, 2), (8, 3), (8, 1)]
+    fits = []
+    for costs in (RoundCosts(steps_first=True, decay=1.0), RoundCosts(decay=1.0)):
+        feed(costs, both)
+        fits.append(costs.fit())
+    assert fits[0] is not None and fits[1] is not None
+    assert fits[0].per_token == pytest.approx(fits[1].per_token) == pytest.approx(TOKEN)
+    assert fits[0].per_step == pytest.approx(fits[1].per_step) == pytest.approx(STEP)
+
+
 def test_no_fit_before_enough_rounds_or_while_k_has_not_varied() -> None:
     costs = RoundCosts(min_rounds=4)
     feed(costs, [(1, 1), (1, 2), (1, 3)])
