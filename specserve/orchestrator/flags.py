@@ -155,17 +155,20 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         default=int(str(e("K_MAX", 8))),
         help="largest k, and the k cap while the target batch is small",
     )
+    full_below, zero_at = e("K_FULL_BELOW"), e("K_ZERO_AT")
     g.add_argument(
         "--k-full-below",
         type=int,
-        default=int(str(e("K_FULL_BELOW", 4))),
-        help="target batch up to which the k cap is --k-max",
+        default=None if full_below is None else int(str(full_below)),
+        help="target batch up to which the load curve allows --k-max (default 4 with "
+        "--devices shared; separate: no load curve unless this or --k-zero-at is set)",
     )
     g.add_argument(
         "--k-zero-at",
         type=int,
-        default=int(str(e("K_ZERO_AT", 32))),
-        help="target batch from which the k cap is 0 (linear in between)",
+        default=None if zero_at is None else int(str(zero_at)),
+        help="target batch from which the load curve allows 0, linear in between (default "
+        "32 with --devices shared; separate: no load curve unless set)",
     )
     g.add_argument(
         "--pipeline-groups",

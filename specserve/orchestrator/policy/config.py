@@ -45,6 +45,16 @@ PRIOR_COSTS = {
     Devices.SHARED: CostModel(),
 }
 
+# The load curve's (full below, zero at) where the flags set neither. On shared cores
+# every drafted token of a batch slows the verify, so drafting fades out with load. On
+# separate devices a verify a few tokens wider costs about nothing: no bound, the
+# measured cap alone decides (None).
+SHARED_CURVE = (4, 32)
+CURVE_DEFAULTS: dict[Devices, tuple[int, int] | None] = {
+    Devices.SHARED: SHARED_CURVE,
+    Devices.SEPARATE: None,
+}
+
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
@@ -56,8 +66,8 @@ class PolicyConfig:
     acceptance_prior: bool = True  # a new turn starts from the pool's recent acceptance
     warm_up: WarmUp = WarmUp.ALWAYS
     k_max: int = 8
-    curve_full_below: int = 4  # target batch up to which the curve allows k_max
-    curve_zero_at: int = 32  # target batch from which it allows 0
+    curve_full_below: int | None = None  # load up to which the curve allows k_max
+    curve_zero_at: int | None = None  # load from which it allows 0 (None: see `curve`)
     alpha0: float = ALPHA0
     alpha_smoothing: float = 0.2
     prior_decay: float = 0.995
@@ -78,11 +88,12 @@ class PolicyConfig:
             except ValueError:
                 allowed = "|".join(m.value for m in kind)
                 raise ValueError(f"policy {name} must be {allowed}, got {value!r}") from None
+        curve = self.curve
         checks = [
             (0 <= self.k_max <= 16, "k_max must be in 0..16"),
             (
-                1 <= self.curve_full_below < self.curve_zero_at,
-                "need 1 <= curve_full_below < curve_zero_at",
+                curve is None or 1 <= curve[0] < curve[1],
+                f"need 1 <= curve_full_below < curve_zero_at, got {curve}",
             ),
             (self.fixed_k is None or 0 <= self.fixed_k <= 16, "fixed_k must be in 0..16 or none"),
             (0 < self.alpha0 < 1, "alpha0 must be in (0, 1)"),
@@ -100,15 +111,33 @@ class PolicyConfig:
             if not ok:
                 raise ValueError(f"policy: {why}")
 
+    @property
+    def curve(self) -> tuple[int, int] | None:
+        """The load curve's (full below, zero at); None: it bounds nothing.
+
+        Neither field set: the declared devices' default (:data:`CURVE_DEFAULTS`). One
+        set: the other takes its shared-cores default (:data:`SHARED_CURVE`)."""
+        full, zero = self.curve_full_below, self.curve_zero_at
+        if full is None and zero is None:
+            return CURVE_DEFAULTS[self.devices]
+        return (
+            SHARED_CURVE[0] if full is None else full,
+            SHARED_CURVE[1] if zero is None else zero,
+        )
+
     def curve_cap(self, load: int) -> int:
         """The load curve's bound on k for a target ``load`` sessions decode on: ``k_max``
-        up to ``curve_full_below``, 0 from ``curve_zero_at``, linear (rounded down) between."""
-        if load <= self.curve_full_below:
+        up to full-below, 0 from zero-at, linear (rounded down) between; ``k_max`` at
+        every load where the curve bounds nothing."""
+        curve = self.curve
+        if curve is None:
             return self.k_max
-        if load >= self.curve_zero_at:
+        full, zero = curve
+        if load <= full:
+            return self.k_max
+        if load >= zero:
             return 0
-        span = self.curve_zero_at - self.curve_full_below
-        return self.k_max * (self.curve_zero_at - load) // span
+        return self.k_max * (zero - load) // (zero - full)
 
     @property
     def prior_costs(self) -> CostModel:
@@ -117,6 +146,7 @@ class PolicyConfig:
 
 
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+_OPTIONAL_INTS = ("fixed_k", "curve_full_below", "curve_zero_at")
 
 
 def with_overrides(config: PolicyConfig, spec: str) -> PolicyConfig:
@@ -138,7 +168,7 @@ def with_overrides(config: PolicyConfig, spec: str) -> PolicyConfig:
 def _parse(name: str, raw: str, current: object) -> object:
     value = raw.lower()
     try:
-        if name == "fixed_k":
+        if name in _OPTIONAL_INTS:
             return None if value in ("none", "") else int(value)
         if isinstance(current, bool):
             if value not in _TRUE + _FALSE:

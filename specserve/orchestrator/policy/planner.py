@@ -12,11 +12,17 @@ rounds; before it has a fit, the prior for the declared ``devices``)::
 
     round(depth, drafts) = 1 + fixed + per_step * depth + per_token * drafts
 
+Where the rounds cannot tell ``per_step`` from ``per_token`` (one batch size), the
+declared devices read them: as the draft's sequential steps on ``separate`` devices
+(a batch drafts in the same forwards; a wider verify costs about nothing), as tokens
+the verify waits for on ``shared`` cores.
+
 **k.** A session's k is the one with the most expected tokens
 ``(1 - a**(k + 1)) / (1 - a)`` per unit of cost at its acceptance ``a`` (a new turn
 starts from the pool's, :mod:`~specserve.orchestrator.policy.prior`), at most the
 round's cap; a request's own k, or ``fixed_k``, is drafted as given. The cap is the
-load curve's bound (``k_cap = curve``) or, under it (``measured``), the cap whose
+load curve's bound (``k_cap = curve``; on ``separate`` devices no curve bounds it
+unless one is set) or, under it (``measured``), the cap whose
 predicted time to finish the batch's slowest turn is least::
 
     finish(cap) = max over sessions of (tokens left / expected tokens) * round(depth, drafts)
@@ -204,9 +210,12 @@ class Planner:
         if not (outcome.clean and plan.timeable):
             return
         c = self.config
-        costs = self._costs.setdefault(
-            target, RoundCosts(min_rounds=c.cost_min_rounds, decay=c.cost_decay)
-        )
+        costs = self._costs.get(target)
+        if costs is None:
+            steps_first = c.devices is Devices.SEPARATE  # a wider verify is about free there
+            costs = self._costs[target] = RoundCosts(
+                min_rounds=c.cost_min_rounds, decay=c.cost_decay, steps_first=steps_first
+            )
         costs.observe(len(sessions), outcome.depth, outcome.drafts, outcome.seconds)
         schedule = self._schedules.get((target, bucket_of(len(sessions))))
         if schedule is not None:
