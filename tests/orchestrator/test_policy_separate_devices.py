@@ -2,11 +2,12 @@
 accelerators, where the draft's forwards are on the round's path and the target's
 verify costs about the same for one position or k + 1.
 
-The round times below are those of ``bench.concurrency --emulate-devices 2,12`` (every
-draft forward 2 ms, every target forward 12 ms, the CPU idle meanwhile): a plain round
-of one session through the stack about 17 ms, of eight about 30 ms, of 32 about 50 ms
-(the orchestrator's and the servers' own time grows with the batch); a Propose adds
-about 3 ms and 3 ms a draft step, whatever the batch.
+The round times below are modelled on what issue 22 measured with
+``bench.concurrency --emulate-devices 2,12`` (every draft forward 2 ms, every target
+forward 12 ms, the CPU idle meanwhile): a plain round of one session through the
+stack about 17 ms, of eight about 30 ms, growing with the batch (the orchestrator's
+and the servers' own time); a Propose adding about 3 ms and each draft step 3 ms
+(2 ms of device time and the tiny draft's own), whatever the batch.
 """
 
 from __future__ import annotations
