@@ -132,8 +132,11 @@ class Variant:
     name: str
     drafter: DrafterKind | str
     k: int | None
-    seconds: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # whole generation, prefill included
     tokens: list[list[int]] = field(default_factory=list)
+    # After the first round (the prompt's prefill and the first token): seconds, tokens.
+    decode_seconds: list[float] = field(default_factory=list)
+    decode_tokens: list[int] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
@@ -174,7 +177,9 @@ def load_specserve(args: argparse.Namespace) -> Specserve:
 
 
 def run_variant(side: Specserve, v: Variant, ids: list[int], n: int, k_max: int) -> list[int]:
-    """Decode ``n`` tokens of ``ids`` greedily; records time and draft counts on ``v``."""
+    """Decode ``n`` tokens of ``ids`` greedily; records times and draft counts on ``v``:
+    the whole call, and from the end of the first round on (as llama.cpp's tg and
+    ``decoded`` figures, which leave the prompt out)."""
     state = DecodeState(
         f"bench-{next(_ids)}",
         ids,
@@ -183,10 +188,19 @@ def run_variant(side: Specserve, v: Variant, ids: list[int], n: int, k_max: int)
         KPolicy(v.k, k_max=k_max),
         drafter=v.drafter,
     )
+    first: list[tuple[float, int]] = []
+
+    def first_round(s: DecodeState, _new: list[int]) -> None:
+        if not first:
+            first.append((time.perf_counter(), len(s.completion)))
+
     t0 = time.perf_counter()
-    side.engine.run([state])
-    v.seconds.append(time.perf_counter() - t0)
+    side.engine.run([state], on_tokens=first_round)
+    end = time.perf_counter()
+    v.seconds.append(end - t0)
     v.tokens.append(state.completion)
+    v.decode_seconds.append(end - first[0][0])
+    v.decode_tokens.append(len(state.completion) - first[0][1])
     v.drafted += state.stats.drafted
     v.accepted += state.stats.accepted
     v.rounds += state.stats.rounds
@@ -307,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_variant(side, v, prompts[0].ids[:64], 8, args.draft_max)
         v.seconds.clear()
         v.tokens.clear()
+        v.decode_seconds.clear()
+        v.decode_tokens.clear()
         v.drafted = v.accepted = v.rounds = 0
     pp_ids = _stretch(prompts[0].ids, args.pp)
     prefill = {
