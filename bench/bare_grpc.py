@@ -1,7 +1,15 @@
-"""A bare grpc.aio server: the health service alone, no interceptors, no specserve code.
+"""A bare grpc.aio server and its client: the floor that Python gRPC itself sets.
 
-``bench.rpc_overhead`` times its ``Check`` beside the real servers' calls, as the
-floor that Python gRPC itself sets for one unary call on this machine.
+The server has no interceptors and no specserve code: the standard health service
+and an echo service of raw bytes with two methods,
+
+* ``/bench.Echo/Unary``: one unary call per message;
+* ``/bench.Echo/Stream``: a bidirectional stream, one answer per message.
+
+An echo request names the size of its answer (its first four bytes, little-endian),
+so a reference call carries exactly the bytes of the call it stands beside, both
+ways. ``bench.rpc_overhead`` times a round's two calls both ways here in the same
+loop as the real round: the unary floor and the stream floor.
 
     python -m bench.bare_grpc --host 127.0.0.1 --port 0 --port-file FILE
 """
@@ -10,12 +18,82 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
+import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+
+ECHO_SERVICE = "bench.Echo"
+ECHO_UNARY = f"/{ECHO_SERVICE}/Unary"
+ECHO_STREAM = f"/{ECHO_SERVICE}/Stream"
+SIZE_PREFIX = 4  # bytes of an echo request that name its answer's size
+
+
+def echo_request(request_bytes: int, response_bytes: int) -> bytes:
+    """An echo request of ``request_bytes`` (at least the size prefix) asking for an
+    answer of ``response_bytes``."""
+    padding = bytes(max(0, request_bytes - SIZE_PREFIX))
+    return response_bytes.to_bytes(SIZE_PREFIX, "little") + padding
+
+
+def echo_answer(request: bytes) -> bytes:
+    """The answer an echo request asks for: as many zero bytes as its prefix says."""
+    return bytes(int.from_bytes(request[:SIZE_PREFIX], "little"))
+
+
+async def _unary(request: bytes, context: Any) -> bytes:
+    return echo_answer(request)
+
+
+async def _stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    async for request in requests:
+        yield echo_answer(request)
+
+
+def echo_handler() -> grpc.GenericRpcHandler:
+    """The echo service (raw bytes: no (de)serialisers)."""
+    return grpc.method_handlers_generic_handler(
+        ECHO_SERVICE,
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(_unary),
+            "Stream": grpc.stream_stream_rpc_method_handler(_stream),
+        },
+    )
+
+
+class EchoClient:
+    """Calls to the echo service over one channel: unary, or on one open stream.
+
+    :meth:`stream_call` writes one message and waits for its answer, as a caller
+    with one call in flight on a long-lived stream does; the stream opens on the
+    first such call and stays open until :meth:`close`.
+    """
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._unary = channel.unary_unary(ECHO_UNARY)
+        self._open_stream = channel.stream_stream(ECHO_STREAM)
+        self._stream: grpc.aio.StreamStreamCall | None = None
+
+    async def unary_call(self, request: bytes) -> bytes:
+        answer: bytes = await self._unary(request)
+        return answer
+
+    async def stream_call(self, request: bytes) -> bytes:
+        if self._stream is None:
+            self._stream = self._open_stream()
+        await self._stream.write(request)
+        answer = await self._stream.read()
+        assert isinstance(answer, bytes), "the echo stream ended"
+        return answer
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.done_writing()
+            self._stream = None
 
 
 async def serve(host: str, port: int, port_file: Path | None) -> None:
@@ -23,10 +101,13 @@ async def serve(host: str, port: int, port_file: Path | None) -> None:
     health = health_aio.HealthServicer()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_generic_rpc_handlers((echo_handler(),))
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    if port_file is not None:
-        port_file.write_text(str(bound))
+    if port_file is not None:  # atomic: the launcher never reads a half-written port
+        tmp = port_file.with_name(port_file.name + ".tmp")
+        tmp.write_text(str(bound))
+        tmp.replace(port_file)
     await server.wait_for_termination()
 
 

@@ -1,21 +1,45 @@
 """bench.rpc_overhead runs end to end on its stub servers (a few rounds, nothing written).
 
 The stub backends stand in for the real ones, so a change to what the servicers ask
-of a backend shows up here rather than as a crash of the benchmark."""
+of a backend shows up here rather than as a crash of the benchmark. The results file's
+headline is what the README quotes: round overhead p50 keyed by batch size."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench import rpc_overhead
+from bench.round_transport import orchestrator_transport, stream_unavailable
 
 
 def test_a_short_run_measures_every_batch_size_and_the_references(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    argv = ["--models", "stub", "--rounds", "3", "--warmup", "1", "--no-write"]
+    written: dict[str, Any] = {}
+
+    def capture(name: str, markdown: str, data: dict[str, Any]) -> tuple[Path, Path]:
+        written.update(name=name, data=data)
+        return Path("unused.md"), Path("unused.json")
+
+    monkeypatch.setattr(rpc_overhead, "write_results", capture)
+    argv = ["--models", "stub", "--rounds", "3", "--warmup", "1"]
     assert rpc_overhead.main(argv) == 0
     md = capsys.readouterr().out
+    transport = orchestrator_transport()
     for batch in rpc_overhead.BATCHES:
-        assert f"\n| {batch} | **" in md  # a row with a round p50 per batch size
+        assert f"\n| {batch} | unary | **" in md  # unary is always measured
+        assert f"\n| {batch} | {transport} | **" in md
     assert "bare grpc.aio server" in md and "`GetLoad`" in md
+    reason = stream_unavailable()
+    if reason is not None:  # said, not silently skipped
+        assert f"The stream transport was not measured: {reason}" in md
+    headline = written["data"]["headline"]
+    assert written["name"] == "rpc_overhead"
+    assert headline["transport"] == transport
+    for key in ("round_overhead_p50_ms", "bare_unary_round_p50_ms", "bare_stream_round_p50_ms"):
+        assert set(headline[key]) == {"8", "32"}
+        assert all(v > 0 for v in headline[key].values())
+    assert set(headline["target_met"]) == {"8", "32"}

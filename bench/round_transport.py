@@ -1,0 +1,98 @@
+"""Which transport a round's Propose and Verify travel over, for the benchmarks' round client.
+
+* ``unary``: one unary call per Propose / Verify (the stubs as generated);
+* ``stream``: every call a message on one long-lived bidirectional stream per
+  replica (``specserve.serving.replica_stream.ReplicaStream``, the orchestrator's
+  data plane where the server offers ``ProposeStream`` / ``VerifyStream``).
+
+:func:`stream_unavailable` says, in a sentence, why the stream cannot be measured
+on this code (``None`` when it can); :func:`orchestrator_transport` is the
+transport the orchestrator would use here: ``SPECSERVE_ROUND_TRANSPORT`` when
+set, else the stream where it exists. :func:`round_stubs` gives
+:class:`bench.round_client.RoundClient` its draft and target stubs for either.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import grpc.aio
+
+from specserve.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+TRANSPORTS = ("unary", "stream")
+STREAM_MODULE = "specserve.serving.replica_stream"
+
+
+def stream_unavailable() -> str | None:
+    """Why the stream transport cannot be measured on this code, or ``None``."""
+    methods = (
+        (draft_pb2, "DraftService", "ProposeStream"),
+        (target_pb2, "TargetService", "VerifyStream"),
+    )
+    for module, service, method in methods:
+        if method not in module.DESCRIPTOR.services_by_name[service].methods_by_name:
+            return f"{service} has no {method} RPC here (the data-plane stream has not landed)"
+    try:
+        stream_module = importlib.import_module(STREAM_MODULE)
+    except ImportError:
+        return f"{STREAM_MODULE} is missing on this code (the data-plane stream has not landed)"
+    cls = getattr(stream_module, "ReplicaStream", None)
+    needed = ("propose", "verify", "call", "close")
+    if cls is None or not all(hasattr(cls, name) for name in needed):
+        return f"{STREAM_MODULE}.ReplicaStream lacks propose / verify / call / close"
+    return None
+
+
+def orchestrator_transport() -> str:
+    """``SPECSERVE_ROUND_TRANSPORT`` when set, else ``stream`` where it exists, else ``unary``."""
+    chosen = os.environ.get("SPECSERVE_ROUND_TRANSPORT", "").strip().lower()
+    if chosen:
+        if chosen not in TRANSPORTS:
+            raise ValueError(f"SPECSERVE_ROUND_TRANSPORT={chosen!r}: choose unary or stream")
+        return chosen
+    return "unary" if stream_unavailable() else "stream"
+
+
+class _StreamedStub:
+    """A service stub whose one data-plane method goes over a stream; the rest stay unary."""
+
+    def __init__(self, unary: Any, method: str, stream: Any) -> None:
+        self._unary = unary
+        self._method = method
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        if name == self._method:
+            return self._stream.call
+        return getattr(self._unary, name)
+
+    async def close(self) -> None:
+        await self._stream.close()
+
+
+def round_stubs(
+    transport: str, target: grpc.aio.Channel, draft: grpc.aio.Channel
+) -> tuple[Any, Any]:
+    """(target stub, draft stub) whose Verify and Propose use ``transport``."""
+    target_stub = target_pb2_grpc.TargetServiceStub(target)
+    draft_stub = draft_pb2_grpc.DraftServiceStub(draft)
+    if transport == "unary":
+        return target_stub, draft_stub
+    reason = stream_unavailable()
+    if transport != "stream" or reason is not None:
+        raise ValueError(f"transport {transport!r} cannot be measured: {reason or 'unknown'}")
+    replica_stream = importlib.import_module(STREAM_MODULE).ReplicaStream
+    return (
+        _StreamedStub(target_stub, "Verify", replica_stream.verify(target)),
+        _StreamedStub(draft_stub, "Propose", replica_stream.propose(draft)),
+    )
+
+
+async def close_stubs(*stubs: Any) -> None:
+    """Close the streams of stubs :func:`round_stubs` made (unary stubs need nothing)."""
+    for stub in stubs:
+        if isinstance(stub, _StreamedStub):
+            await stub.close()
