@@ -7,19 +7,20 @@
 
 :func:`stream_unavailable` says, in a sentence, why the stream cannot be measured
 on this code (``None`` when it can); :func:`orchestrator_transport` is the
-transport the orchestrator would use here: ``SPECSERVE_ROUND_TRANSPORT`` when
-set, else the stream where it exists. :func:`round_stubs` gives
-:class:`bench.round_client.RoundClient` its draft and target stubs for either.
+transport the orchestrator would use here, read from its own flags' default.
+:func:`round_stubs` gives :class:`bench.round_client.RoundClient` its draft and
+target stubs for either.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
-import os
 from typing import Any
 
 import grpc.aio
 
+from specserve.orchestrator import flags as orchestrator_flags
 from specserve.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 TRANSPORTS = ("unary", "stream")
@@ -47,13 +48,17 @@ def stream_unavailable() -> str | None:
 
 
 def orchestrator_transport() -> str:
-    """``SPECSERVE_ROUND_TRANSPORT`` when set, else ``stream`` where it exists, else ``unary``."""
-    chosen = os.environ.get("SPECSERVE_ROUND_TRANSPORT", "").strip().lower()
-    if chosen:
-        if chosen not in TRANSPORTS:
-            raise ValueError(f"SPECSERVE_ROUND_TRANSPORT={chosen!r}: choose unary or stream")
-        return chosen
-    return "unary" if stream_unavailable() else "stream"
+    """The transport the orchestrator uses by default here: its ``--round-transport``
+    default (which ``SPECSERVE_ROUND_TRANSPORT`` sets); ``unary`` where it has no such
+    flag (before the data-plane stream, every round call was unary)."""
+    parser = argparse.ArgumentParser()
+    orchestrator_flags.add_arguments(parser)
+    chosen = parser.get_default("round_transport")
+    if chosen is None:
+        return "unary"
+    if chosen not in TRANSPORTS:
+        raise ValueError(f"the orchestrator's round transport {chosen!r} is not in {TRANSPORTS}")
+    return str(chosen)
 
 
 class _StreamedStub:
