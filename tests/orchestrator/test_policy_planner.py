@@ -164,3 +164,25 @@ def test_observe_learns_only_from_clean_timeable_rounds_and_forget_drops_a_targe
 
 def test_expected_tokens_is_the_papers_formula() -> None:
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_an_exploration_waits_for_a_round_that_can_time_it() -> None:
+    """An exploration is only worth the round it costs if that round is timed: while a
+    session prefills on the target (or warms its draft beside the rounds) no round is,
+    so the predictions are followed; the first round that can be timed explores."""
+    p = Planner(PolicyConfig(devices=Devices.SEPARATE, explore_every=4))
+    warm = batch(8)
+    admitting = [*batch(7), view("new", target_behind=200, turn_drafted=0)]
+
+    def round_of(sessions: list[SessionView]) -> BatchPlan:
+        plan = p.plan("t", 8, sessions)
+        seconds = 0.03 + 0.003 * max(plan.k.values())  # drafting pays: the prior says so
+        p.observe("t", sessions, plan, RoundOutcome(plan.k, plan.k, seconds, clean=True))
+        return plan
+
+    assert all(round_of(warm).cap > 0 for _ in range(3))
+    untimed = [round_of(admitting) for _ in range(12)]  # the exploration falls due here
+    assert all(plan.cap > 0 and not plan.timeable for plan in untimed)
+    explored = round_of(warm)
+    assert explored.exploring and explored.cap == 0 and explored.timeable  # timed: resolved
+    assert all(round_of(warm).cap > 0 for _ in range(3))

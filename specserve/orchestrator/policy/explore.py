@@ -4,9 +4,11 @@ Per (target, batch-size bucket) two things can be run: plain rounds (no session
 drafts) and drafting rounds. The predictions choose one; the other is re-timed
 every ``explore_every`` rounds once due, and each time it is re-timed and still
 loses, twice as long (up to ``explore_every * max_backoff``), so a settled choice
-costs fewer and fewer rounds. An exploration stays the choice until a round of it
-is timed (rounds that prefill or warm a draft cache are not), for at most
-``4 * explore_every`` rounds. Exploring drafting also makes every adaptive session
+costs fewer and fewer rounds. The planner consults (and counts) only rounds that can
+be timed: none while the target prefills a session or a draft warms beside the
+rounds, which follow the predictions. An exploration stays the choice until a round
+of it is timed (one that warms a draft inside is not), for at most
+``4 * explore_every`` such rounds. Exploring drafting also makes every adaptive session
 draft at least one token: how a session whose acceptance fell wins speculation back.
 Pure Python.
 """

@@ -29,7 +29,7 @@ predicted time to finish the batch's slowest turn is least::
 
 (a batch's rounds move together: it finishes with its slowest turn). One owner of
 exploration (:mod:`~specserve.orchestrator.policy.explore`) re-times the choice not
-made.
+made, in rounds that can be timed (no prefill, no warm-up beside them).
 
 **Warm-ups.** A cold session (its draft replica lacks a long history) that would
 draft is warmed: inside the round when it is alone or draft and target share
@@ -114,7 +114,10 @@ class Planner:
         else:
             cap = bound
         exploring: bool | None = None
-        if adaptive and bound > 0 and c.fixed_k is None:
+        # An exploration only pays if its round is timed: none while the target
+        # prefills a session or a draft warms beside the rounds (neither round counts).
+        untimed = any(s.view.target_behind > 1 or s.view.cache is Cache.WARMING for s in each)
+        if adaptive and bound > 0 and c.fixed_k is None and not untimed:
             best = any(s.ks[cap] > 0 for s in adaptive)
             if c.k_cap is KCap.MEASURED or not best:  # the curve alone never turns it off
                 key = (target, bucket_of(len(sessions)))
@@ -127,10 +130,7 @@ class Planner:
             if exploring and s.adaptive and s.view.drafter != "none" and s.view.tokens_left > 1:
                 k[s.view.sid] = max(1, k[s.view.sid])  # re-time drafting, win it back
         warm, declined = self._warm_ups(each, k, finish, cap, target)
-        timeable = not any(
-            s.view.target_behind > 1 or s.view.cache is Cache.WARMING or s.view.sid in warm
-            for s in each
-        )
+        timeable = not untimed and not any(s.view.sid in warm for s in each)
         return BatchPlan(cap, k, warm, declined, timeable, exploring is not None)
 
     def _session(self, v: SessionView, bound: int, cost: CostModel) -> _Session:
