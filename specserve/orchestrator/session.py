@@ -74,6 +74,7 @@ class LiveSession:
         self.outbox: Outbox = asyncio.Queue()
         self.cancel_requested = False
         self.rounds_committed = 0  # rounds of this turn now in the store
+        self.committing = False  # a round's commit is in flight (its tokens not yet out)
         self.phase = Phase.WAITING
         self.draft_warming = False  # its draft replica is prefilling it beside the rounds
         self.gone = False  # the record was deleted or taken over: never write it again

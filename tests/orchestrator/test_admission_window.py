@@ -36,7 +36,7 @@ def first_round(window_s: float, gaps_s: list[float]) -> list[str]:
         runner.scheduler = Scheduler(SchedulerConfig(admission_window_s=window_s))
         rounds: list[list[str]] = []
 
-        async def record(target: str, batch: list[Any]) -> None:
+        async def record(target: str, batch: list[Any], pending: None) -> None:
             rounds.append([s.sid for s in batch])
             for s in batch:
                 runner.scheduler.leave(s.sid)
@@ -45,7 +45,9 @@ def first_round(window_s: float, gaps_s: list[float]) -> list[str]:
         for i, gap in enumerate(gaps_s):
             await asyncio.sleep(gap)
             sid = f"s{i}"
-            state = SimpleNamespace(tokens=[1, 2], target_start=1)  # decoding: one new token
+            state = SimpleNamespace(
+                tokens=[1, 2], target_start=1, finished=False
+            )  # decoding: one new token
             runner.sessions[sid] = WaitingSession(  # type: ignore[assignment]
                 sid=sid, state=state, trace_context=None
             )

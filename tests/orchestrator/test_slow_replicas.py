@@ -32,6 +32,7 @@ from specserve.orchestrator.policy import BatchPlan, Devices, Planner, PolicyCon
 from specserve.orchestrator.round import calls
 from specserve.orchestrator.round.calls import Plan, RoundTimeouts
 from specserve.orchestrator.round.runner import RoundRunner
+from specserve.orchestrator.round.views import session_view
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.store.redis_settings import embedded_client
 from specserve.orchestrator.store.session_store import SessionStore
@@ -273,7 +274,8 @@ def test_an_evicted_long_history_is_rebuilt_beside_the_round_not_in_it() -> None
 
 
 def plan_for(runner: RoundRunner, sessions: list[LiveSession]) -> BatchPlan:
-    return runner.planner.plan("t", len(sessions), [runner._view(s) for s in sessions])
+    warm_above = runner.planner.config.warm_above_tokens
+    return runner.planner.plan("t", len(sessions), [session_view(s, warm_above) for s in sessions])
 
 
 @pytest.mark.parametrize("devices", [Devices.SEPARATE, Devices.SHARED])

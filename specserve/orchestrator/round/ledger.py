@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from dataclasses import dataclass
 
 from specserve.engine.decode_state import FinishReason
 from specserve.engine.errors import EngineError
@@ -28,6 +29,16 @@ from specserve.v1 import session_pb2
 log = logging.getLogger(__name__)
 
 Ending = tuple[LiveSession, FinishReason | None, BaseException | None]
+
+
+@dataclass(frozen=True)
+class RoundWrite:
+    """One session's share of a round's commit."""
+
+    session: LiveSession
+    tokens: list[int]  # the round's committed tokens, delivered once written
+    record: session_pb2.SessionRecord  # the record to write (its version: the one read)
+    after: session_pb2.SessionRecord  # the record as last written: the delta's base
 
 
 class Ledger:
@@ -49,6 +60,7 @@ class Ledger:
         self.sessions = sessions  # the runner's: ending a session removes it
         self.release_timeout_s = release_timeout_s
         self._releasing: set[asyncio.Task[None]] = set()  # held until done
+        self._finishing: set[asyncio.Task[None]] = set()
 
     def release_later(self, pool: ReplicaPool, endpoint: str, session_ids: list[str]) -> None:
         """Best effort, off the round's path: drop caches on a replica sessions left."""
@@ -59,6 +71,18 @@ class Ledger:
         )
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
+
+    def finish_later(self, ending: list[Ending]) -> None:
+        """:meth:`finish`, off the round's path (:meth:`drain` waits for it)."""
+        if not ending:
+            return
+        task = asyncio.get_running_loop().create_task(self.finish(ending))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def drain(self) -> None:
+        """Wait for every :meth:`finish_later` started so far."""
+        await asyncio.gather(*self._finishing, return_exceptions=True)
 
     def ownership(self, s: LiveSession) -> tuple[session_pb2.KvOwnership, session_pb2.KvOwnership]:
         placement = self.scheduler.placement(s.sid)
@@ -79,24 +103,46 @@ class Ledger:
         )
         return draft, target
 
+    def prepare(self, committed: list[tuple[LiveSession, list[int]]]) -> list[RoundWrite]:
+        """The writes of a round's commit, built now from each session's state and placement.
+
+        Built before the commit is sent, so that the next round may change a session's
+        state (its draft start, its placement) while this round's commit is in flight.
+        """
+        return [
+            RoundWrite(s, tokens, s.record_after_round(*self.ownership(s)), s.record)
+            for s, tokens in committed
+        ]
+
     async def commit(self, committed: list[tuple[LiveSession, list[int]]]) -> list[Ending]:
-        if not committed:
+        """Commit a round now (:meth:`prepare`, then :meth:`write`)."""
+        return await self.write(self.prepare(committed))
+
+    async def write(self, writes: list[RoundWrite]) -> list[Ending]:
+        """One pipelined versioned commit for a round's sessions, then their tokens go out.
+
+        A session's tokens reach its outbox only once its record holds them. Returns the
+        sessions that end with this commit: finished, cancel requested, closed meanwhile
+        (MISSING), taken over (CONFLICT: marked ``gone``), or the store failed past its
+        retry window (the error; nothing is delivered).
+        """
+        if not writes:
             return []
         ending: list[Ending] = []
         try:
             # Deltas from each session's last written record: a round writes its new
             # tokens and a few small fields, never the turn's constant ones again.
             results = await self.store.commit_many(
-                [s.record_after_round(*self.ownership(s)) for s, _ in committed],
-                after=[s.record for s, _ in committed],
+                [w.record for w in writes], after=[w.after for w in writes]
             )
         except EngineError as e:
-            return [(s, None, e) for s, _ in committed]
-        for (s, tokens), (status, written) in zip(committed, results, strict=True):
+            return [(w.session, None, e) for w in writes]
+        for w, (status, written) in zip(writes, results, strict=True):
+            s = w.session
             if status in (CommitStatus.OK, CommitStatus.CANCEL_REQUESTED):
                 s.record = written
                 s.rounds_committed += 1
-                s.deliver(tokens)
+                s.deliver(w.tokens)
             if status is CommitStatus.CANCEL_REQUESTED:
                 ending.append((s, FinishReason.CANCELLED, None))
             elif status is CommitStatus.OK and s.state.finished:

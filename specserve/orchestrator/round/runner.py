@@ -22,21 +22,20 @@ A round of a lane (see :mod:`specserve.orchestrator.fleet.scheduler`) is the rou
    target past the target timeout that still answers SERVING is slow, not lost:
    the round is replayed on it once more (its KV is warm there; another replica
    would have to prefill every session) and only a second miss fails it over;
-4. ``DecodeState.commit``, one pipelined atomic commit per session to the store,
-   then the tokens go to the clients. A session whose record changed under it
-   (another replica took it over) stops without writing.
+4. ``DecodeState.commit``, then one pipelined atomic commit per session to the
+   store, started and left in flight while the lane's next round proposes; the
+   tokens go to the clients once it is written, and the next round verifies only
+   after it settled (:mod:`~specserve.orchestrator.round.pending_commit`). A
+   session whose record changed under it (another replica took it over) stops.
 
 With draft-ahead on, step 3 also sends each eligible session's bet on round
 r + 1 to its draft replica, and step 2 of round r + 1 uses a bet that came true
 instead of proposing (:mod:`specserve.orchestrator.round.draft_ahead`).
 
-The verify step with its failover and replay is
-:class:`~specserve.orchestrator.round.failover.Failover`'s; commits and endings
-(releasing KV, final records) are the
-:class:`~specserve.orchestrator.round.ledger.Ledger`'s; the round's spans are
-:class:`~specserve.orchestrator.round.spans.RoundSpans`'; saving and restoring KV
-snapshots are :class:`~specserve.orchestrator.snapshots.kv_snapshots.KvSnapshots`'s (after
-each commit, off the round's path; before a replay).
+Verify with failover and replay: :class:`~.failover.Failover`; commits and endings
+(releases, final records): :class:`~.ledger.Ledger`; spans: :class:`~.spans.RoundSpans`;
+KV snapshots (after each commit, off the round's path; before a replay):
+:class:`~specserve.orchestrator.snapshots.kv_snapshots.KvSnapshots`.
 """
 
 from __future__ import annotations
@@ -51,18 +50,13 @@ from opentelemetry import context as otel_context
 from specserve.engine.decode_state import FinishReason
 from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.fleet.scheduler import LaneKey, Placement, Scheduler
-from specserve.orchestrator.policy import (
-    BatchPlan,
-    Planner,
-    RoundOutcome,
-    SessionView,
-    WarmWhere,
-)
+from specserve.orchestrator.policy import BatchPlan, Planner, RoundOutcome, WarmWhere
 from specserve.orchestrator.round import calls, draft_ahead
 from specserve.orchestrator.round.bets import BetBook
 from specserve.orchestrator.round.calls import Plan, RoundTimeouts, batch_timeout
 from specserve.orchestrator.round.failover import Failover
 from specserve.orchestrator.round.ledger import Ending, Ledger
+from specserve.orchestrator.round.pending_commit import Commits, PendingCommit
 from specserve.orchestrator.round.spans import RoundSpans
 from specserve.orchestrator.round.stats import RunnerStats
 from specserve.orchestrator.round.views import session_view, target_backlog
@@ -105,6 +99,7 @@ class RoundRunner:
         self.ledger = Ledger(
             scheduler, drafts, targets, store, self.sessions, self.timeouts.release_s
         )
+        self.commits = Commits(self.ledger, snapshots)  # rounds' commits in flight
         self.leases = LeaseKeeper(store, self.sessions.keys)
         self.warmups = DraftWarmups(
             scheduler, drafts, self.planner, self.timeouts, self.stats, self.ledger
@@ -167,6 +162,7 @@ class RoundRunner:
         for task in list(self._lanes.values()):
             task.cancel()
         await asyncio.gather(*self._lanes.values(), return_exceptions=True)
+        await self.commits.close()  # the records must be settled before the final ones
         self.bets.close()
         await self.leases.close()
         down = Unavailable("the orchestrator is shutting down; retry on another replica")
@@ -183,14 +179,20 @@ class RoundRunner:
         # alone (and, alone, warms its draft) while the others wait a whole prefill
         # round for theirs (8 requests at once: a round of 1, then of 6, then of 1).
         await asyncio.sleep(self.scheduler.config.admission_window_s)
+        pending: PendingCommit | None = None  # the last round's commit, in flight
         while True:
             ids = self.scheduler.begin_round(lane, lambda sid: target_backlog(self.sessions[sid]))
+            # A session that failed over mid-round joins this lane before that round ends;
+            # one whose turn finished waits, in no round, for its commit to end it.
+            batch = [self.sessions[sid] for sid in ids]
+            batch = [s for s in batch if s.phase is Phase.WAITING and not s.state.finished]
+            if not batch and pending is not None:
+                await self.ledger.finish(await self.commits.settle(pending))
+                pending = None
+                continue
             if not ids:
                 self._lanes.pop(lane, None)
                 return
-            # A session that failed over mid-round joins this lane before that round ends.
-            batch = [self.sessions[sid] for sid in ids]
-            batch = [s for s in batch if s.phase is Phase.WAITING]
             if not batch:
                 await asyncio.sleep(0.001)
                 continue
@@ -200,34 +202,47 @@ class RoundRunner:
             # the first session's trace rather than to whichever request started the lane.
             token = otel_context.attach(batch[0].trace_context or otel_context.Context())
             try:
-                await self._round(lane[0], batch)
+                pending = await self._round(lane[0], batch, pending)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a bug: fail this batch, keep the lane alive
                 log.exception("a round on %s failed", lane[0])
-                await self.ledger.finish([(s, None, e) for s in batch if not s.done])
+                ending = await self.commits.settle(pending) if pending is not None else []
+                pending = None
+                ended = {s.sid for s, _, _ in ending}
+                ending += [(s, None, e) for s in batch if s.sid not in ended]
+                await self.ledger.finish([x for x in ending if not x[0].done])
             finally:
                 otel_context.detach(token)
                 for s in batch:
                     s.leave_round()
-                    if s.done:
+                    if s.done or s.state.finished:
                         self.bets.drop(s.sid)
 
     # -- one round -----------------------------------------------------------------------
 
-    async def _round(self, target: str, batch: list[LiveSession]) -> None:
+    async def _round(
+        self, target: str, batch: list[LiveSession], pending: PendingCommit | None
+    ) -> PendingCommit | None:
+        """One round of ``batch`` while the lane's previous commit (``pending``) is in
+        flight; returns this round's commit if it is left in flight."""
         now = time.monotonic()
-        ending: list[Ending] = [
-            (s, FinishReason.CANCELLED, None) for s in batch if s.cancel_requested or s.expired(now)
-        ]
-        live = [s for s in batch if not (s.cancel_requested or s.expired(now))]
-        if not live:
+        stop = {s.sid for s in batch if s.cancel_requested or s.expired(now)}
+        ending: list[Ending] = []
+        if stop and pending is not None:  # a session ends only once its commit settled
+            ending += await self.commits.settle(pending)
+            pending = None
+        ended = stop | {s.sid for s, _, _ in ending}
+        ending += [(s, FinishReason.CANCELLED, None) for s in batch if s.sid in stop]
+        live = [s for s in batch if s.sid not in ended]
+        if not live:  # (then ``pending`` was settled)
             await self.ledger.finish(ending)
-            return
+            return None
         self.refresh_usable()
         spans = RoundSpans(live, target)
         try:
-            ending += await self._traced_round(target, live, spans)
+            more, pending = await self._traced_round(target, live, spans, pending)
+            ending += more
             if ending:
                 with spans.phase(attr.SPAN_FINISH):
                     await self.ledger.finish(ending)
@@ -235,13 +250,19 @@ class RoundRunner:
             spans.end(e)
             raise
         spans.end()
+        return pending
 
     async def _traced_round(
-        self, target: str, live: list[LiveSession], spans: RoundSpans
-    ) -> list[Ending]:
-        """Plan, propose, verify, commit; returns the sessions that end with this round."""
+        self,
+        target: str,
+        live: list[LiveSession],
+        spans: RoundSpans,
+        pending: PendingCommit | None,
+    ) -> tuple[list[Ending], PendingCommit | None]:
+        """Plan, propose, (settle the last commit,) verify, commit; returns the sessions
+        that end with this round and this round's commit if it is still in flight."""
         started = time.perf_counter()
-        views = [self._view(s) for s in live]
+        views = [session_view(s, self.planner.config.warm_above_tokens) for s in live]
         batch_plan = self.planner.plan(target, self.scheduler.target_load(target), views)
         cap = batch_plan.cap
         if any(s.state.drafter != "none" for s in live):
@@ -250,13 +271,24 @@ class RoundRunner:
         with spans.phase(attr.SPAN_PROPOSE) as pspan:
             plans = await self._propose(target, live, spans, batch_plan)
             spans.proposed(pspan, plans, cap)
+        ending: list[Ending] = []
+        if pending is not None:  # round r - 1's commit ran while this round proposed
+            waited = time.perf_counter()
+            ending = await self.commits.settle(pending)
+            started += time.perf_counter() - waited  # the round's time is its compute's
+            ended = {s.sid for s, _, _ in ending}
+            live = [s for s in live if s.sid not in ended]
+            views = [v for v in views if v.sid not in ended]
+            for sid in ended:
+                plans.pop(sid, None)
+            if not live:
+                return ending, None
         self.stats.draft_ahead_bets += self.bets.place_for_round(self.scheduler, live, plans, cap)
         with spans.phase(attr.SPAN_VERIFY) as vspan:
             outcome, moved = await self.failover.verify(target, [(s, plans[s.sid]) for s in live])
             seconds = time.perf_counter() - started
             spans.verified(vspan, target, plans, outcome, len(moved))
         self.stats.rounds += 1
-        ending: list[Ending] = []
         committed = []
         for s in live:
             if outcome.expired and s.sid not in outcome.verdicts:
@@ -278,7 +310,9 @@ class RoundRunner:
             drafted={sid: len(p.proposal.tokens) for sid, p in plans.items()},
             accepted={sid: v.accepted for sid, v in outcome.verdicts.items()},
             seconds=seconds,
-            clean=not (moved or outcome.errors or outcome.expired or self.warmups.beside_now),
+            clean=not (
+                moved or outcome.errors or outcome.expired or ending or self.warmups.beside_now
+            ),
         )
         self.planner.observe(target, views, batch_plan, result)
         if log.isEnabledFor(logging.DEBUG):
@@ -292,13 +326,13 @@ class RoundRunner:
                 seconds,
                 "" if result.clean and batch_plan.timeable else " (not timed)",
             )
-        with spans.phase(attr.SPAN_COMMIT) as cspan:
-            if cspan.is_recording():
-                cspan.set_attribute(attr.BATCH_SIZE, len(committed))
-            ending += await self.ledger.commit(committed)
-        if self.snapshots is not None:  # in the background, from where each session is now
-            self.snapshots.after_commit([(moved.get(s.sid, target), s) for s, _ in committed])
-        return ending
+        pending = self.commits.start(target, committed, moved, spans)
+        if pending is not None and moved:
+            # A moved session's next round runs on another lane, which does not wait for
+            # this lane's commit: settle it now (failover is rare).
+            ending += await self.commits.settle(pending)
+            pending = None
+        return ending, pending
 
     def _move(self, old: str, moved: dict[str, str]) -> None:
         """Sessions replayed on another target live there from now on."""
@@ -363,6 +397,3 @@ class RoundRunner:
         for ep, sessions in beside.items():
             self.warmups.beside(ep, sessions)
         return plans
-
-    def _view(self, s: LiveSession) -> SessionView:
-        return session_view(s, self.planner.config.warm_above_tokens)

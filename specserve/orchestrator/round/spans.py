@@ -35,7 +35,7 @@ class RoundSpans:
     def __init__(self, live: list[LiveSession], target: str) -> None:
         self.spans: dict[str, Span] = {}
         for s in live:
-            first = s.rounds_committed == 0
+            first = s.rounds_committed == 0 and not s.committing
             span = tracer.start_span(
                 attr.SPAN_PREFILL if first else attr.SPAN_ROUND, context=s.trace_context
             )
@@ -62,6 +62,11 @@ class RoundSpans:
         """A batch-level span, current while the phase runs (its calls nest below it)."""
         with tracer.start_as_current_span(name, context=self._context, links=self._links) as span:
             yield span
+
+    def detached_phase(self, name: str) -> Span:
+        """A batch-level span the caller ends, for a phase that outlives the round (its
+        commit, which runs while the next round proposes)."""
+        return tracer.start_span(name, context=self._context, links=self._links)
 
     @staticmethod
     def proposed(span: Span, plans: dict[str, Plan], k_cap: int) -> None:
