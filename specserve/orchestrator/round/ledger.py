@@ -15,6 +15,9 @@ import collections
 import logging
 from dataclasses import dataclass
 
+from opentelemetry import trace
+from opentelemetry.trace import Span
+
 from specserve.engine.decode_state import FinishReason
 from specserve.engine.errors import EngineError
 from specserve.orchestrator.errors import VersionConflict
@@ -72,11 +75,15 @@ class Ledger:
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
 
-    def finish_later(self, ending: list[Ending]) -> None:
-        """:meth:`finish`, off the round's path (:meth:`drain` waits for it)."""
-        if not ending:
-            return
-        task = asyncio.get_running_loop().create_task(self.finish(ending))
+    def finish_later(self, ending: list[Ending], span: Span) -> None:
+        """:meth:`finish` inside ``span`` (ended with it), off the round's path
+        (:meth:`drain` waits for it)."""
+
+        async def finish() -> None:
+            with trace.use_span(span, end_on_exit=True):
+                await self.finish(ending)
+
+        task = asyncio.get_running_loop().create_task(finish())
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 

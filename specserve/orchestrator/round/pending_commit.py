@@ -59,15 +59,17 @@ class PendingCommit:
         self,
         ledger: Ledger,
         writes: list[RoundWrite],
-        span: Span,
+        spans: RoundSpans,
         after_write: Callable[[], None] | None = None,
     ) -> None:
         self.ledger = ledger
+        self.spans = spans  # the round's: its commit and finish phases outlive it
         self.sessions: list[LiveSession] = [w.session for w in writes]
         for s in self.sessions:
             assert not s.committing, f"session {s.sid} has two commits in flight"
             s.committing = True
         self._handed: list[Ending] | None = None
+        span = spans.detached_phase(attr.SPAN_COMMIT)
         self._task = asyncio.get_running_loop().create_task(self._run(writes, span, after_write))
 
     async def _run(
@@ -85,7 +87,9 @@ class PendingCommit:
             after_write()
         # A finished session is in no later round: nothing can be using its caches, and
         # its releases and final record need not hold up the next round.
-        self.ledger.finish_later([e for e in ending if e[0].state.finished])
+        done = [e for e in ending if e[0].state.finished]
+        if done:
+            self.ledger.finish_later(done, self.spans.detached_phase(attr.SPAN_FINISH))
         return [e for e in ending if not e[0].state.finished]
 
     async def settle(self) -> list[Ending]:
@@ -130,9 +134,9 @@ class Commits:
             if snapshots is not None:
                 snapshots.after_commit([(moved.get(s.sid, target), s) for s, _ in committed])
 
-        writes = self.ledger.prepare(list(committed))
-        span = spans.detached_phase(attr.SPAN_COMMIT)
-        pending = PendingCommit(self.ledger, writes, span, after_write)
+        pending = PendingCommit(
+            self.ledger, self.ledger.prepare(list(committed)), spans, after_write
+        )
         self._pending.add(pending)
         return pending
 
