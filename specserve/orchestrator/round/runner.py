@@ -232,9 +232,9 @@ class RoundRunner:
         if stop and pending is not None:  # a session ends only once its commit settled
             ending += await self.commits.settle(pending)
             pending = None
-        ended = stop | {s.sid for s, _, _ in ending}
-        ending += [(s, FinishReason.CANCELLED, None) for s in batch if s.sid in stop]
-        live = [s for s in batch if s.sid not in ended]
+        handed = {s.sid for s, _, _ in ending}
+        ending += [(s, FinishReason.CANCELLED, None) for s in batch if s.sid in stop - handed]
+        live = [s for s in batch if s.sid not in stop | handed]
         if not live:  # (then ``pending`` was settled)
             await self.ledger.finish(ending)
             return None
