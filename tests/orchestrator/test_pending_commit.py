@@ -1,5 +1,5 @@
-"""A round's commit in flight (:mod:`specserve.orchestrator.round.pending_commit`), on the
-embedded store with the store's commit held until the test lets it go.
+"""A round's commit in flight (:class:`specserve.orchestrator.round.ledger.PendingCommit`),
+on the embedded store with the store's commit held until the test lets it go.
 
 Tokens reach the outbox only once their commit is written; a commit that conflicts
 hands its ending to whoever settles and sends nothing; a finished session is ended

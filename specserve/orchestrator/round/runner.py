@@ -25,7 +25,7 @@ A round of a lane (see :mod:`specserve.orchestrator.fleet.scheduler`) is the rou
 4. ``DecodeState.commit``, then one pipelined atomic commit per session to the
    store, started and left in flight while the lane's next round proposes; the
    tokens go to the clients once it is written, and the next round verifies only
-   after it settled (:mod:`~specserve.orchestrator.round.pending_commit`). A
+   after it settled (:class:`~.ledger.PendingCommit`). A
    session whose record changed under it (another replica took it over) stops.
 
 With draft-ahead on, step 3 also sends each eligible session's bet on round
@@ -55,8 +55,7 @@ from specserve.orchestrator.round import calls, draft_ahead
 from specserve.orchestrator.round.bets import BetBook
 from specserve.orchestrator.round.calls import Plan, RoundTimeouts, batch_timeout
 from specserve.orchestrator.round.failover import Failover
-from specserve.orchestrator.round.ledger import Ending, Ledger
-from specserve.orchestrator.round.pending_commit import Commits, PendingCommit
+from specserve.orchestrator.round.ledger import Commits, Ending, Ledger, PendingCommit
 from specserve.orchestrator.round.spans import RoundSpans
 from specserve.orchestrator.round.stats import RunnerStats
 from specserve.orchestrator.round.views import session_view, target_backlog
