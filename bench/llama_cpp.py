@@ -145,7 +145,7 @@ class BenchRun:
 
     figures: dict[str, BenchFigure]
     peak_rss_bytes: int
-    info: dict[str, Any]  # cpu_info, build_commit, model_type, model_size, n_threads
+    info: dict[str, Any]  # cpu_info, backends, build, model_type/size, threads, fa, repack
 
 
 def parse_llama_bench(stdout: str) -> tuple[dict[str, BenchFigure], dict[str, Any]]:
@@ -163,7 +163,10 @@ def parse_llama_bench(stdout: str) -> tuple[dict[str, BenchFigure], dict[str, An
             float(row.get("stddev_ts", 0.0)),
             [float(s) for s in row.get("samples_ts", [])],
         )
-    keys = ("cpu_info", "build_commit", "build_number", "model_type", "model_size", "n_threads")
+    keys = (
+        *("cpu_info", "backends", "build_commit", "build_number", "model_type", "model_size"),
+        *("n_threads", "flash_attn", "repack"),
+    )
     return figures, {k: rows[0][k] for k in keys if k in rows[0]}
 
 

@@ -281,7 +281,12 @@ def markdown(result: dict[str, Any]) -> str:
         )
     info = ll["bench"].get("target", {}).get("info")
     if info:
-        lines += ["", "llama.cpp: " + ", ".join(f"{k} {v}" for k, v in info.items())]
+        lines += [
+            "",
+            "llama.cpp, built by `scripts/build-llama-cpp.sh` (CPU backend, GGML_NATIVE: this "
+            "machine's ISA, Release), as llama-bench reports it: "
+            + ", ".join(f"{k} {v}" for k, v in info.items()),
+        ]
     lines += ["", "Reproduce:", "", "```", result["reproduce"], "```", ""]
     env = result["environment"]
     lines += [
