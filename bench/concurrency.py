@@ -148,11 +148,9 @@ def local_runs(
         )
     )
     if args["emulate_devices"]:
-        from bench.emulated_device import add_device_time
+        from bench.emulated_device import emulate_local
 
-        draft_ms, target_ms = args["emulate_devices"]
-        add_device_time(runner.target, target_ms)
-        add_device_time(runner.engine.drafters["model"].model, draft_ms)  # type: ignore[attr-defined]
+        emulate_local(runner, *args["emulate_devices"])
     for drafter, k in LOCAL_VARIANTS.values():  # untimed warm-up: kernel builds, page faults
         runner.generate(
             prompt_list[0][:32], SamplingParams(), max_new_tokens=8, drafter=drafter, k=k

@@ -6,7 +6,8 @@ after every model forward, as a replica on its own accelerator does: the host
 CPU waits while the device computes. On a machine with few shared cores the
 draft and the target then no longer compete for the CPU, so what a scheduling
 choice (draft/verify pipelining, draft-ahead) does on separate devices can be
-measured here: ``bench.concurrency --emulate-devices DRAFT_MS,TARGET_MS``.
+measured here: ``bench.emulated_gpu`` and ``bench.concurrency --emulate-devices
+DRAFT_MS,TARGET_MS``. :func:`emulate_local` does the same to the local loop.
 
 A forward costs ``MS`` whatever its token count, like a memory-bound forward on
 a GPU at small batches; a real model's own CPU time (tiny models: about a
@@ -25,6 +26,9 @@ from torch import nn
 
 from specserve.draft_service import config as draft_config
 from specserve.draft_service import server as draft_server
+from specserve.engine.drafter import DrafterKind
+from specserve.engine.model_drafter import ModelDrafter
+from specserve.local import LocalRunner
 from specserve.serving.server import identity_of, run_process
 from specserve.target_service import config as target_config
 from specserve.target_service import server as target_server
@@ -38,6 +42,16 @@ def add_device_time(model: nn.Module, forward_ms: float) -> None:
         time.sleep(seconds)
 
     model.register_forward_hook(hook)
+
+
+def emulate_local(runner: LocalRunner, draft_ms: float, target_ms: float) -> None:
+    """The local loop's target and draft model forwards take ``target_ms`` / ``draft_ms``
+    of device time, as the emulated servers' do."""
+    add_device_time(runner.target, target_ms)
+    drafter = runner.engine.drafters.get(DrafterKind.MODEL)
+    if not isinstance(drafter, ModelDrafter):
+        raise ValueError("the local loop has no draft model to give device time to")
+    add_device_time(drafter.model, draft_ms)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
