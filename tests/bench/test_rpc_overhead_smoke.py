@@ -36,6 +36,9 @@ def test_a_short_run_measures_every_batch_size_and_the_references(
     reason = stream_unavailable()
     if reason is not None:  # said, not silently skipped
         assert f"The stream transport was not measured: {reason}" in md
+    else:  # the servers offer the stream: the round is measured over it too
+        for batch in rpc_overhead.BATCHES:
+            assert f"\n| {batch} | stream | **" in md
     headline = written["data"]["headline"]
     assert written["name"] == "rpc_overhead"
     assert headline["transport"] == transport
