@@ -422,6 +422,8 @@ at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& wg, const at::Ten
 // The float32 values [rows, K] of quantized rows `blocks` of GGML `type`, as the kernels
 // widen them (cpu_kernels_quant.cpp).
 at::Tensor dequantize_blocks(const at::Tensor& blocks, int64_t type, int64_t K);
+// The same into the caller's contiguous float32 buffer out [rows, K].
+void dequantize_into(const at::Tensor& blocks, int64_t type, int64_t K, at::Tensor& out);
 
 // a[0:n] . b[0:n] in one lane set, as tile_acc with one row and one weight row.
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -648,6 +650,7 @@ TORCH_LIBRARY(LIBNAME, m) {
   m.def("typed_linears(Tensor x, Tensor[] ws, int[] types, Tensor?[] bs) -> Tensor[]");
   m.def("typed_gate_up_silu(Tensor x, Tensor wg, int tg, Tensor wu, int tu) -> Tensor");
   m.def("dequantize(Tensor blocks, int type, int K) -> Tensor");
+  m.def("dequantize_into(Tensor blocks, int type, int K, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def(
       "rope_cache_attention(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor inv_freq, "
@@ -661,6 +664,7 @@ TORCH_LIBRARY_IMPL(LIBNAME, CPU, m) {
   m.impl("typed_linears", &typed_linears);
   m.impl("typed_gate_up_silu", &typed_gate_up_silu);
   m.impl("dequantize", &dequantize_blocks);
+  m.impl("dequantize_into", &dequantize_into);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_cache_attention", &rope_cache_attention);
   m.impl("coupled_argmax", &coupled_argmax);

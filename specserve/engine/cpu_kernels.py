@@ -37,9 +37,11 @@ cache misses instead of ~10 us. The kernels here answer both:
     dequantized matrix. Up to 3 rows the widened weights stay in registers; more, each
     256-value chunk of a block of weight rows is widened once into L1 and every tile of
     rows reads it there.
-``dequantize(blocks, type, K)``
-    The float32 matrix of quantized rows, widened as above (for products past
-    :data:`~specserve.engine.ops.MAX_KERNEL_ROWS` rows, which go to torch).
+``dequantize(blocks, type, K)``, ``dequantize_into(blocks, type, K, out)``
+    The float32 matrix of quantized rows, widened as above; the second writes a tile of
+    rows into the caller's buffer (products past
+    :data:`~specserve.engine.ops.MAX_KERNEL_ROWS` rows go to torch tile by tile,
+    :mod:`specserve.engine.tiled_products`).
 ``rms_norm(x, w, eps)``
     ``w * (x * rsqrt(mean(x^2) + eps))`` per row, one op instead of seven.
 ``rope_cache_attention(q, k, v, ...)``
@@ -105,6 +107,7 @@ class Kernels:
     typed_linears: Callable[..., list[torch.Tensor]]
     typed_gate_up_silu: Callable[..., torch.Tensor]
     dequantize: Callable[[torch.Tensor, int, int], torch.Tensor]
+    dequantize_into: Callable[[torch.Tensor, int, int, torch.Tensor], None]
 
 
 _lock = threading.Lock()
@@ -178,6 +181,7 @@ def _build() -> Kernels | None:
         lib.typed_linears.default,
         lib.typed_gate_up_silu.default,
         lib.dequantize.default,
+        lib.dequantize_into.default,
     )
 
 

@@ -307,4 +307,25 @@ at::Tensor dequantize_blocks(const at::Tensor& blocks_in, int64_t type, int64_t 
   return y;
 }
 
+// The float32 values of quantized rows `blocks` [rows, bytes of K values] written into
+// `out` [rows, K] (contiguous float32, the caller's buffer): one tile of a weight for a
+// product of many rows (specserve/engine/tiled_products.py), widened as the kernels widen
+// it, without allocating.
+void dequantize_into(const at::Tensor& blocks_in, int64_t type, int64_t K, at::Tensor& out) {
+  TORCH_CHECK(type != 0, "dequantize_into takes a GGML type");
+  const at::Tensor blocks = blocks_in.contiguous();
+  const WeightRef wr = weight_ref(blocks, type, K);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.device().is_cpu() && out.is_contiguous() &&
+                  out.dim() == 2 && out.size(0) == wr.out && out.size(1) == K,
+              "out must be a contiguous float32 CPU matrix [", wr.out, ", ", K, "]");
+  float* yp = out.mutable_data_ptr<float>();
+  const uint8_t* bp = static_cast<const uint8_t*>(wr.data);
+  with_format(wr.type, [&](auto q) {
+    using Q = decltype(q);
+    at::parallel_for(0, wr.out, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) widen_row<Q>(bp + r * wr.ldw, 0, K, yp + r * K);
+    });
+  });
+}
+
 }  // namespace

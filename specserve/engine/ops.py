@@ -8,20 +8,24 @@ one change here.
 On a CPU with AVX-512 or AVX2, float32 products of at most :data:`MAX_KERNEL_ROWS`
 rows go to :mod:`specserve.engine.cpu_kernels`, which reads each weight once for all
 rows (MKL re-reads it every ~3 rows) and gives every row the same bits whatever the
-row count. Larger products (prefill), other dtypes and devices, and anything that needs
-autograd use torch. The choice depends only on shapes, dtypes and devices, so it is
-deterministic per row count.
+row count. Larger products (prefill) on a CPU go to torch's GEMM one tile of weight
+rows at a time (:mod:`specserve.engine.tiled_products`); other dtypes and devices, and
+anything that needs autograd, use ``F.linear``. The choice depends only on shapes,
+dtypes and devices, so it is deterministic per row count.
 
 Weights may be :class:`~specserve.engine.quant.QuantizedWeight` (GGML blocks): the
 kernels widen the blocks in registers, with the bits of the float32 kernel on the
-dequantized matrix; a larger product (or one without the kernels) dequantizes the
-weight and calls ``F.linear``, as the float32 model does. So a quantized model computes
-the bits of the float32 model dequantized from the same file, at every row count.
+dequantized matrix; a larger product dequantizes one tile of weight rows at a time
+into a buffer and runs the same GEMM calls as the float32 weight's tiles. So a
+quantized model computes the bits of the float32 model dequantized from the same file,
+at every row count. (Without the kernels, a product of few rows dequantizes the whole
+weight and calls ``F.linear``, as the float32 model calls it.)
 
 Weights may be bfloat16 under float32 activations (a model loaded in bfloat16 on
 such a CPU, see :meth:`CausalLM.compute_in_float32`): the kernels widen each weight
 as they read it (half the bytes from memory, the same bits as the float32 copy of
-those weights), and the torch path widens the weight before ``F.linear``.
+those weights), and the torch path widens the weight (a tile at a time past
+:data:`MAX_KERNEL_ROWS` rows) before the GEMM.
 
 A decode step is ~200 of these calls, each after a weight stream that has flushed
 the caches, so the checks are cheap and the glue between products is kept to few
@@ -38,7 +42,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from specserve.engine import cpu_kernels
+from specserve.engine import cpu_kernels, tiled_products
 from specserve.engine.cpu_kernels import Kernels
 from specserve.engine.quant.weight import QuantizedWeight, kernel_operands
 
@@ -72,7 +76,9 @@ def bfloat16_products(enabled: bool = True) -> Iterator[None]:
     """Inside the block, a product the kernels do not take (more rows than
     :data:`MAX_KERNEL_ROWS`: a prefill) of a bfloat16 weight under float32 activations
     multiplies in bfloat16 — the activations rounded to bfloat16, float32 accumulation,
-    the result rounded to bfloat16 and widened — instead of widening the weight.
+    the result rounded to bfloat16 and widened — instead of widening the weight. A
+    quantized weight's tiles (:mod:`specserve.engine.tiled_products`) are rounded to
+    bfloat16 and multiplied so too.
 
     For a draft model's prefill (:class:`~specserve.engine.model_drafter.ModelDrafter`):
     its products differ from the float32 ones by bfloat16 rounding, which changes how
@@ -130,8 +136,8 @@ def _kernels_for(x: torch.Tensor, weights: Sequence[Weight]) -> Kernels | None:
 def dequantized(weight: QuantizedWeight) -> torch.Tensor:  # [out, in] float32
     """The float32 matrix of ``weight``: the kernels' widening where they run (fast, in
     parallel), else the torch reference; the same bits either way."""
-    kern = cpu_kernels.kernels() if _enabled[0] else None
-    if kern is None:
+    kern = cpu_kernels.kernels() if _enabled[0] and weight.blocks.is_cpu else None
+    if kern is None:  # (blocks on a GPU: the reference, there)
         return weight.dequantize()
     return kern.dequantize(weight.blocks, int(weight.ggml_type), weight.in_features)
 
@@ -142,8 +148,16 @@ def _torch_linear(
     """``F.linear``, widening a weight of a narrower dtype than ``x`` (bfloat16 weights
     under float32 activations) to ``x``'s dtype first: the same values, float32 arithmetic
     (inside :func:`bfloat16_products`: bfloat16 arithmetic, a float32 result). A
-    quantized weight is dequantized first.
+    quantized weight is dequantized first. Past :data:`MAX_KERNEL_ROWS` rows on a CPU
+    the product goes tile by tile (:mod:`specserve.engine.tiled_products`) instead, so
+    that no weight is widened whole.
     """
+    if x.dim() == 2 and x.shape[0] > MAX_KERNEL_ROWS and tiled_products.applies(x, weight):
+        quantized = isinstance(weight, QuantizedWeight)
+        if quantized or not (_bfloat16_products[0] and weight.dtype == torch.bfloat16):
+            kern = cpu_kernels.kernels() if _enabled[0] else None
+            bf16 = quantized and _bfloat16_products[0]
+            return tiled_products.tiled_linear(x, weight, bias, kern, bfloat16=bf16)
     if isinstance(weight, QuantizedWeight):
         weight = dequantized(weight)
     if weight.dtype != x.dtype:

@@ -1,6 +1,6 @@
 """A decoder whose projections are quantized computes the bits of the float32 decoder
 holding the dequantized matrices: prefills (few and many rows), verify forwards and
-one-token steps, with the kernels and without."""
+one-token steps, with the kernels and without, in one tile or several."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from specserve.engine import cpu_kernels, ops
+from specserve.engine import cpu_kernels, ops, tiled_products
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.quant import GGMLType, QuantizedWeight
 from specserve.engine.quant.synthetic import random_weight
@@ -49,7 +49,7 @@ def _run(model: CausalLM, ids: list[int], kernels: bool) -> list[torch.Tensor]:
     kv = model.new_kv_pool(1 << 22)
     kv.reserve({"a": 60, "b": 60, "c": 60})
     with torch.no_grad():
-        many = model([SeqInput("a", ids[:40], num_logits=40)], kv)  # > 32 rows: torch
+        many = model([SeqInput("a", ids[:40], num_logits=40)], kv)  # > 32 rows: tiles
         few = model([SeqInput("b", ids[:20], num_logits=20)], kv)  # kernel rows
         verify = model([SeqInput("b", ids[20:25], num_logits=5)], kv)
         model([SeqInput("c", ids[:20], num_logits=1)], kv)
@@ -59,10 +59,17 @@ def _run(model: CausalLM, ids: list[int], kernels: bool) -> list[torch.Tensor]:
     return [many, few, verify, steps]
 
 
+@pytest.mark.parametrize("tiles", ["one", "several"])
 @pytest.mark.parametrize("kernels", [True, False])
-def test_quantized_model_equals_its_dequantized_float32_twin(kernels: bool) -> None:
+def test_quantized_model_equals_its_dequantized_float32_twin(
+    kernels: bool, tiles: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tiles``: a prefill's products in one tile per matrix (the default size at these
+    shapes) or in tiles of 64 rows (32 for down_proj), as real-size matrices are."""
     if kernels and cpu_kernels.kernels() is None:
         pytest.skip("the CPU kernels are not available here")
+    if tiles == "several":
+        monkeypatch.setattr(tiled_products, "TILE_FLOATS", 64 * 256)
     quantized, wide = _quantized_pair(seed=3)
     assert isinstance(quantized.model.layers[0].self_attn.q_proj.weight, QuantizedWeight)
     ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(4)).tolist()
