@@ -51,7 +51,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self, request_iterator: object, context: grpc.aio.ServicerContext
     ) -> None:
         """Propose calls on one stream (:mod:`specserve.serving.call_stream`)."""
-        await serve_call_stream(self.propose_stream, context)
+        await serve_call_stream(self.propose_stream, context, self.running.draining)
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         """One Propose call, unary or on the stream; errors raise (mapped by the caller)."""

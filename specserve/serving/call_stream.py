@@ -28,15 +28,17 @@ the model thread. Per call, as for a unary call:
 Bytes that do not parse as the request message (or exceed the method's byte
 limit) end the whole stream with ``INVALID_ARGUMENT``: without a request id
 there is no call to answer. Answers go out in the order calls finish. When the
-client half-closes, the calls in flight are answered and the stream ends OK;
-when the client cancels (or the stream breaks), the calls in flight are
-cancelled.
+client half-closes, or the server begins a graceful shutdown, the calls in flight
+are answered and the stream ends OK (the client fails what it sent after that as
+lost, and reopens); when the client cancels (or the stream breaks), the calls in
+flight are cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -139,10 +141,14 @@ async def _run_call(method: StreamMethod[Req, Resp], message: Any) -> Any:
 
 
 async def serve_call_stream(
-    method: StreamMethod[Req, Resp], context: grpc.aio.ServicerContext
+    method: StreamMethod[Req, Resp],
+    context: grpc.aio.ServicerContext,
+    draining: asyncio.Event | None = None,
 ) -> None:
-    """Serve one stream until the client half-closes it (then answer what is in flight)
-    or it ends otherwise (then cancel what is in flight). See the module docstring."""
+    """Serve one stream until the client half-closes it, or ``draining`` is set (the
+    server is shutting down): then read no more, answer the calls in flight and end the
+    stream OK. If it ends otherwise (the client cancels, the stream breaks), cancel the
+    calls in flight. See the module docstring."""
     in_flight: dict[int, asyncio.Task[None]] = {}
     write_lock = asyncio.Lock()  # one write at a time on the stream
 
@@ -156,14 +162,13 @@ async def serve_call_stream(
         finally:
             in_flight.pop(message.header.request_id, None)
 
-    stream_method = method.unary_method + "Stream"
-    try:
+    async def read_calls() -> None:
         while True:
             message = await context.read()
             if message is grpc.aio.EOF:
-                break
+                return
             if isinstance(message, Malformed | Oversized):
-                await refuse(stream_method, message, context)  # ends the stream
+                await refuse(method.unary_method + "Stream", message, context)  # ends it
             request_id = message.header.request_id
             if request_id in in_flight:
                 await write(
@@ -174,8 +179,7 @@ async def serve_call_stream(
                         "give each call in flight its own request id",
                     )
                 )
-                continue
-            if len(in_flight) >= method.max_in_flight:
+            elif len(in_flight) >= method.max_in_flight:
                 await write(
                     method.refusal(
                         request_id,
@@ -184,10 +188,22 @@ async def serve_call_stream(
                         "wait for answers before sending more",
                     )
                 )
-                continue
-            in_flight[request_id] = asyncio.get_running_loop().create_task(call(message))
+            else:
+                in_flight[request_id] = asyncio.get_running_loop().create_task(call(message))
+
+    loop = asyncio.get_running_loop()
+    reader = loop.create_task(read_calls())
+    # A graceful shutdown must not wait out its grace for a stream that never ends.
+    stop = loop.create_task(draining.wait()) if draining is not None else None
+    try:
+        await asyncio.wait([reader] + ([stop] if stop else []), return_when=FIRST_COMPLETED)
+        if reader.done():
+            reader.result()  # the refusal of bytes that do not parse ends the stream here
+        else:
+            reader.cancel()
         if in_flight:
             await asyncio.gather(*in_flight.values(), return_exceptions=True)
     finally:
-        for task in list(in_flight.values()):
-            task.cancel()
+        for task in (reader, stop, *in_flight.values()):
+            if task is not None:
+                task.cancel()

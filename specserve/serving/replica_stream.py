@@ -165,9 +165,10 @@ class ReplicaStream(Generic[Req, Resp]):
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
                 if answer.done():  # the reader saw the break first: its error says why
                     return self._outcome(answer.result())
+                why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 raise rpc_error(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"the {self.unary_method} stream broke while sending: {e}",
+                    f"the {self.unary_method} stream broke while sending: {why}",
                 ) from None
             left = None if end is None else max(0.0, end - time.monotonic())
             try:

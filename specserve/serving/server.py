@@ -106,6 +106,9 @@ class RunningServer(Generic[B]):
         self.metrics_port: int | None = None  # set once a metrics endpoint serves
         self.health_server: grpc.aio.Server | None = None  # --health-port's plaintext server
         self.health_port: int | None = None
+        # Set when a graceful shutdown begins: the data-plane streams answer what they
+        # hold and end (specserve.serving.call_stream), so the grace is not waited out.
+        self.draining = asyncio.Event()
         self._stop_requested = asyncio.Event()
         self._aborted = asyncio.Event()
         self._abort_reason = ""
@@ -143,6 +146,7 @@ class RunningServer(Generic[B]):
         await self.health.enter_graceful_shutdown()
         if self.health_server is not None:
             await self.health_server.stop(0)
+        self.draining.set()
         await self.server.stop(grace)
         await self.executor.close()
 

@@ -71,7 +71,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self, request_iterator: object, context: grpc.aio.ServicerContext
     ) -> None:
         """Verify calls on one stream (:mod:`specserve.serving.call_stream`)."""
-        await serve_call_stream(self.verify_stream, context)
+        await serve_call_stream(self.verify_stream, context, self.running.draining)
 
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
         """One Verify call, unary or on the stream; errors raise (mapped by the caller)."""

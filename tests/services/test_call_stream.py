@@ -9,14 +9,18 @@ that do not parse end the stream with INVALID_ARGUMENT.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import grpc
 import grpc.aio
 import pytest
 
+from specserve.draft_service.config import DraftServerConfig
+from specserve.draft_service.server import start as start_draft
 from specserve.serving.launch import ServerProcess
 from specserve.serving.replica_stream import ReplicaStream
+from specserve.serving.server import ServerOptions
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.services.conftest import COMMON, DRAFT, TARGET, run, sid
 
@@ -185,3 +189,29 @@ def test_bytes_that_do_not_parse_end_the_stream_invalid_argument(
     error = run(main())
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "does not parse as a specserve.v1.ProposeStreamRequest" in (error.details() or "")
+
+
+def test_a_graceful_shutdown_ends_the_streams_instead_of_waiting_out_its_grace() -> None:
+    """In process, an n-gram draft server (no model): SIGTERM's stop with a 60 s grace
+    returns at once although a stream is open, and the stream's next call is lost."""
+
+    async def main() -> tuple[float, grpc.aio.AioRpcError]:
+        options = ServerOptions(grace_s=60)
+        running = await start_draft(DraftServerConfig(model=None, server=options))
+        await asyncio.to_thread(running.executor.ready.wait)
+        ngram = propose_request(sid(), PROMPT)
+        ngram.sessions[0].drafter = common_pb2.DRAFTER_NGRAM
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            stream = ReplicaStream.propose(channel)
+            await stream.call(ngram, 30)  # the stream is open
+            began = time.monotonic()
+            await running.stop()
+            elapsed = time.monotonic() - began
+            with pytest.raises(grpc.aio.AioRpcError) as gone:
+                await stream.call(ngram, 5)
+            await stream.close()
+        return elapsed, gone.value
+
+    elapsed, gone = run(main())
+    assert elapsed < 10, f"shutdown took {elapsed:.1f} s: it waited for the open stream"
+    assert gone.code() == grpc.StatusCode.UNAVAILABLE  # lost, as a unary call would be
