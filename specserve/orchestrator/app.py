@@ -29,6 +29,7 @@ from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
 from specserve.orchestrator.snapshots.kv_store import ChunkStore
 from specserve.orchestrator.store.redis_settings import embedded_client
 from specserve.orchestrator.store.session_store import SessionStore
+from specserve.serving.replica_stream import ReplicaStream
 from specserve.serving.server import RunningServer, identity_of, start_server
 from specserve.telemetry.process import setup_telemetry
 from specserve.telemetry.tracing import client_interceptors, instrument_redis
@@ -95,6 +96,7 @@ async def start(config: OrchestratorConfig) -> App:
         )
     instrument_redis(store.redis, tracing)
     interceptors = client_interceptors(tracing)
+    streams = config.round_transport == "stream"
     drafts = ReplicaPool(
         "draft",
         config.drafts,
@@ -102,6 +104,7 @@ async def start(config: OrchestratorConfig) -> App:
         refresh_s=config.dns_refresh_s,
         interceptors=interceptors,
         tls=config.replica_tls,
+        stream_factory=ReplicaStream.propose if streams else None,
     )
     targets = ReplicaPool(
         "target",
@@ -110,6 +113,7 @@ async def start(config: OrchestratorConfig) -> App:
         refresh_s=config.dns_refresh_s,
         interceptors=interceptors,
         tls=config.replica_tls,
+        stream_factory=ReplicaStream.verify if streams else None,
     )
     await drafts.start()
     await targets.start()

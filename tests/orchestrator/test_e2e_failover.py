@@ -73,6 +73,8 @@ def test_lost_target_fails_over_with_unchanged_output(
         deltas = [first, *stream]
         assert [t for d in deltas for t in d.token_ids] == expected
         assert deltas[-1].finish_reason == "length"
+        usage = deltas[-1].usage  # the round lost with the target's stream was replayed
+        assert usage is not None and usage.drafted_tokens > 0 and usage.accepted_tokens > 0
     failovers = two_targets.metric("specserve_orchestrator_target_failovers")
     assert sum(failovers.values()) >= 1
     deadline = time.monotonic() + 10

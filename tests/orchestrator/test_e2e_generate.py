@@ -50,15 +50,16 @@ def test_unary_greedy_equals_target_only(
     assert got.text == "".join(f" {t}" for t in expected)  # no tokenizer: ids as text
 
 
-@pytest.fixture
-def fresh(redis_url: str) -> Iterator[Stack]:
-    """A stack of its own, as a new deployment's first request meets the default policy.
+@pytest.fixture(params=["stream", "unary"])
+def fresh(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """A stack of its own, as a new deployment's first request meets the default policy,
+    with its rounds over the data-plane streams (the default) or unary calls.
 
     The session's shared stack has learnt every earlier test's rounds, and on two shared
     cores with a draft as large as its target its planner rightly stops drafting, so
     only a fresh stack can be asked to draft at adaptive k.
     """
-    s = Stack(redis_url)
+    s = Stack(redis_url, orchestrator_args=["--round-transport", request.param])
     try:
         yield s.start()
     finally:

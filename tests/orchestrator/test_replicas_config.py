@@ -12,6 +12,8 @@ from specserve.orchestrator import config
 from specserve.orchestrator.fleet.replicas import EndpointSpec, ReplicaPool
 from specserve.orchestrator.fleet.scheduler import SchedulerConfig
 from specserve.orchestrator.round.calls import RoundTimeouts
+from specserve.serving.replica_stream import ReplicaStream
+from specserve.v1 import draft_pb2_grpc
 
 
 def test_endpoint_lists() -> None:
@@ -139,3 +141,41 @@ def test_round_timeouts_come_from_their_own_flags() -> None:
     t = config.from_args(parser.parse_args(argv)).timeouts
     assert (t.draft_s, t.target_s, t.failover_s) == (1.5, 600.0, 7.0)
     assert t.draft_warm_s == RoundTimeouts().draft_warm_s  # no flag: the default
+
+
+def test_round_transport_flag() -> None:
+    def parse(env: dict[str, str], argv: list[str]) -> str:
+        parser = argparse.ArgumentParser()
+        config.add_arguments(parser, {"SPECSERVE_TARGET_ENDPOINTS": "t:1", **env})
+        return config.from_args(parser.parse_args(argv)).round_transport
+
+    assert parse({}, []) == "stream"  # the data-plane streams are the default
+    assert parse({"SPECSERVE_ROUND_TRANSPORT": "unary"}, []) == "unary"
+    assert parse({"SPECSERVE_ROUND_TRANSPORT": "unary"}, ["--round-transport", "stream"]) == (
+        "stream"
+    )
+    with pytest.raises(InvalidArgument, match="--round-transport must be one of stream, unary"):
+        parse({"SPECSERVE_ROUND_TRANSPORT": "grpc"}, [])
+
+
+def test_a_stream_pool_opens_one_stream_per_replica_lazily() -> None:
+    async def body() -> None:
+        pool = ReplicaPool(
+            "draft",
+            EndpointSpec.parse("127.0.0.1:1,127.0.0.1:2", "draft"),
+            draft_pb2_grpc.DraftServiceStub,
+            stream_factory=ReplicaStream.propose,
+        )
+        await pool.start()
+        streams = [pool.replicas[ep].stream for ep in pool.endpoints()]
+        assert all(isinstance(s, ReplicaStream) for s in streams)
+        assert [s.opened for s in streams if s is not None] == [0, 0]  # none opened yet
+        await pool.close()
+        unary = ReplicaPool(
+            "draft", EndpointSpec.parse("127.0.0.1:1", "draft"), draft_pb2_grpc.DraftServiceStub
+        )
+        await unary.start()
+        assert unary.replicas["127.0.0.1:1"].stream is None
+        await unary.close()
+
+    asyncio.run(body())

@@ -14,12 +14,14 @@ fingerprint of the key, not the key.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -27,8 +29,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from specserve.client import Client, ClientTls
 from specserve.orchestrator.launch import OrchestratorProcess
 from specserve.serving.launch import ServerProcess
-from specserve.serving.tls import sync_channel
-from specserve.v1 import common_pb2, target_pb2_grpc
+from specserve.serving.replica_stream import ReplicaStream
+from specserve.serving.tls import aio_channel, sync_channel
+from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tests.orchestrator.redis_server import free_port, redis_server
 from tests.orchestrator.stack import DRAFT, ENV, SERVER_ARGS, TARGET, Reference, stored_record
 from tests.security.certs import Issued, make_ca
@@ -38,6 +41,7 @@ pytestmark = pytest.mark.redis
 KEY_A = "key-a-0123456789abcdef"
 KEY_B = "key-b-fedcba9876543210"
 KEY_GENERATE_ONLY = "key-g-00112233445566778899"
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE  # a refused handshake: the call never reaches a server
 PROMPT = [5, 9, 14, 5, 9, 14, 5, 9, 14, 77]
 
@@ -175,6 +179,37 @@ def test_a_replica_accepts_only_client_certificates_from_its_ca(secure: SecureSt
     assert get_load(address, ClientTls(ca, mine.cert, mine.key)) >= 0
     for tls in (None, ClientTls(ca), ClientTls(ca, rogue.cert, rogue.key)):
         assert code_of(lambda tls=tls: get_load(address, tls)) == grpc.StatusCode.UNAVAILABLE
+
+
+def stream_verify_code(address: str, tls: ClientTls | None) -> grpc.StatusCode:
+    """The code a Verify on the target's data-plane stream ends with (the request names a
+    token outside the vocabulary: INVALID_ARGUMENT once it reaches the servicer)."""
+    bad = target_pb2.VerifyRequest(
+        sessions=[target_pb2.VerifySession(session_id="tls-probe", new_tokens=[1, 1 << 30])]
+    )
+
+    async def main() -> grpc.StatusCode:
+        async with aio_channel(address, tls) as channel:
+            stream = ReplicaStream.verify(channel)
+            try:
+                await stream.call(bad, 10)
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+            finally:
+                await stream.close()
+        return grpc.StatusCode.OK
+
+    return asyncio.run(main())
+
+
+def test_the_data_plane_stream_needs_a_client_certificate_from_the_ca(
+    secure: SecureStack,
+) -> None:
+    ca, rogue, mine = secure.ca_file, secure.rogue_cert, secure.orchestrator_cert
+    address = secure.target.address
+    assert stream_verify_code(address, ClientTls(ca, mine.cert, mine.key)) == INVALID_ARGUMENT
+    for tls in (None, ClientTls(ca), ClientTls(ca, rogue.cert, rogue.key)):
+        assert stream_verify_code(address, tls) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_an_orchestrator_without_a_client_certificate_cannot_use_the_replicas(

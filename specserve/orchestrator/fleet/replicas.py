@@ -15,6 +15,12 @@ Channels are TLS when the pool has a :class:`~specserve.serving.tls.ClientTls`: 
 replica's certificate must chain to its CA, and the orchestrator presents its own
 certificate (mutual TLS). A replica found by DNS is dialled by IP address, so its
 certificate is checked against the DNS name (or ``ClientTls.server_name``).
+
+Round calls (Propose, Verify) go over one long-lived stream per replica when the
+pool has a ``stream_factory`` (:class:`~specserve.serving.replica_stream.ReplicaStream`,
+opened on the first call, shared by every session's calls, reopened after a break),
+over unary calls otherwise; control calls (Release, GetLoad, ExportKv, ImportKv)
+are always unary.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.engine.errors import InvalidArgument
+from specserve.serving.replica_stream import ReplicaStream
 from specserve.serving.server import MAX_MESSAGE_BYTES
 from specserve.serving.tls import ClientTls, aio_channel
 from specserve.v1 import common_pb2
@@ -73,13 +80,25 @@ class EndpointSpec:
         return bool(self.static or self.dns)
 
 
-class Replica:
-    """One replica: its channel and stub, and whether it is up."""
+# Opens the data-plane stream of one replica's channel (ReplicaStream.propose / .verify).
+StreamFactory = Callable[[grpc.aio.Channel], ReplicaStream[Any, Any]]
 
-    def __init__(self, endpoint: str, channel: grpc.aio.Channel, stub: Any) -> None:
+
+class Replica:
+    """One replica: its channel and stub, its data-plane stream (when rounds go over
+    streams), and whether it is up."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        channel: grpc.aio.Channel,
+        stub: Any,
+        stream: ReplicaStream[Any, Any] | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.channel = channel
         self.stub = stub
+        self.stream = stream  # None: round calls go unary
         self.replica_id = ""  # learnt from its responses
         self.failures = 0
         self.down_until = 0.0
@@ -103,8 +122,10 @@ class ReplicaPool:
         clock: Callable[[], float] = time.monotonic,
         interceptors: Sequence[Any] = (),
         tls: ClientTls | None = None,
+        stream_factory: StreamFactory | None = None,
     ) -> None:
         self.role = role
+        self.stream_factory = stream_factory  # None: round calls go unary
         self.tls = tls
         self.interceptors = list(interceptors)  # e.g. tracing's client interceptors
         self.spec = spec
@@ -129,6 +150,8 @@ class ReplicaPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
         for r in self.replicas.values():
+            if r.stream is not None:
+                await r.stream.close()
             await r.channel.close(grace=None)
         self.replicas.clear()
 
@@ -160,10 +183,13 @@ class ReplicaPool:
                     interceptors=self.interceptors or None,
                     server_name=names.get(ep),
                 )
-                self.replicas[ep] = Replica(ep, channel, self.stub_factory(channel))
+                stream = self.stream_factory(channel) if self.stream_factory else None
+                self.replicas[ep] = Replica(ep, channel, self.stub_factory(channel), stream)
                 changed = True
         for ep in [ep for ep in self.replicas if ep not in wanted]:
             gone = self.replicas.pop(ep)
+            if gone.stream is not None:
+                await gone.stream.close()
             await gone.channel.close(grace=5.0)
             changed = True
         if changed and self.on_change is not None:

@@ -49,7 +49,10 @@ async def propose_ahead(
         sessions=[draft_wire.draft_session(x, DRAFTER) for x in inputs]
     )
     try:
-        response = await replica.stub.Propose(request, timeout=timeout_s)
+        if replica.stream is not None:
+            response = await replica.stream.call(request, timeout_s)
+        else:
+            response = await replica.stub.Propose(request, timeout=timeout_s)
     except grpc.aio.AioRpcError as e:
         log.info("draft-ahead on %s failed: %s: %s", endpoint, e.code().name, e.details())
         return {}

@@ -25,6 +25,10 @@
   says where its news starts, and the random draws depend only on (seed, round,
   position).
 
+Over the data-plane streams (:class:`~specserve.serving.replica_stream.ReplicaStream`,
+the default) a call fails with the same codes as the unary call, and a broken stream
+fails every call in flight on it as a lost unary call: the rules above apply unchanged.
+
 Converters are the services' own (:mod:`specserve.draft_service.convert`,
 :mod:`specserve.target_service.convert`), so both ends of a field agree.
 """
@@ -191,6 +195,8 @@ async def propose(
     sessions = [s for s, _ in items]
 
     async def call(which: list[LiveSession], full: bool) -> draft_pb2.ProposeResponse:
+        if replica.stream is not None:
+            return await replica.stream.call(request(which, full), timeout_s)
         return await replica.stub.Propose(request(which, full), timeout=timeout_s)
 
     def short(s: LiveSession) -> bool:
@@ -288,7 +294,11 @@ async def verify(
     sessions = [s for s, _ in items]
 
     async def call(which: list[LiveSession], full: bool) -> target_pb2.VerifyResponse:
-        rpc = replica.stub.Verify(request(which, full), timeout=timeout_s)
+        rpc = (
+            replica.stream.call(request(which, full), timeout_s)
+            if replica.stream is not None
+            else replica.stub.Verify(request(which, full), timeout=timeout_s)
+        )
         return await call_watched(replica, rpc, stall_s)
 
     try:
