@@ -180,14 +180,19 @@ async def run_streams(
     new_tokens: int,
     drafter: str,
     k: int | None = None,
+    ignore_eos: bool = False,
 ) -> tuple[float, list[Stream]]:
-    """Send every prompt at once as a streaming request (greedy; ``k`` None = adaptive);
-    wall time from the first request to the last token, and what arrived."""
+    """Send every prompt at once as a streaming request (greedy; ``k`` None = adaptive;
+    ``ignore_eos``: every stream makes ``new_tokens``); wall time from the first request
+    to the last token, and what arrived."""
     async with AsyncClient(address, timeout_s=3600) as client:
 
         async def one(prompt: list[int]) -> Stream:
             s = Stream(time.perf_counter())
-            async for d in client.stream(prompt, max_new_tokens=new_tokens, drafter=drafter, k=k):
+            deltas = client.stream(
+                prompt, max_new_tokens=new_tokens, drafter=drafter, k=k, ignore_eos=ignore_eos
+            )
+            async for d in deltas:
                 if d.token_ids:
                     s.arrivals.append((time.perf_counter(), len(d.token_ids)))
                     s.tokens += d.token_ids
@@ -212,12 +217,13 @@ def measure(
     new_tokens: int,
     drafter: str,
     k: int | None = None,
+    ignore_eos: bool = False,
 ) -> Run:
     """One batch through the orchestrator of ``setting``, recorded as variant ``name``."""
     port = st.metrics_ports[setting]
     before, caps_before = orchestrator_counts(port)
     address = st.orchestrators[setting].address
-    wall, streams = asyncio.run(run_streams(address, batch, new_tokens, drafter, k))
+    wall, streams = asyncio.run(run_streams(address, batch, new_tokens, drafter, k, ignore_eos))
     after, caps_after = orchestrator_counts(port)
     run = Run(
         name,

@@ -1,0 +1,244 @@
+"""Rounds at accelerator speed: the stack against the local loop, speculation against plain.
+
+Tiny models whose every forward takes a fixed device time while the CPU idles
+(:mod:`bench.emulated_device`), at each ``--settings`` pair DRAFT_MS/TARGET_MS
+(default draft 2 ms / target 12 ms, a 7B target on one H100, and 1 ms / 6 ms).
+For each setting:
+
+1. **the local loop** (:class:`specserve.local.LocalRunner`, one session, in a
+   child process that exits before the servers load): plain decoding (k = 0) and
+   adaptive speculation, interleaved prompt by prompt;
+2. **the stack**: a target server, a draft server and one orchestrator declared
+   ``--devices separate``, as separate processes on loopback (embedded session
+   store; :func:`bench.serving_stack.serving_stack`); at each of ``--sessions``
+   (default 1, 8, 32) concurrent streaming requests, plain (drafter none) and
+   adaptive (the orchestrator's defaults), interleaved: repetition j sends the
+   same prompts to both, and a repetition's single session the prompt its local
+   runs decoded;
+3. **where a round goes**: ``--traced`` single-session requests per variant, traced
+   through the three processes (:mod:`bench.emulated_gpu_phases`), split into
+   device, transport, servers, orchestrator and store.
+
+Greedy, EOS ignored (every stream makes ``--new-tokens``), HumanEval prompts as
+UTF-8 bytes. Every stream's tokens are checked against plain decoding's for the
+same prompt (stack against stack, local against local and against the stack's
+single session); a difference is reported as wrong.
+
+    .venv/bin/python -m bench.emulated_gpu [--settings 2/12,1/6] [--sessions 1,8,32] \\
+        [--reps 3] [--new-tokens 64]
+
+Writes ``bench/results/emulated_gpu.{md,json,png}``; the JSON's ``headline`` has
+``stack_over_local`` (setting -> plain / adaptive, one session) and
+``adaptive_over_plain`` (setting -> sessions), with the issue's targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import multiprocessing
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bench import emulated_gpu_report as report
+from bench.common import LoadProbe, environment, write_results
+from bench.concurrency import LocalRun, prompt_ids, prompts
+from bench.emulated_gpu_phases import round_phases, traced_environment
+from bench.serving_stack import OrchestratorSetting, Run, measure, run_streams, serving_stack
+from specserve.telemetry.receiver import TraceReceiver
+
+ORCHESTRATOR = "separate"
+SETTING_FLAGS = OrchestratorSetting(("--devices", "separate"))
+# variant -> (drafter, k): k None = adaptive
+VARIANTS = {"plain": ("none", 0), "adaptive": ("model", None)}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Device time per forward, in milliseconds."""
+
+    draft_ms: float
+    target_ms: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.draft_ms:g}/{self.target_ms:g}"
+
+    @classmethod
+    def parse(cls, text: str) -> Setting:
+        draft, sep, target = text.partition("/")
+        if not sep:
+            raise ValueError(f"a setting is DRAFT_MS/TARGET_MS, e.g. 2/12; got {text!r}")
+        setting = cls(float(draft), float(target))
+        if setting.draft_ms < 0 or setting.target_ms < 0:
+            raise ValueError(f"device times cannot be negative: {text!r}")
+        return setting
+
+
+# -- the local loop, in a child process ------------------------------------------------------
+
+
+def local_runs(
+    models: dict[str, Any], setting: Setting, prompt_list: list[list[int]], new_tokens: int
+) -> list[LocalRun]:
+    """Single-session local decoding of each prompt, variants interleaved (child process)."""
+    from bench.emulated_device import emulate_local
+    from specserve.engine.sampling import SamplingParams
+    from specserve.local import LocalConfig, LocalRunner
+
+    runner = LocalRunner(LocalConfig(**models))
+    emulate_local(runner, setting.draft_ms, setting.target_ms)
+    for drafter, k in VARIANTS.values():  # untimed warm-up
+        warm = prompt_list[0][:32]
+        runner.generate(warm, SamplingParams(), max_new_tokens=8, drafter=drafter, k=k)
+    out = []
+    for rep, prompt in enumerate(prompt_list):
+        for name, (drafter, k) in VARIANTS.items():
+            c = runner.generate(
+                prompt,
+                SamplingParams(),
+                max_new_tokens=new_tokens,
+                drafter=drafter,
+                k=k,
+                ignore_eos=True,
+            )
+            s = c.stats
+            out.append(LocalRun(name, rep, c.tokens, c.seconds, s.drafted, s.accepted, s.rounds))
+            print(f"{setting.label} local rep {rep} {name}: {c.tokens_per_second:.2f} tok/s")
+    return out
+
+
+def run_local_in_child(
+    args: argparse.Namespace, setting: Setting, prompt_list: list[list[int]]
+) -> list[LocalRun]:
+    models = {
+        "target": args.target,
+        "draft": args.draft,
+        "target_dtype": args.target_dtype,
+        "draft_dtype": args.draft_dtype,
+        "threads": args.threads,
+    }
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        job = pool.submit(local_runs, models, setting, prompt_list, args.new_tokens)
+        return job.result()
+
+
+# -- the stack -------------------------------------------------------------------------------
+
+
+def stack_namespace(args: argparse.Namespace, setting: Setting) -> argparse.Namespace:
+    """What :func:`serving_stack` reads, for one setting."""
+    return argparse.Namespace(
+        target=args.target,
+        draft=args.draft,
+        target_dtype=args.target_dtype,
+        draft_dtype=args.draft_dtype,
+        threads=args.threads,
+        emulate_devices=(setting.draft_ms, setting.target_ms),
+        target_timeout_s=args.target_timeout_s,
+        logs=None,
+    )
+
+
+def run_stack(
+    args: argparse.Namespace, setting: Setting, prompt_list: list[list[int]]
+) -> tuple[list[Run], dict[str, Any]]:
+    """The timed runs of one setting, then its traced single-session requests."""
+    runs: list[Run] = []
+    widest = max(args.sessions)
+    stack_args = stack_namespace(args, setting)
+    with (
+        TraceReceiver() as receiver,
+        traced_environment(receiver),
+        serving_stack(stack_args, {ORCHESTRATOR: SETTING_FLAGS}) as st,
+    ):
+        address = st.orchestrators[ORCHESTRATOR].address
+        for drafter, k in VARIANTS.values():  # untimed warm-up at the widest batch
+            asyncio.run(run_streams(address, prompt_list[:widest], 8, drafter, k, True))
+        for rep in range(args.reps):
+            for c in args.sessions:
+                batch = [prompt_list[i] for i in prompt_ids(rep, c, widest)]
+                for name, (drafter, k) in VARIANTS.items():
+                    run = measure(
+                        st, ORCHESTRATOR, name, rep, batch, args.new_tokens, drafter, k, True
+                    )
+                    runs.append(run)
+        traced_prompts = [prompt_list[(i * widest) % len(prompt_list)] for i in range(args.traced)]
+        phases = {
+            name: round_phases(address, receiver, traced_prompts, args.new_tokens, drafter)
+            for name, (drafter, _) in VARIANTS.items()
+        }
+    return runs, phases
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def int_list(text: str) -> list[int]:
+    return sorted({int(x) for x in text.split(",") if x})
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--settings", default="2/12,1/6", help="DRAFT_MS/TARGET_MS per forward, ...")
+    p.add_argument("--sessions", type=int_list, default=[1, 8, 32], help="concurrent sessions")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (each with its own prompts)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens per stream (EOS ignored)")
+    p.add_argument("--traced", type=int, default=3, help="traced requests per variant")
+    p.add_argument("--target", default="tiny:3")
+    p.add_argument("--draft", default="tiny:3:noise=0.3")
+    p.add_argument("--target-dtype", default="float32")
+    p.add_argument("--draft-dtype", default="float32")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per server and local")
+    p.add_argument("--target-timeout-s", type=float, default=600.0)
+    p.add_argument("--no-write", action="store_true", help="print, do not write results")
+    args = p.parse_args(argv)
+    try:
+        args.settings = [Setting.parse(s) for s in args.settings.split(",") if s]
+    except ValueError as e:
+        p.error(str(e))
+    if 1 not in args.sessions:
+        p.error("--sessions must include 1: the stack is compared with the local loop there")
+    if args.reps < 1 or args.new_tokens < 2 or args.traced < 0:
+        p.error("--reps >= 1, --new-tokens >= 2 and --traced >= 0, please")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns what the JSON holds (written unless ``--no-write``)."""
+    args = parse_args(argv)
+    widest = max(args.sessions)
+    prompt_list = prompts(args.target, args.reps * widest)
+    env = environment()
+    probe = LoadProbe(children=True)  # the servers and the local child are ours
+    started = time.monotonic()
+    per_setting = {}
+    for setting in args.settings:
+        singles = [prompt_list[i * widest] for i in range(args.reps)]
+        local = run_local_in_child(args, setting, singles)
+        runs, phases = run_stack(args, setting, prompt_list)
+        per_setting[setting.label] = report.summarize_setting(runs, local, phases)
+    env["other_processes_cpu_share"] = probe.others_share()
+    env["bench_minutes"] = (time.monotonic() - started) / 60
+    argv_list = list(argv) if argv is not None else sys.argv[1:]
+    data = {
+        "headline": report.headline(per_setting),
+        "settings": per_setting,
+        "args": {**vars(args), "settings": [s.label for s in args.settings]},
+        "environment": env,
+    }
+    markdown = report.markdown(data, argv_list)
+    print(markdown)
+    if not args.no_write:
+        md_path, _ = write_results("emulated_gpu", markdown, data)
+        report.plot(data, md_path.with_suffix(".png"))
+    return data
+
+
+if __name__ == "__main__":
+    main()

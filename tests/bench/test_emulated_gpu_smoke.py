@@ -1,0 +1,51 @@
+"""bench.emulated_gpu runs end to end on tiny models (one setting, few tokens, nothing
+written), and its targets are judged from the figures it measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import emulated_gpu, emulated_gpu_report
+
+
+@pytest.mark.timeout(1800)  # three processes and a local loop start; minutes on a busy machine
+def test_a_short_run_measures_every_ratio_and_where_a_round_goes() -> None:
+    argv = ["--settings", "2/12", "--sessions", "1,2", "--reps", "1"]
+    argv += ["--new-tokens", "8", "--traced", "1", "--no-write"]
+    data = emulated_gpu.main(argv)
+    headline = data["headline"]
+    assert set(headline["stack_over_local"]["2/12"]) == {"plain", "adaptive"}
+    assert set(headline["adaptive_over_plain"]["2/12"]) == {"1", "2"}
+    assert headline["greedy_equal"]
+    claims = [t["claim"] for t in headline["targets"]]
+    assert "2/12: one session through the stack / local loop, adaptive" in claims
+    setting = data["settings"]["2/12"]
+    assert setting["greedy"]["compared"] > 0
+    for variant in ("plain", "adaptive"):
+        phases = setting["phases"][variant]
+        assert phases["rounds"] > 0
+        ms = phases["ms_per_round"]
+        assert ms["device"] >= 12.0  # at least the target's forward, every round
+        assert ms["transport"] > 0 and ms["servers"] > 0
+        assert sum(ms[p] for p in emulated_gpu_report.PARTS) == pytest.approx(ms["round"])
+
+
+def test_targets_are_judged_from_the_figures() -> None:
+    setting = {
+        "stack_over_local": {"plain": {"median": 0.97}, "adaptive": {"median": 0.9}},
+        "adaptive_over_plain": {"1": 1.1, "8": 1.4, "32": 1.25},
+    }
+    verdicts = {t["claim"]: t["met"] for t in emulated_gpu_report.targets({"2/12": setting})}
+    assert verdicts == {
+        "2/12: one session through the stack / local loop, plain": True,
+        "2/12: one session through the stack / local loop, adaptive": False,
+        "2/12: adaptive / plain through the stack at 1 sessions": True,
+        "2/12: adaptive / plain through the stack at 8 sessions": False,
+        "2/12: adaptive / plain through the stack at 32 sessions": True,
+    }
+
+
+def test_a_setting_is_draft_ms_slash_target_ms() -> None:
+    assert emulated_gpu.Setting.parse("1/6").label == "1/6"
+    with pytest.raises(ValueError, match="DRAFT_MS/TARGET_MS"):
+        emulated_gpu.Setting.parse("2,12")
