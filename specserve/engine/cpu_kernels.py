@@ -31,12 +31,15 @@ cache misses instead of ~10 us. The kernels here answer both:
 ``typed_linears(x, ws, types, bs)``, ``typed_gate_up_silu(x, wg, tg, wu, tu)``
     The same with each weight's kind given: 0 for a float32 / bfloat16 tensor, a GGML
     type (:class:`~specserve.engine.quant.GGMLType`) for uint8 quantized blocks
-    ``[out, bytes_per_row]`` (``cpu_kernels_quant.cpp``). The blocks are widened in
-    registers with the reference dequantization's float operations and meet ``x`` in
-    the float32 tiles' FMAs, lanes and order: the bits of the float32 kernel on the
-    dequantized matrix. Up to 3 rows the widened weights stay in registers; more, each
-    256-value chunk of a block of weight rows is widened once into L1 and every tile of
-    rows reads it there.
+    ``[out, bytes_per_row]`` (``cpu_kernels_qblocks.cpp`` widens, ``cpu_kernels_quant.cpp``
+    multiplies). The blocks are widened in registers with the reference dequantization's
+    float operations and meet ``x`` in the float32 tiles' FMAs, lanes and order: the bits
+    of the float32 kernel on the dequantized matrix. On AVX-512 a Q4_K sub-block's 16
+    possible values (``d1 * q - m1``) and a Q5_0 block's 32 are computed once as a
+    register table and each weight is a permute of it; a Q6_K half-block's bytes are
+    loaded once for its four parts. Up to 3 rows the widened weights stay in registers;
+    more, each 256-value chunk of a block of weight rows is widened once into L1 and
+    every tile of rows reads it there.
 ``dequantize(blocks, type, K)``, ``dequantize_into(blocks, type, K, out)``
     The float32 matrix of quantized rows, widened as above; the second writes a tile of
     rows into the caller's buffer (products past
@@ -79,7 +82,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _LIB = "specserve_cpu"
-_SOURCES = ("cpu_kernels.cpp", "cpu_kernels_quant.cpp")
+_SOURCES = ("cpu_kernels.cpp", "cpu_kernels_qblocks.cpp", "cpu_kernels_quant.cpp")
 
 # Compiler flags per torch CPU capability; the define picks the vector code in the source.
 CAPABILITIES = ("AVX512", "AVX2")

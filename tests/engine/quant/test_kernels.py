@@ -68,7 +68,14 @@ def test_widening_equals_the_reference_dequantization(
 ) -> None:
     w = random_weight(ggml_type, out, k, seed=out + k)
     got = lib.dequantize(w.blocks, int(ggml_type), k)
-    assert got.dtype == torch.float32 and torch.equal(got, w.dequantize())
+    want = w.dequantize()
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    # Bit for bit, the sign of zero included (a zero quant times a negative scale is -0.0;
+    # torch.equal alone would take +0.0 for it).
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert (want.view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).any() or (
+        ggml_type == GGMLType.Q4_K  # its scales are never negative
+    )
 
 
 @pytest.mark.parametrize(("ggml_type", "out", "k"), SHAPES)
