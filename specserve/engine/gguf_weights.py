@@ -17,6 +17,8 @@ Two forms (:class:`~specserve.engine.model_spec.WeightForm`):
     file" that the quantized form is exact against. Other types go through the
     ``gguf`` package's dequantizer.
 
+Without a form named, :func:`default_weight_form` picks one for the device.
+
 Quantized blocks are copied out of the file mapping into the process's memory at
 load (``prepare`` then moves them onto huge pages), so the file can be closed and
 the resident set is the model's own bytes.
@@ -28,10 +30,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from specserve.engine import cpu_kernels
 from specserve.engine.errors import ModelLoadError
 from specserve.engine.gguf_reader import GGUFCheckpoint, GGUFTensor
 from specserve.engine.model import CausalLM
-from specserve.engine.model_spec import WeightForm
+from specserve.engine.model_spec import DEFAULT_WEIGHT_FORM, WeightForm
 from specserve.engine.quant import GGMLType, QuantizedWeight, dequantize
 from specserve.engine.quantized_layers import QuantizedEmbedding, set_quantized_weight
 
@@ -49,7 +52,19 @@ _EMBEDDING = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
 
 
-def _keeps_blocks(t: GGUFTensor) -> bool:
+def default_weight_form(device: torch.device) -> WeightForm:
+    """The form of a GGUF file whose spec names none: :data:`DEFAULT_WEIGHT_FORM`
+    (``quantized``) on a CPU with the engine's kernels, which read the blocks; elsewhere
+    (a GPU, a CPU without AVX2 or a compiler) nothing reads blocks, and every product
+    would dequantize its whole matrix again, so ``dequantized``: once, at load."""
+    if device.type == "cpu" and cpu_kernels.kernels() is not None:
+        return DEFAULT_WEIGHT_FORM
+    return WeightForm.DEQUANTIZED
+
+
+def keeps_blocks(t: GGUFTensor) -> bool:
+    """Whether the quantized form keeps ``t`` as blocks (a projection, the embedding or
+    the LM head, in a type the kernels read)."""
     if len(t.shape) != 2 or t.ggml_type not in GGMLType._value2member_map_:
         return False
     return t.name in (_EMBEDDING, _LM_HEAD) or t.name.endswith(_BLOCK_SUFFIXES)
@@ -103,7 +118,7 @@ def fill_from_gguf(
             )
         owner_name, _, attr = t.name.rpartition(".")
         owner = model.get_submodule(owner_name)
-        if form is WeightForm.QUANTIZED and _keeps_blocks(t):
+        if form is WeightForm.QUANTIZED and keeps_blocks(t):
             weight = _blocks(t, device)
             if t.name == _EMBEDDING:
                 embedding = weight

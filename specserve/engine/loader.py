@@ -30,10 +30,10 @@ from specserve.engine.config import ModelConfig
 from specserve.engine.dtypes import DTYPES, parse_dtype
 from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
 from specserve.engine.gguf_reader import GGUFCheckpoint, is_gguf
-from specserve.engine.gguf_weights import fill_from_gguf
+from specserve.engine.gguf_weights import default_weight_form, fill_from_gguf
 from specserve.engine.hugepages import move_to_huge_pages
 from specserve.engine.model import CausalLM
-from specserve.engine.model_spec import DEFAULT_WEIGHT_FORM, ModelSpec, WeightForm
+from specserve.engine.model_spec import ModelSpec, WeightForm
 from specserve.engine.quantized_layers import is_quantized
 from specserve.engine.rope import RotaryEmbedding
 from specserve.engine.tiny import tiny_from_spec
@@ -180,15 +180,16 @@ def load_model(
     device: str | torch.device = "cpu",
     *,
     huge_pages: bool = True,
-    weights: WeightForm | str = DEFAULT_WEIGHT_FORM,
+    weights: WeightForm | str | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Load the model directory or GGUF file ``source`` as a :class:`CausalLM` in ``dtype``
     on ``device``.
 
     A GGUF file's block-quantized matrices stay blocks (``weights="quantized"``) or are
     dequantized to ``dtype`` at load (``"dequantized"``); its other tensors are read in
-    ``dtype`` (:mod:`specserve.engine.gguf_weights`). ``weights`` does not matter for a
-    safetensors directory.
+    ``dtype`` (:mod:`specserve.engine.gguf_weights`); ``None`` picks the device's default
+    (:func:`~specserve.engine.gguf_weights.default_weight_form`: quantized on a CPU with
+    the kernels). ``weights`` does not matter for a safetensors directory.
 
     On CPU the weights then move onto transparent huge pages where the kernel offers
     them (:mod:`specserve.engine.hugepages`): resident, 64-byte aligned memory that a
@@ -201,9 +202,10 @@ def load_model(
     """
     if dtype not in DTYPES.values():
         raise InvalidArgument(f"dtype {dtype} is not supported; choose from {', '.join(DTYPES)}")
-    form = WeightForm.parse(str(weights))
+    form = None if weights is None else WeightForm.parse(str(weights))
     path = _model_path(source)
     if path.is_file():
+        form = form or default_weight_form(torch.device(device))
         with GGUFCheckpoint(path) as checkpoint:
             cfg = checkpoint.config()
             model = _meta_model(cfg)

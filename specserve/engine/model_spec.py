@@ -5,9 +5,10 @@ A spec is either a tiny random test model,
 :mod:`specserve.engine.tiny`), or a *source*: a model directory, a GGUF file, the name of
 a model in the store or a hub id, optionally followed by ``:weights=quantized`` or
 ``:weights=dequantized`` (:class:`WeightForm`: how a GGUF file's block-quantized matrices
-are held; default :data:`DEFAULT_WEIGHT_FORM`). The engine only parses a source; turning
-it into a local directory or GGUF file (store look-up, hub download) is the model store's
-job, a layer above the engine.
+are held; without it, the default of the device the model loads on,
+:func:`~specserve.engine.gguf_weights.default_weight_form`). The engine only parses a
+source; turning it into a local directory or GGUF file (store look-up, hub download) is
+the model store's job, a layer above the engine.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ class WeightForm(enum.StrEnum):
             raise InvalidArgument(f"weights {name!r} is not one of {choices}") from None
 
 
-# What a GGUF file loads as when its spec names no form: the float32 path the demo pair
-# has always run, until the real pair has been run and measured in the quantized form.
-DEFAULT_WEIGHT_FORM = WeightForm.DEQUANTIZED
+# What a GGUF file loads as on a CPU with the engine's kernels when its spec names no
+# form: the blocks as shipped, which the kernels read with the bits of the dequantized
+# float32 model (default_weight_form in gguf_weights picks per device).
+DEFAULT_WEIGHT_FORM = WeightForm.QUANTIZED
 _TINY_FORM = "tiny:<seed>[:<model_type>][:noise=<x>][:vocab=<n>][:ctx=<n>]"
 
 
@@ -76,7 +78,7 @@ class ModelSpec:
 
     text: str  # as given, for messages and child-process flags
     tiny: TinySpec | None = None
-    weights: WeightForm = DEFAULT_WEIGHT_FORM  # a GGUF source's form
+    weights: WeightForm | None = None  # a GGUF source's form; None: the device's default
 
     @property
     def is_tiny(self) -> bool:

@@ -40,7 +40,11 @@ def runner():
     from specserve.local import LocalConfig, LocalRunner
 
     torch.set_num_threads(2)
-    r = LocalRunner(LocalConfig(target=TARGET, draft=DRAFT, draft_dtype="bfloat16"))
+    # The float32 target: the store's GGUF dequantized at load (the default form on a
+    # CPU keeps its blocks; tests/e2e/test_qwen_pair_quantized.py runs that one).
+    r = LocalRunner(
+        LocalConfig(target=f"{TARGET}:weights=dequantized", draft=DRAFT, draft_dtype="bfloat16")
+    )
     yield r
     torch.set_num_threads(1)
 

@@ -250,10 +250,10 @@ def test_quantized_tensor_parallel_shards_sum_to_the_full_product() -> None:
 
 def test_spec_names_the_weight_form(files: dict[str, Path]) -> None:
     from specserve.engine.loader import load_spec
-    from specserve.engine.model_spec import DEFAULT_WEIGHT_FORM, ModelSpec, WeightForm
+    from specserve.engine.model_spec import ModelSpec, WeightForm
 
     plain = ModelSpec.parse("qwen2.5-coder-1.5b-instruct")
-    assert plain.weights is DEFAULT_WEIGHT_FORM and plain.source == plain.text
+    assert plain.weights is None and plain.source == plain.text  # the device's default
     spec = ModelSpec.parse(f"{files['qwen2']}:weights=dequantized")
     assert spec.weights is WeightForm.DEQUANTIZED and spec.source == str(files["qwen2"])
     with pytest.raises(InvalidArgument, match=r"weights 'fp8' is not one of quantized"):
@@ -268,3 +268,23 @@ def test_spec_names_the_weight_form(files: dict[str, Path]) -> None:
     assert any(quantized_weights(loaded.model))
     unmoved, _ = load_model(files["qwen2"], huge_pages=False, weights="quantized")
     assert torch.equal(logits(loaded.model), logits(unmoved))
+
+
+def test_a_gguf_file_loads_quantized_by_default_where_the_kernels_read_blocks(
+    files: dict[str, Path],
+) -> None:
+    """No form named: blocks on a CPU with the kernels, dequantized on other devices and
+    on a CPU without them (where every product would dequantize its matrix again)."""
+    from specserve.engine import cpu_kernels
+    from specserve.engine.gguf_weights import default_weight_form
+    from specserve.engine.model_spec import DEFAULT_WEIGHT_FORM, WeightForm
+
+    assert DEFAULT_WEIGHT_FORM is WeightForm.QUANTIZED
+    assert default_weight_form(torch.device("meta")) is WeightForm.DEQUANTIZED
+    has_kernels = cpu_kernels.kernels() is not None
+    model, _ = load_model(files["qwen2"], huge_pages=False)
+    assert any(quantized_weights(model)) is has_kernels
+    if has_kernels:
+        assert default_weight_form(torch.device("cpu")) is WeightForm.QUANTIZED
+        dequantized, _ = load_model(files["qwen2"], huge_pages=False, weights="dequantized")
+        assert torch.equal(logits(model), logits(dequantized))
