@@ -67,3 +67,16 @@ def is_quantized(model: nn.Module) -> bool:
 def quantized_bytes(model: nn.Module) -> int:
     """Bytes of the distinct quantized weights of ``model``."""
     return sum({id(w): w.nbytes for _, _, w in quantized_weights(model)}.values())
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct tensor ``model`` holds: parameters, buffers and the
+    blocks of its quantized weights (a tied head's once). A model that kept a float32
+    copy of a quantized matrix (a cache, a stale parameter) would count it here."""
+    storages: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [w.blocks for _, _, w in quantized_weights(model)]
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
