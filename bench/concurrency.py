@@ -1,18 +1,13 @@
 """Concurrent sessions through the whole stack: plain batched decoding vs adaptive speculation.
 
-A target server, a draft server and one orchestrator per setting the variants
-need (draft-ahead on, off, a curve-only k cap; embedded session stores) run as
-separate processes on loopback, started the way ``specserve up`` starts them.
+A target server, a draft server and one orchestrator with its defaults (embedded
+session store) run as separate processes on loopback, started the way ``specserve up`` starts them.
 For 1, 2, 4 and 8 concurrent streaming ``GenerateStream`` requests (HumanEval
 prompts, greedy, ``--new-tokens`` each) the variants run, interleaved at every
 concurrency (A B C, A B C, ...):
 
 * ``plain``: drafter none, k = 0 — plain batched decoding through the same path;
-* ``adaptive``: the draft model with adaptive k, draft-ahead on;
-* ``adaptive, no draft-ahead``: the same with ``--draft-ahead off`` (the
-  orchestrator's defaults);
-* ``curve`` (on request): the defaults with ``--k-cap curve``, the k cap from the
-  load curve alone instead of the measured k cap.
+* ``adaptive``: the draft model with adaptive k (the orchestrator's default policy).
 
 Each repetition uses its own prompts, the same for every variant, so greedy
 tokens must agree across variants (a stream that differs from ``plain`` is
@@ -76,17 +71,11 @@ class Variant:
     drafter: str  # "none" = plain decoding
 
 
-# One orchestrator process per setting; "off" is the orchestrator's defaults.
-ORCHESTRATORS = {
-    "on": OrchestratorSetting(("--draft-ahead", "on")),
-    "off": OrchestratorSetting(("--draft-ahead", "off")),
-    "curve": OrchestratorSetting(("--draft-ahead", "off", "--k-cap", "curve")),
-}
+# One orchestrator process per setting; "default" is the orchestrator's defaults.
+ORCHESTRATORS = {"default": OrchestratorSetting()}
 VARIANTS = {
-    "plain": Variant("plain (k = 0)", "off", "none"),
-    "adaptive": Variant("adaptive k, draft-ahead", "on", "model"),
-    "no-ahead": Variant("adaptive k, no draft-ahead", "off", "model"),
-    "curve": Variant("adaptive k, no draft-ahead, curve-only k cap", "curve", "model"),
+    "plain": Variant("plain (k = 0)", "default", "none"),
+    "adaptive": Variant("adaptive k", "default", "model"),
 }
 LOCAL_VARIANTS = {"plain (k = 0)": ("none", 0), "adaptive k": ("model", None)}
 
@@ -221,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=3, help="repetitions (each with its own prompts)")
     p.add_argument(
         "--variants",
-        default="plain,adaptive,no-ahead",
+        default="plain,adaptive",
         help=f"comma list of {', '.join(VARIANTS)} (plain is always run: the baseline)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads per server and local")

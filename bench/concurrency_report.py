@@ -16,15 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import environment_md, reproduce_command
-from specserve.orchestrator.fleet.scheduler import SchedulerConfig
 
 if TYPE_CHECKING:
     from bench.concurrency import LocalRun, Run
 
 PLAIN = "plain (k = 0)"
-AHEAD = "adaptive k, draft-ahead"
-NO_AHEAD = "adaptive k, no draft-ahead"
-LOCAL_ADAPTIVE = "adaptive k"
+ADAPTIVE = LOCAL_ADAPTIVE = "adaptive k"
 SINGLE_SESSION_TARGET = 0.95
 
 
@@ -39,9 +36,8 @@ def pct(values: Sequence[float], q: float) -> float:
 
 def default_adaptive(names: Sequence[str]) -> str | None:
     """The adaptive variant the orchestrator's defaults give, else any adaptive one run."""
-    preferred = AHEAD if SchedulerConfig().draft_ahead else NO_AHEAD
-    if preferred in names:
-        return preferred
+    if ADAPTIVE in names:
+        return ADAPTIVE
     return next((n for n in names if n != PLAIN), None)
 
 
@@ -78,8 +74,6 @@ def variant_row(runs: list[Run], plain: dict[tuple[int, int], Run]) -> dict[str,
         "ttft_p50_s": pct([s.ttft_s for s in streams if s.arrivals], 0.5),
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_acceptance_length": 1 + accepted / rounds if rounds and drafted else None,
-        "draft_ahead_bets": sum(r.draft_ahead.get("bets", 0) for r in runs),
-        "draft_ahead_hits": sum(r.draft_ahead.get("hits", 0) for r in runs),
         "k_cap_rounds": {
             cap: sum(r.k_caps.get(cap, 0.0) for r in runs)
             for cap in sorted({cap for r in runs for cap in r.k_caps})
@@ -213,22 +207,16 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, A
         "plain decoding's.",
         "",
         "| sessions | variant | tok/s | vs plain | ITL p50 ms | ITL p99 ms | stall p99 ms "
-        "| TTFT p50 s | acceptance | mean acc. length | draft-ahead hits / bets "
-        "| rounds by k cap | wrong |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| TTFT p50 s | acceptance | mean acc. length | rounds by k cap | wrong |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in summary["stack"]:
-        ahead = (
-            f"{r['draft_ahead_hits']:.0f} / {r['draft_ahead_bets']:.0f}"
-            if r["draft_ahead_bets"]
-            else "–"
-        )
         lines.append(
             f"| {r['concurrency']} | {r['variant']} | {r['tokens_per_s']:.2f} | "
             f"{_ratios(r)} | {_num(r['itl_p50_ms'], '.0f')} | "
             f"{_num(r['itl_p99_ms'], '.0f')} | {_num(r['stall_p99_ms'], '.0f')} | "
             f"{_num(r['ttft_p50_s'])} | {_pct(r['acceptance_rate'])} | "
-            f"{_num(r['mean_acceptance_length'])} | {ahead} | {_caps(r)} | "
+            f"{_num(r['mean_acceptance_length'])} | {_caps(r)} | "
             f"{r['wrong_streams']} |"
         )
     if summary["local"]:

@@ -9,16 +9,14 @@ back to back (A B C ..., and again in the next repetition), on the same prompts:
 * ``plain``: drafter none, k = 0: plain batched decoding, the baseline;
 * ``k=N`` for each of ``--fixed-ks``: the model drafter at the request's fixed k
   (the report picks the best one per concurrency);
-* ``curve-only``: the load curve's cap alone, the other components off;
 * ``default``: the full default policy;
-* the full policy with one component switched in turn (the rest of :data:`VARIANTS`).
+* any further row of :data:`VARIANTS`: the default with some ``PolicyConfig`` fields set.
 
-:data:`VARIANTS` is the table to edit: a variant's environment (``SPECSERVE_K_CAP``,
-``SPECSERVE_DRAFT_AHEAD`` and ``SPECSERVE_POLICY`` fields of ``PolicyConfig``), its
-drafter and its request k. Every orchestrator also gets ``SPECSERVE_DEVICES`` from
-``--devices`` (by default shared: the servers share this machine's cores). A
-variant whose ``PolicyConfig`` field the orchestrator does not have is refused
-before anything starts.
+:data:`VARIANTS` is the table to edit: a variant's environment (``SPECSERVE_*``, and
+``SPECSERVE_POLICY`` fields of ``PolicyConfig``), its drafter and its request k. Every
+orchestrator also gets ``SPECSERVE_DEVICES`` from ``--devices`` (by default shared: the
+servers share this machine's cores). A variant whose ``PolicyConfig`` field the
+orchestrator does not have is refused before anything starts.
 
 Greedy tokens must equal plain decoding's: a stream that differs is counted wrong
 and its variant marked wrong in the headline. Writes
@@ -78,21 +76,11 @@ class Variant:
 
 PLAIN = "plain"
 DEFAULT = "default"
-# name -> variant; the fixed-k rows are added from --fixed-ks. Components of the default
-# policy (docs/scheduling.md): the measured k cap, the acceptance prior, the warm-up rule
-# (default always; payback is the alternative), draft-ahead (default off).
+# name -> variant; the fixed-k rows are added from --fixed-ks. The default policy has no
+# component left to switch off (docs/scheduling.md): a new row sets PolicyConfig fields.
 VARIANTS: dict[str, Variant] = {
     PLAIN: Variant("plain (k = 0)", drafter="none", k=0),
-    "curve-only": Variant(
-        "load curve alone",
-        env={"SPECSERVE_K_CAP": "curve"},
-        policy={"acceptance_prior": "off", "warm_up": "always"},
-    ),
     DEFAULT: Variant("full policy (defaults)"),
-    "no-measured-cap": Variant("full, k cap from the curve", env={"SPECSERVE_K_CAP": "curve"}),
-    "no-prior": Variant("full, no acceptance prior", policy={"acceptance_prior": "off"}),
-    "payback": Variant("full, warm-ups only where they pay back", policy={"warm_up": "payback"}),
-    "draft-ahead": Variant("full, draft-ahead on", env={"SPECSERVE_DRAFT_AHEAD": "on"}),
 }
 
 

@@ -144,8 +144,7 @@ def markdown(
     h = summary["headline"]
     widest = max(args.sessions)
     lines = [
-        "# Policy ablation: plain, fixed k, the load curve alone, the full policy and its "
-        "components, one run",
+        "# Policy ablation: plain, fixed k and the full policy (with any variants), one run",
         "",
         f"Target {env['target']}, draft {env['draft']}: one target server and one draft server "
         f"({args.threads} torch threads each), one orchestrator per variant (embedded session "

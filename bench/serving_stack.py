@@ -7,8 +7,8 @@ as separate processes on loopback, the way ``specserve up`` starts them. The
 orchestrators share the two servers and run one at a time, so a variant whose
 setting needs another orchestrator process costs an idle process, not a second
 copy of the models. :func:`measure` sends one batch of streaming requests to one
-orchestrator and returns what the client saw (:class:`Run`), with the draft-ahead
-and k-cap counters the orchestrator's metrics port moved during it.
+orchestrator and returns what the client saw (:class:`Run`), with the batch rounds by
+k cap the orchestrator's metrics port counted during it.
 
 Used by :mod:`bench.concurrency` and :mod:`bench.policy_ablation`.
 """
@@ -74,7 +74,6 @@ class Run:
     rep: int
     wall_s: float
     streams: list[Stream]
-    draft_ahead: dict[str, float] = field(default_factory=dict)  # bets, hits, misses
     k_caps: dict[int, float] = field(default_factory=dict)  # batch rounds by k cap
 
     @property
@@ -154,24 +153,16 @@ def serving_stack(
                 (args.logs / f"orchestrator-{name}.log").write_text(o.output())
 
 
-def orchestrator_counts(port: int) -> tuple[dict[str, float], dict[int, float]]:
-    """Draft-ahead bets, hits and misses, and batch rounds by k cap, from an orchestrator's
-    metrics port."""
+def k_cap_rounds(port: int) -> dict[int, float]:
+    """Batch rounds by k cap, from an orchestrator's metrics port."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         body = r.read().decode()
-    out = {"bets": 0.0, "hits": 0.0, "misses": 0.0}
-    for name in out:
-        for m in re.finditer(
-            rf"^specserve_orchestrator_draft_ahead_{name}_total\S* (\S+)$", body, re.M
-        ):
-            out[name] += float(m.group(1))
-    caps = {
+    return {
         int(m.group(1)): float(m.group(2))
         for m in re.finditer(
             r'^specserve_orchestrator_k_cap_rounds_total\{cap="(\d+)"\} (\S+)$', body, re.M
         )
     }
-    return out, caps
 
 
 async def run_streams(
@@ -221,17 +212,16 @@ def measure(
 ) -> Run:
     """One batch through the orchestrator of ``setting``, recorded as variant ``name``."""
     port = st.metrics_ports[setting]
-    before, caps_before = orchestrator_counts(port)
+    caps_before = k_cap_rounds(port)
     address = st.orchestrators[setting].address
     wall, streams = asyncio.run(run_streams(address, batch, new_tokens, drafter, k, ignore_eos))
-    after, caps_after = orchestrator_counts(port)
+    caps_after = k_cap_rounds(port)
     run = Run(
         name,
         len(batch),
         rep,
         wall,
         streams,
-        {key: after[key] - before[key] for key in after},
         {
             cap: n - caps_before.get(cap, 0.0)
             for cap, n in caps_after.items()

@@ -85,15 +85,10 @@ class OrchestratorConfig:
 
 def policy_config(args: argparse.Namespace) -> PolicyConfig:
     """The scheduling policy the flags describe, ``--policy`` overrides applied last."""
-    for flag, value, allowed in (
-        ("--devices", args.devices, ("separate", "shared")),
-        ("--k-cap", args.k_cap, ("measured", "curve")),
-    ):
-        if value not in allowed:  # argparse does not check an env default
-            raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+    if args.devices not in ("separate", "shared"):  # argparse does not check an env default
+        raise ValueError(f"--devices must be one of separate, shared, got {args.devices!r}")
     base = PolicyConfig(
         devices=args.devices,
-        k_cap=args.k_cap,
         k_max=args.k_max,
         curve_full_below=args.k_full_below,
         curve_zero_at=args.k_zero_at,
@@ -104,8 +99,6 @@ def policy_config(args: argparse.Namespace) -> PolicyConfig:
 @flag_values("orchestrator")
 def from_args(args: argparse.Namespace) -> OrchestratorConfig:
     """The config the parsed flags describe."""
-    if args.draft_ahead not in ("on", "off"):  # argparse does not check an env default
-        raise ValueError(f"--draft-ahead must be on or off, got {args.draft_ahead!r}")
     password, warnings = password_from(
         flag=args.redis_password, file=args.redis_password_file, env=args.redis_password_env
     )
@@ -155,7 +148,6 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
             max_batch=args.max_batch,
             max_prefill_tokens=args.max_prefill_tokens,
             admission_window_s=args.admission_window_ms / 1000,
-            draft_ahead=args.draft_ahead == "on",
         ),
         policy=policy_config(args),
         admission=AdmissionConfig(

@@ -43,7 +43,7 @@ the admission bounds (``--max-prompt-tokens``, ``--max-prompt-bytes``,
 :mod:`specserve.orchestrator.api.admission`), the scheduling knobs below (``--k-max``,
 ``--k-full-below``, ``--k-zero-at``,
 ``--pipeline-groups``, ``--max-batch``, ``--max-prefill-tokens``,
-``--admission-window-ms``, ``--draft-ahead``, ``--k-cap``, ``--devices``, ``--policy``,
+``--admission-window-ms``, ``--devices``, ``--policy``,
 ``--draft-timeout-s``, ...), the KV
 snapshot ones (``--kv-snapshot-chunk-tokens``, ``--kv-snapshot-every``,
 ``--kv-snapshot-ttl-s``; see :mod:`specserve.orchestrator.snapshots.kv_snapshots`), and the
@@ -204,20 +204,6 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         default=float(str(e("ADMISSION_WINDOW_MS", 10.0))),
         help="an idle lane waits this long before its first round, so requests that "
         "arrive together are prefilled together (0: start at once)",
-    )
-    g.add_argument(
-        "--draft-ahead",
-        choices=["on", "off"],
-        default=str(e("DRAFT_AHEAD", "off")),
-        help="greedy sessions draft the next round while this one is verified",
-    )
-    g.add_argument(
-        "--k-cap",
-        choices=["measured", "curve"],
-        default=str(e("K_CAP", "measured")),
-        help="under the load curve, run the cap predicted to finish the batch's slowest "
-        "turn soonest, from measured round times (measured), or the curve's bound itself "
-        "(curve)",
     )
     g.add_argument(
         "--devices",

@@ -17,7 +17,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from specserve.orchestrator.api.request_stats import RequestStats
-from specserve.orchestrator.round.draft_ahead import Outcome
 from specserve.orchestrator.round.runner import RoundRunner
 from specserve.orchestrator.snapshots.kv_snapshots import SnapshotStats
 from specserve.telemetry.prometheus import histogram_family, serve
@@ -94,16 +93,6 @@ class RunnerCollector(Collector):
             "(0 before any round)",
             1 + stats.accepted_tokens / stats.session_rounds if stats.session_rounds else 0.0,
         )
-        prior = GaugeMetricFamily(
-            f"{P}_acceptance_prior",
-            "Per-token acceptance a new session's k policy starts from: the pool's recent "
-            "draft trials, by drafter and mode (greedy or sampled)",
-            labels=["drafter", "mode"],
-        )
-        for drafter, greedy in self.runner.planner.prior.seen():
-            mode = "greedy" if greedy else "sampled"
-            prior.add_metric([drafter, mode], self.runner.planner.prior.alpha(drafter, greedy))
-        yield prior
         yield CounterMetricFamily(
             f"{P}_draft_fallbacks",
             "Session rounds that wanted drafts but verified at k = 0 (draft replica failed, "
@@ -115,13 +104,6 @@ class RunnerCollector(Collector):
             "Sessions whose draft cache was rebuilt beside the rounds (a new prompt, "
             "a new draft replica); they verify at k = 0 meanwhile",
             stats.draft_warmups,
-        )
-        yield CounterMetricFamily(
-            f"{P}_draft_warmups_declined",
-            "Session rounds a cold session verified at k = 0 because warming its draft "
-            "cache (with the round's other cold sessions) would cost more than "
-            "speculation is measured to save over the batch's remaining tokens",
-            stats.draft_warmups_declined,
         )
         caps = CounterMetricFamily(
             f"{P}_k_cap_rounds",
@@ -155,25 +137,6 @@ class RunnerCollector(Collector):
         )
         if self.runner.snapshots is not None:
             yield from snapshot_metrics(self.runner.snapshots.stats)
-        yield CounterMetricFamily(
-            f"{P}_draft_ahead_bets",
-            "Sessions whose next round was drafted while this one was verified",
-            stats.draft_ahead_bets,
-        )
-        yield CounterMetricFamily(
-            f"{P}_draft_ahead_hits",
-            "Draft-ahead bets that came true and stood in for the next round's Propose",
-            stats.draft_ahead[Outcome.HIT],
-        )
-        misses = CounterMetricFamily(
-            f"{P}_draft_ahead_misses",
-            "Draft-ahead bets discarded: drafts rejected, a wrong guess of the bonus token, "
-            "or no usable answer (lost)",
-            labels=["reason"],
-        )
-        for outcome in (Outcome.REJECTED, Outcome.GUESS, Outcome.LOST):
-            misses.add_metric([outcome.value], stats.draft_ahead[outcome])
-        yield misses
         for role, pool in (("draft", self.runner.drafts), ("target", self.runner.targets)):
             yield GaugeMetricFamily(
                 f"{P}_{role}_replicas_up",

@@ -8,7 +8,9 @@ import math
 import pytest
 
 from bench.concurrency import LocalRun, Run, Stream
-from bench.concurrency_report import AHEAD, NO_AHEAD, PLAIN, markdown, summarize
+from bench.concurrency_report import ADAPTIVE, PLAIN, markdown, summarize
+
+OTHER = "adaptive k, another setting"
 
 
 def stream(tokens: list[int], sent: float, arrivals: list[tuple[float, int]]) -> Stream:
@@ -35,27 +37,27 @@ def test_ratios_wrong_streams_and_targets() -> None:
     for rep in range(3):
         runs += [
             run(PLAIN, 1, rep, 2.0, same),
-            run(AHEAD, 1, rep, 1.0, same),  # twice plain's tokens/s
-            run(NO_AHEAD, 1, rep, 4.0, other if rep == 0 else same),  # half, one stream wrong
+            run(OTHER, 1, rep, 1.0, same),  # twice plain's tokens/s
+            run(ADAPTIVE, 1, rep, 4.0, other if rep == 0 else same),  # half, one stream wrong
             run(PLAIN, 2, rep, 2.0, same),
-            run(AHEAD, 2, rep, 2.5 if rep else 1.0, same),  # 2x plain, then 0.8x
-            run(NO_AHEAD, 2, rep, 2.0, same),
+            run(OTHER, 2, rep, 2.5 if rep else 1.0, same),  # 2x plain, then 0.8x
+            run(ADAPTIVE, 2, rep, 2.0, same),
         ]
     local = [LocalRun("adaptive k", rep, same, 0.8, 4, 3, 2) for rep in range(3)]
     local += [LocalRun(PLAIN, rep, same, 1.0, 0, 0, 4) for rep in range(3)]
-    summary = summarize(runs, local, [PLAIN, AHEAD, NO_AHEAD])
+    summary = summarize(runs, local, [PLAIN, OTHER, ADAPTIVE])
     rows = {(r["variant"], r["concurrency"]): r for r in summary["stack"]}
-    assert rows[(AHEAD, 1)]["ratio_vs_plain"] == pytest.approx(2.0)
-    assert rows[(NO_AHEAD, 1)]["ratio_vs_plain"] == pytest.approx(0.5)
-    assert rows[(NO_AHEAD, 1)]["wrong_streams"] == 1 and rows[(AHEAD, 1)]["wrong_streams"] == 0
-    assert rows[(AHEAD, 2)]["tokens_per_s"] == pytest.approx(8 / 2.5)  # the median rep
-    assert rows[(AHEAD, 2)]["ratios_by_rep"] == pytest.approx([2.0, 0.8, 0.8])
-    assert rows[(AHEAD, 1)]["acceptance_rate"] == pytest.approx(0.75)
+    assert rows[(OTHER, 1)]["ratio_vs_plain"] == pytest.approx(2.0)
+    assert rows[(ADAPTIVE, 1)]["ratio_vs_plain"] == pytest.approx(0.5)
+    assert rows[(ADAPTIVE, 1)]["wrong_streams"] == 1 and rows[(OTHER, 1)]["wrong_streams"] == 0
+    assert rows[(OTHER, 2)]["tokens_per_s"] == pytest.approx(8 / 2.5)  # the median rep
+    assert rows[(OTHER, 2)]["ratios_by_rep"] == pytest.approx([2.0, 0.8, 0.8])
+    assert rows[(OTHER, 1)]["acceptance_rate"] == pytest.approx(0.75)
     t = summary["targets"]
-    assert t["adaptive_variant"] == NO_AHEAD  # the orchestrator's default (draft-ahead off)
+    assert t["adaptive_variant"] == ADAPTIVE  # the orchestrator's default
     assert t["adaptive_vs_plain"] == pytest.approx({1: 0.5, 2: 1.0})
     assert not t["never_worse_than_plain"]
-    assert t["other_variants_vs_plain"][AHEAD] == pytest.approx({1: 2.0, 2: 0.8})
+    assert t["other_variants_vs_plain"][OTHER] == pytest.approx({1: 2.0, 2: 0.8})
     # Stack single session: 4 tokens in 4 s; local: 4 tokens in 0.8 s.
     assert t["single_session_stack_over_local"] == pytest.approx(0.2)
     assert not t["single_session_met"]
@@ -93,8 +95,8 @@ def test_ratios_wrong_streams_and_targets() -> None:
 def test_rounds_by_k_cap_add_up_over_repetitions() -> None:
     runs = []
     for rep, caps in enumerate([{0: 3.0, 4: 10.0}, {4: 12.0, 8: 1.0}]):
-        runs += [run(PLAIN, 4, rep, 2.0, [1, 2]), run(NO_AHEAD, 4, rep, 1.0, [1, 2])]
+        runs += [run(PLAIN, 4, rep, 2.0, [1, 2]), run(ADAPTIVE, 4, rep, 1.0, [1, 2])]
         runs[-1].k_caps = caps
-    rows = {r["variant"]: r for r in summarize(runs, [], [PLAIN, NO_AHEAD])["stack"]}
-    assert rows[NO_AHEAD]["k_cap_rounds"] == {0: 3.0, 4: 22.0, 8: 1.0}
+    rows = {r["variant"]: r for r in summarize(runs, [], [PLAIN, ADAPTIVE])["stack"]}
+    assert rows[ADAPTIVE]["k_cap_rounds"] == {0: 3.0, 4: 22.0, 8: 1.0}
     assert rows[PLAIN]["k_cap_rounds"] == {}

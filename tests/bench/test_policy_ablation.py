@@ -30,8 +30,12 @@ def test_verdict_needs_every_repetition_on_one_side() -> None:
 
 def test_headline_ratios_spread_best_fixed_k_and_wrong_variants() -> None:
     same, other = [1, 2, 3, 4], [1, 2, 9, 4]
-    table = {**VARIANTS, **fixed_k_variants([2, 4])}
-    variants = {n: table[n] for n in ("plain", "default", "k=2", "k=4", "no-prior")}
+    table = {
+        **VARIANTS,
+        **fixed_k_variants([2, 4]),
+        "alpha": Variant("x", policy={"alpha0": "0.6"}),
+    }
+    variants = {n: table[n] for n in ("plain", "default", "k=2", "k=4", "alpha")}
     runs = []
     for rep in range(3):
         runs += [
@@ -39,7 +43,7 @@ def test_headline_ratios_spread_best_fixed_k_and_wrong_variants() -> None:
             run("default", 1, rep, 1.0 + 0.1 * rep, same),  # ~2x plain
             run("k=2", 1, rep, 1.6, same),
             run("k=4", 1, rep, 1.25, same),  # the best fixed k
-            run("no-prior", 1, rep, [0.9, 1.2, 1.3][rep], other if rep == 2 else same),
+            run("alpha", 1, rep, [0.9, 1.2, 1.3][rep], other if rep == 2 else same),
         ]
     summary = summarize(runs, variants)
     h = summary["headline"]
@@ -51,16 +55,16 @@ def test_headline_ratios_spread_best_fixed_k_and_wrong_variants() -> None:
     assert h["best_fixed_k"][1]["variant"] == "k=4"
     assert h["default_vs_best_fixed_k"][1] == pytest.approx(1.25 / 1.1)
     assert h["default_never_worse_than_plain"]
-    no_prior = h["variants"]["no-prior"][1]["vs_default"]
-    assert no_prior["by_rep"] == pytest.approx([1.0 / 0.9, 1.1 / 1.2, 1.2 / 1.3])
-    assert no_prior["verdict"] == "within spread"
+    alpha = h["variants"]["alpha"][1]["vs_default"]
+    assert alpha["by_rep"] == pytest.approx([1.0 / 0.9, 1.1 / 1.2, 1.2 / 1.3])
+    assert alpha["verdict"] == "within spread"
     assert h["variants"]["k=2"][1]["vs_default"]["verdict"] == "slower"
-    assert h["wrong_variants"] == ["no-prior"]  # one stream differed from plain's
+    assert h["wrong_variants"] == ["alpha"]  # one stream differed from plain's
 
 
 def test_a_variant_needing_a_missing_policy_field_is_refused() -> None:
-    variants = {"x": Variant("x", policy={"acceptance_prior": "off", "no_such_field": "1"})}
-    (sentence,) = unsupported(variants, {"acceptance_prior", "k_cap"})
+    variants = {"x": Variant("x", policy={"alpha0": "0.6", "no_such_field": "1"})}
+    (sentence,) = unsupported(variants, {"alpha0", "k_max"})
     assert "x needs no_such_field" in sentence
     (sentence,) = unsupported(variants, None)
     assert "has no PolicyConfig" in sentence

@@ -15,12 +15,13 @@ def test_settings_from_the_environment_lead_the_command(monkeypatch: pytest.Monk
     for k in [k for k in os.environ if k.startswith("SPECSERVE_")]:
         monkeypatch.delenv(k)
     monkeypatch.setenv("SPECSERVE_K_ZERO_AT", "2")
-    monkeypatch.setenv("SPECSERVE_K_CAP", "curve")
+    monkeypatch.setenv("SPECSERVE_DEVICES", "shared")
     monkeypatch.setenv("SPECSERVE_HOME", "/somewhere/private")
     monkeypatch.setenv("SPECSERVE_REDIS_URL", "redis://user:secret@host:6379")
     monkeypatch.setenv("SPECSERVE_REDIS_PASSWORD", "secret")
     assert reproduce_command("bench.concurrency", ["--reps", "2"]) == (
-        "SPECSERVE_K_CAP=curve SPECSERVE_K_ZERO_AT=2 .venv/bin/python -m bench.concurrency --reps 2"
+        "SPECSERVE_DEVICES=shared SPECSERVE_K_ZERO_AT=2 "
+        ".venv/bin/python -m bench.concurrency --reps 2"
     )
 
 

@@ -80,9 +80,9 @@ def test_a_fresh_stacks_first_request_speculates_at_adaptive_k(
 
 @pytest.fixture(scope="module")
 def measured(redis_url: str) -> Iterator[Stack]:
-    """A stack of its own on the measured k cap (the default, named here because the test
-    asserts it): its metrics count this module's rounds alone."""
-    s = Stack(redis_url, orchestrator_args=["--k-cap", "measured"])
+    """A stack of its own on the default policy: its metrics count this module's rounds
+    alone."""
+    s = Stack(redis_url)
     try:
         yield s.start()
     finally:

@@ -8,7 +8,7 @@ import pytest
 
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator import config
-from specserve.orchestrator.policy import Devices, KCap, PolicyConfig, WarmUp, with_overrides
+from specserve.orchestrator.policy import Devices, PolicyConfig, with_overrides
 
 
 def test_the_load_curve_falls_from_k_max_to_zero() -> None:
@@ -40,10 +40,10 @@ def test_the_load_curve_by_devices_bounds_nothing_on_separate_devices_unless_set
 def test_overrides_set_fields_of_every_kind() -> None:
     c = with_overrides(
         PolicyConfig(),
-        "k_cap=curve, fixed_k=3,acceptance_prior=off,warm_up=payback,alpha0=0.8,devices=shared",
+        " fixed_k=3,alpha0=0.8,devices=shared, explore_every=4",
     )
-    assert c.k_cap is KCap.CURVE and c.fixed_k == 3 and c.acceptance_prior is False
-    assert c.warm_up is WarmUp.PAYBACK and c.alpha0 == 0.8 and c.devices is Devices.SHARED
+    assert c.fixed_k == 3 and c.alpha0 == 0.8 and c.devices is Devices.SHARED
+    assert c.explore_every == 4
     assert with_overrides(c, "fixed_k=none").fixed_k is None
     assert with_overrides(c, "") == c
 
@@ -54,8 +54,8 @@ def test_overrides_set_fields_of_every_kind() -> None:
         ("nonsense=1", "not field=value"),
         ("k_max", "not field=value"),
         ("k_max=many", "k_max='many' is not a valid value"),
-        ("acceptance_prior=maybe", "not a valid value"),
-        ("k_cap=sometimes", "k_cap must be curve|measured"),
+        ("devices=sometimes", "devices must be shared|separate"),
+        ("acceptance_prior=off", "not field=value"),  # no such field
         ("alpha0=1.5", "alpha0 must be in"),
     ],
 )
@@ -76,11 +76,11 @@ def test_the_orchestrators_flags_and_env_build_the_policy() -> None:
     assert parse({}, "--devices", "shared").policy.curve == (4, 32)
     assert parse({"SPECSERVE_K_FULL_BELOW": "2"}, "--k-zero-at", "8").policy.curve == (2, 8)
     c = parse(
-        {"SPECSERVE_DEVICES": "shared", "SPECSERVE_K_CAP": "curve", "SPECSERVE_POLICY": "k_max=4"},
+        {"SPECSERVE_DEVICES": "shared", "SPECSERVE_POLICY": "k_max=4"},
         "--k-zero-at",
         "16",
     ).policy
-    assert c.devices is Devices.SHARED and c.k_cap is KCap.CURVE
+    assert c.devices is Devices.SHARED
     assert c.k_max == 4 and c.curve_zero_at == 16  # the overrides win over --k-max
     with pytest.raises(InvalidArgument, match="--devices must be"):
         parse({"SPECSERVE_DEVICES": "both"})

@@ -11,12 +11,10 @@ from specserve.orchestrator.policy import (
     BatchPlan,
     Cache,
     Devices,
-    KCap,
     Planner,
     PolicyConfig,
     RoundOutcome,
     SessionView,
-    WarmUp,
     WarmWhere,
 )
 
@@ -34,7 +32,7 @@ def batch(n: int, **kw: object) -> list[SessionView]:
 def test_a_lone_new_session_warms_inside_its_first_round_and_drafts_in_it() -> None:
     for devices in Devices:
         p = Planner(PolicyConfig(devices=devices))
-        new = view(cache=Cache.COLD, draft_behind=100, target_behind=100, turn_drafted=0)
+        new = view(cache=Cache.COLD, target_behind=100, turn_drafted=0)
         plan = p.plan("t", 1, [new])
         assert plan.k["a"] >= 1 and plan.warm == {"a": WarmWhere.INSIDE}
         assert not plan.timeable  # its round prefills: not timed
@@ -71,20 +69,6 @@ def test_measured_rounds_turn_drafting_off_where_it_is_slower_and_exploration_re
     assert len(spacing) >= 2 and spacing[-1] - spacing[-2] >= 4  # backing off
 
 
-def test_the_curve_alone_runs_its_bound_and_probes_sessions_that_plan_no_drafts() -> None:
-    p = Planner(PolicyConfig(k_cap=KCap.CURVE, explore_every=4))
-    low = batch(2, alpha=0.05)
-    plans = []
-    for _ in range(8):  # drafting costs a tenth of a plain round per drafted token
-        plan = p.plan("t", 2, low)
-        seconds = 0.1 * (1 + 0.1 * sum(plan.k.values()))
-        p.observe("t", low, plan, RoundOutcome(plan.k, {}, seconds, clean=True))
-        plans.append(plan)
-    assert all(plan.cap == 8 for plan in plans)  # the bound at a load of 2
-    drafted = [sum(plan.k.values()) for plan in plans]
-    assert drafted.count(0) >= 6 and max(drafted) == 2  # a probe of one draft each
-
-
 def test_a_requested_or_fixed_k_is_drafted_whatever_the_cap() -> None:
     p = Planner(PolicyConfig(devices=Devices.SHARED))
     plan = p.plan("t", 8, [*batch(7), view("asked", requested_k=5)])
@@ -100,7 +84,7 @@ def test_a_warming_session_verifies_at_k_zero_and_makes_the_round_untimed() -> N
 
 
 def test_a_batchs_cold_session_waits_for_its_targets_prefill_then_warms_per_devices() -> None:
-    prefilling = view("c", cache=Cache.COLD, draft_behind=100, target_behind=100)
+    prefilling = view("c", cache=Cache.COLD, target_behind=100)
     plan = Planner().plan("t", 2, [view("x"), prefilling])
     assert plan.k["c"] == 0 and plan.warm == {}  # the target prefills it first
     ready = replace(prefilling, target_behind=1)
@@ -110,41 +94,17 @@ def test_a_batchs_cold_session_waits_for_its_targets_prefill_then_warms_per_devi
     assert inside.warm == {"c": WarmWhere.INSIDE} and inside.k["c"] > 0
 
 
-def test_the_payback_rule_declines_a_warm_up_that_costs_more_than_it_saves() -> None:
-    p = Planner(PolicyConfig(warm_up=WarmUp.PAYBACK, devices=Devices.SHARED))
-    for depth in (0, 1, 2, 4, 0, 2):  # t0 0.2 s, a drafted token 0.02 s
-        s = [view(tokens_left=64)]
-        plan = BatchPlan(depth, {"a": depth})
-        p.observe("t", s, plan, RoundOutcome({"a": depth}, {"a": depth}, 0.2 + 0.02 * depth, True))
-    cold = view(cache=Cache.COLD, draft_behind=1000, tokens_left=64)
-    assert p.plan("t", 1, [cold]).warm  # not measured: warm, and measure
-    p.observe_warm(1000, 100.0)  # 0.1 s a history token: 100 s against seconds saved
-    declined = p.plan("t", 1, [cold])
-    assert declined.warm == {} and declined.k["a"] == 0 and declined.declined == 1
-    p.observe_warm(1000, 0.0)  # smoothed back down
-    for _ in range(40):
-        p.observe_warm(1000, 0.0)
-    assert p.plan("t", 1, [cold]).warm == {"a": WarmWhere.INSIDE}
-    always = Planner(PolicyConfig(devices=Devices.SHARED))
-    always.observe_warm(1000, 100.0)
-    assert always.plan("t", 1, [cold]).warm  # warm_up = always
-
-
-def test_a_new_turn_starts_from_the_pools_acceptance_unless_the_prior_is_off() -> None:
-    p = Planner()
-    assert p.session_policy(None, "model", True).alpha == pytest.approx(0.7)
-    for _ in range(200):  # the pool's drafts: 9 of 10 accepted
-        p.prior.observe("model", True, 10, 9)
-    assert p.session_policy(None, "model", True).alpha > 0.88
-    assert p.session_policy(None, "model", False).alpha == pytest.approx(0.7)  # sampled apart
-    off = Planner(PolicyConfig(acceptance_prior=False))
-    for _ in range(200):
-        off.prior.observe("model", True, 10, 9)
-    assert off.session_policy(None, "model", True).alpha == pytest.approx(0.7)
-    # A session that judged no drafts yet this turn is planned at the pool's acceptance.
-    fresh = p.plan("t", 1, [view(alpha=0.1, turn_drafted=0)])
-    stale = p.plan("t", 1, [view(alpha=0.1, turn_drafted=5)])
-    assert fresh.k["a"] > stale.k["a"]
+def test_a_new_turn_starts_from_alpha0_whatever_the_pool_accepted() -> None:
+    p = Planner(PolicyConfig(alpha0=0.6))
+    s = batch(1)
+    for _ in range(50):  # the pool's drafts: 9 of 10 accepted
+        p.observe("t", s, BatchPlan(8, {"0": 10}), RoundOutcome({"0": 10}, {"0": 9}, 0.2, True))
+    assert p.session_policy(None).alpha == pytest.approx(0.6)
+    # A session that judged no drafts yet this turn is planned at alpha0, not its estimate.
+    low = p.plan("u", 1, [view(alpha=0.1, turn_drafted=0)])
+    high = p.plan("u", 1, [view(alpha=0.99, turn_drafted=0)])
+    assert low.k == high.k
+    assert p.plan("u", 1, [view(alpha=0.1, turn_drafted=5)]).k["a"] < low.k["a"]
 
 
 def test_observe_learns_only_from_clean_timeable_rounds_and_forget_drops_a_target() -> None:

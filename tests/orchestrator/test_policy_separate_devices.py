@@ -87,7 +87,7 @@ def decode(p: Planner, sessions: int, alpha: float, rng: random.Random, tokens: 
     """``sessions`` turns of ``tokens`` decoded together, every round planned by ``p``
     and timed as :func:`round_s` says; each draft accepted with probability ``alpha``."""
     left = {str(i): tokens for i in range(sessions)}
-    running = {sid: p.session_policy(None, "model", True).alpha for sid in left}
+    running = {sid: p.session_policy(None).alpha for sid in left}
     judged = dict.fromkeys(left, 0)
     run = Run()
     while any(left.values()):

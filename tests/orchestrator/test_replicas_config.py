@@ -108,19 +108,6 @@ def test_kv_snapshot_flags() -> None:
         config.from_args(parser.parse_args(["--kv-snapshot-chunk-tokens", "0"]))
 
 
-def test_draft_ahead_flag() -> None:
-    def parse(env: dict[str, str], argv: list[str]) -> bool:
-        parser = argparse.ArgumentParser()
-        config.add_arguments(parser, {"SPECSERVE_TARGET_ENDPOINTS": "t:1", **env})
-        return config.from_args(parser.parse_args(argv)).scheduler.draft_ahead
-
-    assert parse({}, []) is SchedulerConfig().draft_ahead
-    assert parse({"SPECSERVE_DRAFT_AHEAD": "off"}, []) is False
-    assert parse({"SPECSERVE_DRAFT_AHEAD": "off"}, ["--draft-ahead", "on"]) is True
-    with pytest.raises(InvalidArgument, match="--draft-ahead"):
-        parse({"SPECSERVE_DRAFT_AHEAD": "yes"}, [])
-
-
 def test_max_prefill_tokens_flag() -> None:
     def parse(env: dict[str, str], argv: list[str]) -> int:
         parser = argparse.ArgumentParser()

@@ -93,25 +93,6 @@ def test_move_and_set_draft() -> None:
     assert s.draft_load("d1") == 0
 
 
-def test_draft_ahead_only_where_the_draft_would_idle() -> None:
-    s = Scheduler(SchedulerConfig(pipeline_groups=2, draft_ahead=True))
-    s.set_usable(["t1", "t2"], ["d1", "d2"])
-    s.join("a", Placement("t1", 0, "d1"))
-    assert s.draft_idle_while_verifying(("t1", 0), "d1")
-    s.join("b", Placement("t1", 0, "d1"))  # the same lane: d1 still idles during its Verify
-    assert s.draft_idle_while_verifying(("t1", 0), "d1")
-    s.join("c", Placement("t1", 1, "d1"))  # a second lane keeps d1 busy: pipelining
-    assert not s.draft_idle_while_verifying(("t1", 0), "d1")
-    assert not s.draft_idle_while_verifying(("t1", 1), "d1")
-    s.join("d", Placement("t2", 0, "d2"))  # another target with its own draft replica
-    assert s.draft_idle_while_verifying(("t2", 0), "d2")
-    s.leave("c")
-    assert s.draft_idle_while_verifying(("t1", 0), "d1")
-    off = Scheduler(SchedulerConfig(draft_ahead=False))
-    off.join("a", Placement("t1", 0, "d1"))
-    assert not off.draft_idle_while_verifying(("t1", 0), "d1")
-
-
 def test_long_prompts_are_prefilled_over_several_rounds() -> None:
     s = Scheduler(SchedulerConfig(max_prefill_tokens=300))
     lane = ("t1", 0)

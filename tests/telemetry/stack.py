@@ -49,11 +49,6 @@ class TracedStack:
                 str(self.metrics_ports["orchestrator"]),
                 "--log-format",
                 "json",
-                # Each round's own Propose, so the tests can pin the trace's shape and
-                # the draft's counters to the usage (a draft-ahead hit has no Propose;
-                # a bet drafts k + 1 tokens).
-                "--draft-ahead",
-                "off",
             ],
             env=env,
         ).start()

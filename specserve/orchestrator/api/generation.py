@@ -212,7 +212,7 @@ class Orchestrator:
             list(turn.tokens),
             sampling,
             stop,
-            self.runner.planner.session_policy(params.k, params.drafter, sampling.greedy),
+            self.runner.planner.session_policy(params.k),
             drafter=params.drafter,
             decode=text.decode,
             round_index=turn.round_index,

@@ -30,15 +30,6 @@ the least-loaded usable replica.
 
 **k** is not chosen here: the planner (:mod:`specserve.orchestrator.policy`)
 plans each round's k per session from the target's load (:meth:`Scheduler.target_load`).
-
-**Draft-ahead** (``draft_ahead``): while round r of a session is verified, its
-draft replica drafts round r + 1 on the bet that all k drafts are accepted and
-the bonus token is the draft's own guess; a hit skips round r + 1's Propose (the
-bet itself is :mod:`specserve.orchestrator.round.draft_ahead`). It uses draft time
-that would otherwise idle, so a lane bets only while its draft replica serves no
-other lane (:meth:`Scheduler.draft_idle_while_verifying`): once two lanes share
-a draft replica, pipelining already keeps it busy during verification, and bets
-would only queue in front of the other lane's Propose.
 """
 
 from __future__ import annotations
@@ -64,7 +55,6 @@ class NoReplica(EngineError):
 class SchedulerConfig:
     pipeline_groups: int = 1  # lanes per target; 1 = no draft/verify pipelining
     max_batch: int = 64  # sessions per Verify call
-    draft_ahead: bool = False  # greedy sessions draft round r + 1 while round r verifies
     max_prefill_tokens: int = 512  # new history a round prefills on its target (>= one session)
     admission_window_s: float = 0.01  # an idle lane waits this long for company
 
@@ -124,13 +114,6 @@ class Scheduler:
 
     def draft_load(self, draft: str) -> int:
         return sum(1 for p in self._placement.values() if p.draft == draft)
-
-    def draft_idle_while_verifying(self, lane: LaneKey, draft: str) -> bool:
-        """Whether draft-ahead may use ``draft`` for ``lane``: it serves no other lane's
-        sessions, so nothing else would keep it busy while the lane's target verifies."""
-        return self.config.draft_ahead and all(
-            p.lane == lane for p in self._placement.values() if p.draft == draft
-        )
 
     # -- placement ---------------------------------------------------------------------
 

@@ -8,9 +8,7 @@ holds every constant and switch (docs/scheduling.md).
 
 from specserve.orchestrator.policy.config import (
     Devices,
-    KCap,
     PolicyConfig,
-    WarmUp,
     with_overrides,
 )
 from specserve.orchestrator.policy.planner import Planner
@@ -26,12 +24,10 @@ __all__ = [
     "BatchPlan",
     "Cache",
     "Devices",
-    "KCap",
     "Planner",
     "PolicyConfig",
     "RoundOutcome",
     "SessionView",
-    "WarmUp",
     "WarmWhere",
     "with_overrides",
 ]

@@ -1,9 +1,9 @@
 """Every constant of the scheduling policy, in one frozen :class:`PolicyConfig`.
 
-Built once by the orchestrator's config from its flags (``--devices``, ``--k-cap``,
-``--k-max``, ``--k-full-below``, ``--k-zero-at``); every other field keeps its
-default unless an ablation overrides it with ``SPECSERVE_POLICY=field=value,...``
-(:func:`with_overrides`, applied last: it wins over the flags).
+Built once by the orchestrator's config from its flags (``--devices``, ``--k-max``,
+``--k-full-below``, ``--k-zero-at``); every other field keeps its default unless an
+ablation overrides it with ``SPECSERVE_POLICY=field=value,...`` (:func:`with_overrides`,
+applied last: it wins over the flags).
 """
 
 from __future__ import annotations
@@ -20,20 +20,6 @@ class Devices(StrEnum):
 
     SHARED = "shared"  # one machine's cores (the dev launcher): both compete for them
     SEPARATE = "separate"  # their own accelerators: a draft step is cheap, a wider verify too
-
-
-class KCap(StrEnum):
-    """How a round's k cap is chosen under the load curve's bound."""
-
-    CURVE = "curve"  # the bound itself
-    MEASURED = "measured"  # the cap predicted to finish the batch's slowest turn soonest
-
-
-class WarmUp(StrEnum):
-    """When a cold session's draft cache is prefilled (its warm-up)."""
-
-    ALWAYS = "always"  # whenever it would draft
-    PAYBACK = "payback"  # only if the time it is predicted to save exceeds its measured cost
 
 
 # What drafting costs before any round is timed, in plain rounds (one target forward of
@@ -61,33 +47,25 @@ class PolicyConfig:
     """The policy's switches and constants (docs/scheduling.md lists each)."""
 
     devices: Devices = Devices.SEPARATE
-    k_cap: KCap = KCap.MEASURED
     fixed_k: int | None = None  # every adaptive session drafts this k; None: adaptive
-    acceptance_prior: bool = True  # a new turn starts from the pool's recent acceptance
-    warm_up: WarmUp = WarmUp.ALWAYS
     k_max: int = 8
     curve_full_below: int | None = None  # load up to which the curve allows k_max
     curve_zero_at: int | None = None  # load from which it allows 0 (None: see `curve`)
     alpha0: float = ALPHA0
     alpha_smoothing: float = 0.2
-    prior_decay: float = 0.995
-    prior_pseudo_trials: float = 8.0
     cost_decay: float = 0.98
     cost_min_rounds: int = 4
     explore_every: int = 8
     max_backoff: int = 8
-    warm_smoothing: float = 0.3
     warm_above_tokens: int = 32
 
     def __post_init__(self) -> None:
-        # Enum fields given as strings (the override parser, tests) become the enums.
-        for name, kind in (("devices", Devices), ("k_cap", KCap), ("warm_up", WarmUp)):
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, kind(value))
-            except ValueError:
-                allowed = "|".join(m.value for m in kind)
-                raise ValueError(f"policy {name} must be {allowed}, got {value!r}") from None
+        # devices given as a string (the override parser, tests) becomes the enum.
+        try:
+            object.__setattr__(self, "devices", Devices(self.devices))
+        except ValueError:
+            allowed = "|".join(m.value for m in Devices)
+            raise ValueError(f"policy devices must be {allowed}, got {self.devices!r}") from None
         curve = self.curve
         checks = [
             (0 <= self.k_max <= 16, "k_max must be in 0..16"),
@@ -98,13 +76,10 @@ class PolicyConfig:
             (self.fixed_k is None or 0 <= self.fixed_k <= 16, "fixed_k must be in 0..16 or none"),
             (0 < self.alpha0 < 1, "alpha0 must be in (0, 1)"),
             (0 < self.alpha_smoothing <= 1, "alpha_smoothing must be in (0, 1]"),
-            (0 < self.prior_decay < 1, "prior_decay must be in (0, 1)"),
-            (self.prior_pseudo_trials > 0, "prior_pseudo_trials must be > 0"),
             (0 < self.cost_decay <= 1, "cost_decay must be in (0, 1]"),
             (self.cost_min_rounds >= 2, "cost_min_rounds must be >= 2"),
             (self.explore_every >= 2, "explore_every must be >= 2"),
             (self.max_backoff >= 1, "max_backoff must be >= 1"),
-            (0 < self.warm_smoothing <= 1, "warm_smoothing must be in (0, 1]"),
             (self.warm_above_tokens >= 1, "warm_above_tokens must be >= 1"),
         ]
         for ok, why in checks:
@@ -145,7 +120,6 @@ class PolicyConfig:
         return PRIOR_COSTS[self.devices]
 
 
-_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 _OPTIONAL_INTS = ("fixed_k", "curve_full_below", "curve_zero_at")
 
 
@@ -170,10 +144,6 @@ def _parse(name: str, raw: str, current: object) -> object:
     try:
         if name in _OPTIONAL_INTS:
             return None if value in ("none", "") else int(value)
-        if isinstance(current, bool):
-            if value not in _TRUE + _FALSE:
-                raise ValueError
-            return value in _TRUE
         if isinstance(current, StrEnum):
             return value
         if isinstance(current, int):

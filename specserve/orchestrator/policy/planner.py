@@ -19,11 +19,10 @@ the verify waits for on ``shared`` cores.
 
 **k.** A session's k is the one with the most expected tokens
 ``(1 - a**(k + 1)) / (1 - a)`` per unit of cost at its acceptance ``a`` (a new turn
-starts from the pool's, :mod:`~specserve.orchestrator.policy.prior`), at most the
-round's cap; a request's own k, or ``fixed_k``, is drafted as given. The cap is the
-load curve's bound (``k_cap = curve``; on ``separate`` devices no curve bounds it
-unless one is set) or, under it (``measured``), the cap whose
-predicted time to finish the batch's slowest turn is least::
+starts from ``alpha0``), at most the round's cap; a request's own k, or ``fixed_k``,
+is drafted as given. The cap is, under the load curve's bound (on ``separate``
+devices no curve bounds it unless one is set), the cap whose predicted time to
+finish the batch's slowest turn is least::
 
     finish(cap) = max over sessions of (tokens left / expected tokens) * round(depth, drafts)
 
@@ -35,8 +34,7 @@ made, in rounds that can be timed (no prefill, no warm-up beside them).
 draft is warmed: inside the round when it is alone or draft and target share
 hardware (the round waits, then it drafts in it), beside the rounds otherwise (it
 verifies at k = 0 until warm). Not while its target still prefills a long history
-of it unless it is alone. With ``warm_up = payback`` an inside warm-up goes ahead
-only if the batch's predicted time saved exceeds the warm-up's measured cost.
+of it unless it is alone.
 """
 
 from __future__ import annotations
@@ -46,9 +44,8 @@ from dataclasses import dataclass
 
 from specserve.engine.k_policy import CostModel, KPolicy, expected_tokens
 from specserve.engine.round_cost import RoundCosts, bucket_of
-from specserve.orchestrator.policy.config import Devices, KCap, PolicyConfig, WarmUp
+from specserve.orchestrator.policy.config import Devices, PolicyConfig
 from specserve.orchestrator.policy.explore import Schedule
-from specserve.orchestrator.policy.prior import AcceptancePrior
 from specserve.orchestrator.policy.views import (
     BatchPlan,
     Cache,
@@ -73,18 +70,15 @@ class Planner:
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
-        self.prior = AcceptancePrior(self.config)
         self._costs: dict[str, RoundCosts] = {}
         self._schedules: dict[tuple[str, int], Schedule] = {}
-        self._warm_per_token: float | None = None  # seconds an inside warm-up costs a token
 
     # -- sessions ----------------------------------------------------------------------
 
-    def session_policy(self, k: int | None, drafter: str, greedy: bool) -> KPolicy:
+    def session_policy(self, k: int | None) -> KPolicy:
         """The acceptance tracker of a new turn (the request's ``k``, or adaptive)."""
         c = self.config
-        alpha0 = self.prior.alpha(drafter, greedy)
-        return KPolicy(k, k_max=c.k_max, alpha0=alpha0, smoothing=c.alpha_smoothing)
+        return KPolicy(k, k_max=c.k_max, alpha0=c.alpha0, smoothing=c.alpha_smoothing)
 
     def cost_model(self, target: str, batch: int) -> CostModel:
         """What drafting costs in plain rounds of ``batch`` on ``target``: measured, or
@@ -109,19 +103,15 @@ class Planner:
         each = [self._session(v, bound, cost) for v in sessions]
         adaptive = [s for s in each if s.adaptive and s.view.drafter != "none"]
         finish = {cap: _finish(each, cap, cost) for cap in range(bound + 1)}
-        if c.k_cap is KCap.MEASURED and adaptive:
-            cap = min(finish, key=lambda x: (finish[x], x))
-        else:
-            cap = bound
+        cap = min(finish, key=lambda x: (finish[x], x)) if adaptive else bound
         exploring: bool | None = None
         # An exploration only pays if its round is timed: none while the target
         # prefills a session or a draft warms beside the rounds (neither round counts).
         untimed = any(s.view.target_behind > 1 or s.view.cache is Cache.WARMING for s in each)
         if adaptive and bound > 0 and c.fixed_k is None and not untimed:
             best = any(s.ks[cap] > 0 for s in adaptive)
-            if c.k_cap is KCap.MEASURED or not best:  # the curve alone never turns it off
-                key = (target, bucket_of(len(sessions)))
-                exploring = self._schedules.setdefault(key, Schedule()).next_round(c, best)
+            key = (target, bucket_of(len(sessions)))
+            exploring = self._schedules.setdefault(key, Schedule()).next_round(c, best)
         if exploring is not None:
             cap = bound if exploring else 0
         k = {}
@@ -129,15 +119,15 @@ class Planner:
             k[s.view.sid] = s.ks[cap]
             if exploring and s.adaptive and s.view.drafter != "none" and s.view.tokens_left > 1:
                 k[s.view.sid] = max(1, k[s.view.sid])  # re-time drafting, win it back
-        warm, declined = self._warm_ups(each, k, finish, cap, target)
+        warm = self._warm_ups(each, k)
         timeable = not untimed and not any(s.view.sid in warm for s in each)
-        return BatchPlan(cap, k, warm, declined, timeable, exploring is not None)
+        return BatchPlan(cap, k, warm, timeable, exploring is not None)
 
     def _session(self, v: SessionView, bound: int, cost: CostModel) -> _Session:
         """``v``'s k under each cap up to ``bound``."""
         c = self.config
         left = max(1, v.tokens_left)
-        alpha = v.alpha if v.turn_drafted else self.prior.alpha(v.drafter, v.greedy)
+        alpha = v.alpha if v.turn_drafted else c.alpha0
         fixed = v.requested_k if v.requested_k is not None else c.fixed_k
         if v.drafter == "none" or v.cache is Cache.WARMING:
             ks = [0] * (bound + 1)
@@ -154,16 +144,9 @@ class Planner:
         ks = [max(0, min(k, left - 1)) for k in ks]
         return _Session(v, alpha, ks, v.requested_k is None and c.fixed_k is None)
 
-    def _warm_ups(
-        self,
-        each: list[_Session],
-        k: dict[str, int],
-        finish: dict[int, float],
-        cap: int,
-        target: str,
-    ) -> tuple[dict[str, WarmWhere], int]:
+    def _warm_ups(self, each: list[_Session], k: dict[str, int]) -> dict[str, WarmWhere]:
         """Which cold sessions warm, and where; a cold session not warmed inside verifies
-        at k = 0 (``k`` is updated). Returns the warm-ups and the declined count."""
+        at k = 0 (``k`` is updated)."""
         c = self.config
         alone = len(each) == 1
         where = WarmWhere.INSIDE if alone or c.devices is Devices.SHARED else WarmWhere.BESIDE
@@ -171,31 +154,7 @@ class Planner:
         ready = [s for s in cold if alone or s.view.target_behind <= c.warm_above_tokens]
         for s in cold:
             k[s.view.sid] = 0 if where is WarmWhere.BESIDE or s not in ready else k[s.view.sid]
-        weighed = [s for s in ready if s.adaptive]
-        declined = 0
-        repays = self._repays(weighed, finish, cap, target, len(each))
-        if weighed and where is WarmWhere.INSIDE and not repays:
-            declined = len(weighed)
-            for s in weighed:
-                k[s.view.sid] = 0
-            ready = [s for s in ready if not s.adaptive]
-        return {s.view.sid: where for s in ready}, declined
-
-    def _repays(
-        self, sessions: list[_Session], finish: dict[int, float], cap: int, target: str, batch: int
-    ) -> bool:
-        """Whether warming ``sessions`` inside the round saves the batch more than it
-        costs (``warm_up = always``: yes; payback: not measured yet is yes)."""
-        if self.config.warm_up is WarmUp.ALWAYS:
-            return True
-        costs = self._costs.get(target)
-        fit = None if costs is None else costs.fit()
-        t0 = None if fit is None else fit.plain(batch)
-        if self._warm_per_token is None or t0 is None or cap <= 0:
-            return cap > 0 or self._warm_per_token is None
-        saved = (finish[0] - finish[cap]) * t0
-        behind = sum(s.view.draft_behind for s in sessions)
-        return saved > behind * self._warm_per_token
+        return {s.view.sid: where for s in ready}
 
     # -- learning ----------------------------------------------------------------------
 
@@ -204,9 +163,6 @@ class Planner:
     ) -> None:
         """What a round planned by :meth:`plan` did: its acceptance and, where it is
         clean and timeable, its time."""
-        for v in sessions:
-            drafted = outcome.drafted.get(v.sid, 0)
-            self.prior.observe(v.drafter, v.greedy, drafted, outcome.accepted.get(v.sid, 0))
         if not (outcome.clean and plan.timeable):
             return
         c = self.config
@@ -220,13 +176,6 @@ class Planner:
         schedule = self._schedules.get((target, bucket_of(len(sessions))))
         if schedule is not None:
             schedule.timed(outcome.depth > 0)
-
-    def observe_warm(self, tokens: int, seconds: float) -> None:
-        """A warm-up inside a round prefilled ``tokens`` history tokens in ``seconds``."""
-        if tokens <= 0 or seconds < 0:
-            return
-        per_token, old, w = seconds / tokens, self._warm_per_token, self.config.warm_smoothing
-        self._warm_per_token = per_token if old is None else (1 - w) * old + w * per_token
 
 
 def _finish(each: list[_Session], cap: int, cost: CostModel) -> float:

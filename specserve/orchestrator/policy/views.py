@@ -33,7 +33,6 @@ class SessionView:
     turn_drafted: int = 0  # drafts judged this turn
     turn_accepted: int = 0
     cache: Cache = Cache.WARM
-    draft_behind: int = 0  # history tokens its draft replica has not seen
     target_behind: int = 0  # history tokens its target has not seen (a prefill if > 1)
 
 
@@ -44,7 +43,6 @@ class BatchPlan:
     cap: int  # the round's k cap (adaptive sessions draft at most this)
     k: Mapping[str, int]  # drafts per session this round (0: verify only)
     warm: Mapping[str, WarmWhere] = field(default_factory=dict)  # cold sessions to warm now
-    declined: int = 0  # cold sessions whose warm-up was declined (payback rule)
     timeable: bool = True  # its wall time says something about its drafts (no prefill in it)
     exploring: bool = False  # the round times the choice the predictions did not make
 

@@ -1,1 +1,1 @@
-"""The distributed round: the runner, replica calls, draft-ahead, bets, the ledger, spans."""
+"""The distributed round: the runner, replica calls, failover, warm-ups, the ledger, spans."""

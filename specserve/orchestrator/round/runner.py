@@ -28,10 +28,6 @@ A round of a lane (see :mod:`specserve.orchestrator.fleet.scheduler`) is the rou
    after it settled (:class:`~.ledger.PendingCommit`). A
    session whose record changed under it (another replica took it over) stops.
 
-With draft-ahead on, step 3 also sends each eligible session's bet on round
-r + 1 to its draft replica, and step 2 of round r + 1 uses a bet that came true
-instead of proposing (:mod:`specserve.orchestrator.round.draft_ahead`).
-
 Verify with failover and replay: :class:`~.failover.Failover`; commits and endings
 (releases, final records): :class:`~.ledger.Ledger`; spans: :class:`~.spans.RoundSpans`;
 KV snapshots (after each commit, off the round's path; before a replay):
@@ -51,8 +47,7 @@ from specserve.engine.decode_state import FinishReason
 from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.fleet.scheduler import LaneKey, Placement, Scheduler
 from specserve.orchestrator.policy import BatchPlan, Planner, RoundOutcome, WarmWhere
-from specserve.orchestrator.round import calls, draft_ahead
-from specserve.orchestrator.round.bets import BetBook
+from specserve.orchestrator.round import calls
 from specserve.orchestrator.round.calls import Plan, RoundTimeouts, batch_timeout
 from specserve.orchestrator.round.failover import Failover
 from specserve.orchestrator.round.ledger import Commits, Ending, Ledger, PendingCommit
@@ -94,15 +89,12 @@ class RoundRunner:
         self.sessions: dict[str, LiveSession] = {}
         self.stats = RunnerStats()
         self._lanes: dict[LaneKey, asyncio.Task[None]] = {}
-        self.bets = BetBook(drafts, self.timeouts.draft_s)
         self.ledger = Ledger(
             scheduler, drafts, targets, store, self.sessions, self.timeouts.release_s
         )
         self.commits = Commits(self.ledger, snapshots)  # rounds' commits in flight
         self.leases = LeaseKeeper(store, self.sessions.keys)
-        self.warmups = DraftWarmups(
-            scheduler, drafts, self.planner, self.timeouts, self.stats, self.ledger
-        )
+        self.warmups = DraftWarmups(scheduler, drafts, self.timeouts, self.stats, self.ledger)
         self.failover = Failover(
             scheduler,
             targets,
@@ -162,7 +154,6 @@ class RoundRunner:
             task.cancel()
         await asyncio.gather(*self._lanes.values(), return_exceptions=True)
         await self.commits.close()  # the records must be settled before the final ones
-        self.bets.close()
         await self.leases.close()
         down = Unavailable("the orchestrator is shutting down; retry on another replica")
         await self.ledger.finish([(s, None, down) for s in list(self.sessions.values())])
@@ -215,8 +206,6 @@ class RoundRunner:
                 otel_context.detach(token)
                 for s in batch:
                     s.leave_round()
-                    if s.done or s.state.finished:
-                        self.bets.drop(s.sid)
 
     # -- one round -----------------------------------------------------------------------
 
@@ -266,7 +255,6 @@ class RoundRunner:
         cap = batch_plan.cap
         if any(s.state.drafter != "none" for s in live):
             self.stats.k_caps[cap] += 1
-        self.stats.draft_warmups_declined += batch_plan.declined
         with spans.phase(attr.SPAN_PROPOSE) as pspan:
             plans = await self._propose(target, live, spans, batch_plan)
             spans.proposed(pspan, plans, cap)
@@ -282,7 +270,6 @@ class RoundRunner:
                 plans.pop(sid, None)
             if not live:
                 return ending, None
-        self.stats.draft_ahead_bets += self.bets.place_for_round(self.scheduler, live, plans, cap)
         with spans.phase(attr.SPAN_VERIFY) as vspan:
             outcome, moved = await self.failover.verify(target, [(s, plans[s.sid]) for s in live])
             seconds = time.perf_counter() - started
@@ -345,7 +332,6 @@ class RoundRunner:
     async def _propose(
         self, target: str, live: list[LiveSession], spans: RoundSpans, plan: BatchPlan
     ) -> dict[str, Plan]:
-        bets = await self.bets.collect(s.sid for s in live)
         by_draft: dict[str, list[tuple[LiveSession, int]]] = collections.defaultdict(list)
         inside: dict[str, list[tuple[LiveSession, int]]] = collections.defaultdict(list)
         beside: dict[str, list[LiveSession]] = collections.defaultdict(list)
@@ -370,14 +356,6 @@ class RoundRunner:
                 continue
             if k > 0:
                 wanted.append(s.sid)
-            if s.sid in bets:
-                bet, answer = bets[s.sid]
-                settled = draft_ahead.settle(bet, s.state, answer, placement.draft, k)
-                self.stats.draft_ahead[settled.outcome] += 1
-                if settled.proposal is not None:  # a hit: no Propose this round
-                    plans[s.sid] = Plan(settled.proposal)
-                    s.state.draft_start = bet.draft_start
-                    continue
             if placement.draft is not None and k > 0:
                 by_draft[placement.draft].append((s, k))
         timeout = batch_timeout(self.timeouts.draft_s, live)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from specserve.orchestrator.round.draft_ahead import Outcome
-
 
 @dataclass
 class RunnerStats:
@@ -29,14 +27,11 @@ class RunnerStats:
     verify_batch_sizes: collections.Counter[int] = field(default_factory=collections.Counter)
     draft_fallbacks: int = 0  # session rounds that wanted drafts but verified at k = 0
     draft_warmups: int = 0  # sessions whose draft cache was rebuilt beside the rounds
-    draft_warmups_declined: int = 0  # session rounds cold at k = 0: its warm-up would not repay
     k_caps: collections.Counter[int] = field(default_factory=collections.Counter)  # by cap
     target_failovers: int = 0  # sessions moved to another target mid-round
     replayed_rounds: int = 0  # Verify batches replayed on another target after a loss
     slow_verifies: int = 0  # Verify batches past the target timeout on a SERVING target
     target_history_resends: int = 0  # sessions a target asked for the whole history
-    draft_ahead_bets: int = 0  # draft-ahead calls' sessions
-    draft_ahead: collections.Counter[Outcome] = field(default_factory=collections.Counter)
 
     def note_verdict(self, drafted: int, accepted: int) -> None:
         self.session_rounds += 1

@@ -13,11 +13,10 @@ def session_view(s: LiveSession, warm_above_tokens: int) -> SessionView:
     ``warm_above_tokens`` behind its history is cold; n-gram drafters index any
     history cheaply)."""
     st = s.state
-    behind = draft_backlog([s])
     cache = Cache.WARM
     if s.draft_warming:
         cache = Cache.WARMING
-    elif st.drafter == "model" and behind > warm_above_tokens:
+    elif st.drafter == "model" and draft_backlog([s]) > warm_above_tokens:
         cache = Cache.COLD
     return SessionView(
         sid=s.sid,
@@ -29,7 +28,6 @@ def session_view(s: LiveSession, warm_above_tokens: int) -> SessionView:
         turn_drafted=st.stats.drafted,
         turn_accepted=st.stats.accepted,
         cache=cache,
-        draft_behind=behind,
         target_behind=target_backlog(s),
     )
 

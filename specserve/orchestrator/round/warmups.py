@@ -4,8 +4,7 @@ Whether and where a session warms is the planner's decision
 (:class:`~specserve.orchestrator.policy.WarmWhere`); this is the I/O:
 
 * **inside** the round (:meth:`DraftWarmups.inside`): one ``Propose`` that resends
-  the whole history and drafts from it; the round waits for it, and its wall time
-  is the warm-up cost the planner learns;
+  the whole history and drafts from it; the round waits for it;
 * **beside** the rounds (:meth:`DraftWarmups.beside`): :func:`calls.warm` in the
   background while the session verifies at k = 0; the session's ``draft_warming``
   is set until it is done.
@@ -17,17 +16,14 @@ A draft replica that fails a warm-up loses its sessions to another draft replica
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterable, Sequence
 
 from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.fleet.scheduler import Scheduler
-from specserve.orchestrator.policy import Planner
 from specserve.orchestrator.round import calls
 from specserve.orchestrator.round.calls import Plan, RoundTimeouts, batch_timeout
 from specserve.orchestrator.round.ledger import Ledger
 from specserve.orchestrator.round.stats import RunnerStats
-from specserve.orchestrator.round.views import draft_backlog
 from specserve.orchestrator.session import LiveSession
 
 
@@ -45,14 +41,12 @@ class DraftWarmups:
         self,
         scheduler: Scheduler,
         drafts: ReplicaPool,
-        planner: Planner,
         timeouts: RoundTimeouts,
         stats: RunnerStats,
         ledger: Ledger,
     ) -> None:
         self.scheduler = scheduler
         self.drafts = drafts
-        self.planner = planner
         self.timeouts = timeouts
         self.stats = stats  # draft_warmups: sessions a warm-up rebuilt (or tried to)
         self.ledger = ledger  # releases the cache of a session that ended meanwhile
@@ -65,16 +59,11 @@ class DraftWarmups:
         """Prefill cold sessions on their draft replica inside this round, and draft.
 
         ``items`` are (session, k) pairs; ``batch`` is the whole round's batch, whose
-        client deadlines cut the call's timeout. When every session got its drafts, the
-        call's wall time is told to the planner as the cost of warming that backlog.
+        client deadlines cut the call's timeout.
         """
         sessions = [s for s, _ in items]
-        behind = draft_backlog(sessions)
         timeout = batch_timeout(self.timeouts.draft_warm_s, batch)
-        started = time.perf_counter()
         plans = await calls.propose(self.drafts, endpoint, items, timeout, resend_up_to=None)
-        if len(plans) == len(items):
-            self.planner.observe_warm(behind, time.perf_counter() - started)
         self.stats.draft_warmups += len(sessions)
         if endpoint not in self.drafts.usable():
             move_off_draft(self.scheduler, sessions, endpoint)
