@@ -5,7 +5,7 @@ runs the real server (real model, real caches, real tokens) and sleeps ``MS``
 after every model forward, as a replica on its own accelerator does: the host
 CPU waits while the device computes. On a machine with few shared cores the
 draft and the target then no longer compete for the CPU, so what a scheduling
-choice (draft/verify pipelining, draft-ahead) does on separate devices can be
+choice (draft/verify pipelining) does on separate devices can be
 measured here: ``bench.emulated_gpu`` and ``bench.concurrency --emulate-devices
 DRAFT_MS,TARGET_MS``. :func:`emulate_local` does the same to the local loop.
 
