@@ -32,10 +32,12 @@ PRIOR_COSTS = {
 }
 
 # The load curve's (full below, zero at) where the flags set neither. On shared cores
-# every drafted token of a batch slows the verify, so drafting fades out with load. On
-# separate devices a verify a few tokens wider costs about nothing: no bound, the
-# measured cap alone decides (None).
-SHARED_CURVE = (4, 32)
+# every drafted token of a batch slows the verify: with the Qwen pair on two cores,
+# adaptive speculation paid 1.75x / 1.44x plain at 1 / 2 sessions and lost at 4 (0.97x
+# in two runs; bench/results/policy_ablation.md, concurrency.md), so drafting stops
+# from 4 sessions. On separate devices a verify a few tokens wider costs about nothing:
+# no bound, the measured cap alone decides (None).
+SHARED_CURVE = (2, 4)
 CURVE_DEFAULTS: dict[Devices, tuple[int, int] | None] = {
     Devices.SHARED: SHARED_CURVE,
     Devices.SEPARATE: None,
