@@ -170,11 +170,20 @@ def parse_llama_bench(stdout: str) -> tuple[dict[str, BenchFigure], dict[str, An
     return figures, {k: rows[0][k] for k in keys if k in rows[0]}
 
 
+# llama.cpp's weight repacking is off: on a Xeon with AMX, this version's AMX repacked
+# buffers crash both tools with a segmentation fault in the first forward
+# (ggml::cpu::amx::tensor_traits::compute_forward). Without it llama.cpp multiplies the
+# GGUF blocks as stored, with its AVX-512 kernels.
+NO_REPACK = "--no-repack"
+
+
 def llama_bench(
     tools: Tools, model: Path, *, threads: int, prompt: int, gen: int, reps: int
 ) -> BenchRun:
-    """``llama-bench`` pp``prompt`` and tg``gen`` on ``model``, ``reps`` repetitions each."""
-    argv = [str(tools.bench), "-m", str(model), "-t", str(threads)]
+    """``llama-bench`` pp``prompt`` and tg``gen`` on ``model``, ``reps`` repetitions each.
+
+    Weight repacking is off (:data:`NO_REPACK`) in both tools."""
+    argv = [str(tools.bench), "-m", str(model), "-t", str(threads), "--repack", "0"]
     argv += ["-p", str(prompt), "-n", str(gen), "-r", str(reps), "-o", "json"]
     done = run_measured(argv).check()
     figures, info = parse_llama_bench(done.stdout)
@@ -242,6 +251,6 @@ def llama_speculative(
     argv = [str(tools.speculative), "-m", str(target), "-md", str(draft)]
     argv += ["-p", prompt, "--no-escape", "-n", str(new_tokens), "--ignore-eos"]
     argv += ["--temp", "0", "--spec-draft-n-max", str(draft_max), "-t", str(threads)]
-    argv += ["-c", str(ctx), "-s", "0"]
+    argv += ["-c", str(ctx), "-s", "0", NO_REPACK]
     done = run_measured(argv).check()
     return parse_llama_speculative(done.stdout + "\n" + done.stderr, done.peak_rss_bytes)
