@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from bench.common import environment_md, reproduce_command
 
 if TYPE_CHECKING:
@@ -169,13 +171,26 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f}%"
 
 
+def weight_form(model: str) -> str:
+    """``", GGUF weights <form>"`` for a GGUF model on a CPU server (the form its name asks
+    for, else the default the servers resolve); empty for tiny models, which have none."""
+    if model.startswith("tiny"):
+        return ""
+    from specserve.engine.gguf_weights import default_weight_form
+    from specserve.engine.model_spec import ModelSpec
+
+    form = ModelSpec.parse(model).weights or default_weight_form(torch.device("cpu"))
+    return f", GGUF weights {form.value}"
+
+
 def markdown(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any]) -> str:
     t = summary["targets"]
     widest = max(args.concurrency)
     lines = [
         "# Concurrent sessions: plain batched decoding vs adaptive speculation",
         "",
-        f"Target {args.target} ({args.target_dtype}), draft {args.draft} ({args.draft_dtype}): "
+        f"Target {args.target} ({args.target_dtype} compute{weight_form(args.target)}), "
+        f"draft {args.draft} ({args.draft_dtype} compute{weight_form(args.draft)}): "
         "target server, draft server and orchestrators as separate processes on loopback "
         f"(embedded session stores), {args.threads} torch threads per server. Streaming "
         f"`GenerateStream` requests, greedy, at most {args.new_tokens} new tokens each, "
