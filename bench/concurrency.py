@@ -263,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.name,
         markdown,
         {
+            "headline": report.headline(summary),
             "summary": summary,
             "runs": runs,
             "local": local,

@@ -169,7 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         "--k-full-below",
         type=int,
         default=None if full_below is None else int(str(full_below)),
-        help="target batch up to which the load curve allows --k-max (default 4 with "
+        help="target batch up to which the load curve allows --k-max (default 1 with "
         "--devices shared; separate: no load curve unless this or --k-zero-at is set)",
     )
     g.add_argument(
@@ -177,7 +177,7 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         type=int,
         default=None if zero_at is None else int(str(zero_at)),
         help="target batch from which the load curve allows 0, linear in between (default "
-        "32 with --devices shared; separate: no load curve unless set)",
+        "2 with --devices shared; separate: no load curve unless set)",
     )
     g.add_argument(
         "--pipeline-groups",

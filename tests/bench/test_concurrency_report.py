@@ -8,7 +8,7 @@ import math
 import pytest
 
 from bench.concurrency import LocalRun, Run, Stream
-from bench.concurrency_report import ADAPTIVE, PLAIN, markdown, summarize
+from bench.concurrency_report import ADAPTIVE, PLAIN, headline, markdown, summarize
 
 OTHER = "adaptive k, another setting"
 
@@ -57,6 +57,9 @@ def test_ratios_wrong_streams_and_targets() -> None:
     assert t["adaptive_variant"] == ADAPTIVE  # the orchestrator's default
     assert t["adaptive_vs_plain"] == pytest.approx({1: 0.5, 2: 1.0})
     assert not t["never_worse_than_plain"]
+    h = headline(summary)
+    assert h["adaptive_over_plain"] == t["adaptive_vs_plain"] and not h["never_worse_than_plain"]
+    assert h["stack_over_local"] == pytest.approx(0.2)
     assert t["other_variants_vs_plain"][OTHER] == pytest.approx({1: 2.0, 2: 0.8})
     # Stack single session: 4 tokens in 4 s; local: 4 tokens in 0.8 s.
     assert t["single_session_stack_over_local"] == pytest.approx(0.2)

@@ -22,19 +22,19 @@ def test_the_load_curve_falls_from_k_max_to_zero() -> None:
 
 
 def test_the_load_curve_by_devices_bounds_nothing_on_separate_devices_unless_set() -> None:
-    """Shared cores: k_max up to 2 sessions, 0 from 4. Separate devices: a wider
+    """Shared cores: k_max for a lone session, 0 from 2. Separate devices: a wider
     verify costs about nothing, so no curve (the measured cap alone decides) unless an
     operator sets a bound (the other then takes its shared default)."""
     shared = PolicyConfig(devices=Devices.SHARED)
-    assert shared.curve == (2, 4) and shared.curve_cap(3) == 4 and shared.curve_cap(4) == 0
+    assert shared.curve == (1, 2) and shared.curve_cap(1) == 8 and shared.curve_cap(2) == 0
     separate = PolicyConfig(devices=Devices.SEPARATE)
     assert separate.curve is None
     assert {separate.curve_cap(b) for b in (1, 8, 32, 64, 1000)} == {separate.k_max}
-    assert PolicyConfig(curve_zero_at=16).curve == (2, 16)
+    assert PolicyConfig(curve_zero_at=16).curve == (1, 16)
     with pytest.raises(ValueError, match="curve_full_below"):
         PolicyConfig(curve_full_below=8)  # above the shared zero-at it is paired with
     assert with_overrides(separate, "curve_zero_at=24,curve_full_below=8").curve == (8, 24)
-    assert with_overrides(shared, "curve_zero_at=none,curve_full_below=none").curve == (2, 4)
+    assert with_overrides(shared, "curve_zero_at=none,curve_full_below=none").curve == (1, 2)
 
 
 def test_overrides_set_fields_of_every_kind() -> None:
@@ -73,7 +73,7 @@ def parse(env: dict[str, str], *argv: str) -> config.OrchestratorConfig:
 def test_the_orchestrators_flags_and_env_build_the_policy() -> None:
     assert parse({}).policy == PolicyConfig()  # standalone: separate devices, measured cap
     assert parse({}).policy.curve is None  # ... and no load curve
-    assert parse({}, "--devices", "shared").policy.curve == (2, 4)
+    assert parse({}, "--devices", "shared").policy.curve == (1, 2)
     assert parse({"SPECSERVE_K_FULL_BELOW": "2"}, "--k-zero-at", "8").policy.curve == (2, 8)
     c = parse(
         {"SPECSERVE_DEVICES": "shared", "SPECSERVE_POLICY": "k_max=4"},

@@ -32,12 +32,13 @@ PRIOR_COSTS = {
 }
 
 # The load curve's (full below, zero at) where the flags set neither. On shared cores
-# every drafted token of a batch slows the verify: with the Qwen pair on two cores,
-# adaptive speculation paid 1.75x / 1.44x plain at 1 / 2 sessions and lost at 4 (0.97x
-# in two runs; bench/results/policy_ablation.md, concurrency.md), so drafting stops
-# from 4 sessions. On separate devices a verify a few tokens wider costs about nothing:
+# every drafted token of a batch slows the verify, and a draft warm-up or a re-timed
+# drafting round stalls every session of it: with the demo pair as it ships (GGUF
+# blocks) on two cores, adaptive speculation with drafting allowed up to 2 sessions
+# ran 0.89x plain at 2 (bench/results/concurrency.md), so on shared cores only a lone
+# session drafts. On separate devices a verify a few tokens wider costs about nothing:
 # no bound, the measured cap alone decides (None).
-SHARED_CURVE = (2, 4)
+SHARED_CURVE = (1, 2)
 CURVE_DEFAULTS: dict[Devices, tuple[int, int] | None] = {
     Devices.SHARED: SHARED_CURVE,
     Devices.SEPARATE: None,
