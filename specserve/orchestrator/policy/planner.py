@@ -28,7 +28,9 @@ finish the batch's slowest turn is least::
 
 (a batch's rounds move together: it finishes with its slowest turn). One owner of
 exploration (:mod:`~specserve.orchestrator.policy.explore`) re-times the choice not
-made, in rounds that can be timed (no prefill, no warm-up beside them).
+made, in rounds that can be timed (no prefill, no warm-up beside them); re-timing
+drafting waits for a session whose draft is warm where a warm-up would stall the round
+(shared hardware, a lone session): an exploration never pays for one.
 
 **Warm-ups.** A cold session (its draft replica lacks a long history) that would
 draft is warmed: inside the round when it is alone or draft and target share
@@ -110,8 +112,12 @@ class Planner:
         untimed = any(s.view.target_behind > 1 or s.view.cache is Cache.WARMING for s in each)
         if adaptive and bound > 0 and c.fixed_k is None and not untimed:
             best = any(s.ks[cap] > 0 for s in adaptive)
-            key = (target, bucket_of(len(sessions)))
-            exploring = self._schedules.setdefault(key, Schedule()).next_round(c, best)
+            # Re-timing drafting never pays for a warm-up that stalls the round: it
+            # needs a session whose draft is warm, or warm-ups that run beside.
+            stalls = self._warm_where(each) is WarmWhere.INSIDE
+            if best or not stalls or any(s.view.cache is Cache.WARM for s in adaptive):
+                key = (target, bucket_of(len(sessions)))
+                exploring = self._schedules.setdefault(key, Schedule()).next_round(c, best)
         if exploring is not None:
             cap = bound if exploring else 0
         k = {}
@@ -149,12 +155,19 @@ class Planner:
         at k = 0 (``k`` is updated)."""
         c = self.config
         alone = len(each) == 1
-        where = WarmWhere.INSIDE if alone or c.devices is Devices.SHARED else WarmWhere.BESIDE
+        where = self._warm_where(each)
         cold = [s for s in each if s.view.cache is Cache.COLD and k[s.view.sid] > 0]
         ready = [s for s in cold if alone or s.view.target_behind <= c.warm_above_tokens]
         for s in cold:
             k[s.view.sid] = 0 if where is WarmWhere.BESIDE or s not in ready else k[s.view.sid]
         return {s.view.sid: where for s in ready}
+
+    def _warm_where(self, each: list[_Session]) -> WarmWhere:
+        """Where this batch's warm-ups run: inside the round when the session is alone or
+        draft and target share hardware (the round waits for it), beside otherwise."""
+        if len(each) == 1 or self.config.devices is Devices.SHARED:
+            return WarmWhere.INSIDE
+        return WarmWhere.BESIDE
 
     # -- learning ----------------------------------------------------------------------
 
