@@ -1,4 +1,4 @@
-"""Resident memory of a model in the quantized form, on synthetic real-size weights.
+"""Resident memory of the quantized models: synthetic real-size weights, or the servers.
 
 Builds the Qwen2.5-Coder 1.5B target's or 0.5B draft's decoder (real config, random
 GGML blocks of the types the shipped files use, float32 norms and biases; no model
@@ -11,6 +11,16 @@ tensors), so what the process holds beyond its weights and KV pool shows.
 
 One model per process (the peak is the process's): ``python -m bench.quant_memory
 --model 1.5b`` and ``--model 0.5b`` write ``bench/results/quant_memory_<model>.{md,json}``.
+
+``--servers`` measures the servers themselves instead: the target and draft servers of
+``--target`` / ``--draft`` (the shipped pair by default, loaded as ``specserve up``
+loads them: each server's own default weight form and KV budget) and one orchestrator,
+each its own process on loopback (:func:`bench.serving_stack.serving_stack`); once both
+serve, and again after one greedy request of ``--new-tokens`` through the orchestrator,
+each server process's resident set (``VmRSS``, split into anonymous memory and mapped
+files: ``RssAnon``, ``RssFile``) and peak (``VmHWM``) from ``/proc/<pid>/status``.
+``--tiny`` serves the tiny random pair (the smoke test). Writes
+``bench/results/server_memory.{md,json}``.
 """
 
 from __future__ import annotations
@@ -24,6 +34,10 @@ import torch
 from torch import nn
 
 from bench.common import environment, environment_md, reproduce_command, write_results
+from bench.concurrency import DRAFT, TARGET
+from bench.policy_ablation import TINY_DRAFT, TINY_TARGET
+from bench.serving_stack import OrchestratorSetting, serving_stack
+from specserve.client import Client
 from specserve.engine.config import ModelConfig
 from specserve.engine.loader import prepare
 from specserve.engine.model import CausalLM, SeqInput
@@ -91,8 +105,8 @@ def synthetic_model(name: str) -> CausalLM:
     return prepare(model)
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def _status_kib(field: str, pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise KeyError(field)
@@ -129,6 +143,61 @@ def run(name: str, kv_budget: int, prompt: int, steps: int) -> dict[str, Any]:
     }
 
 
+_SERVER_FIELDS = {"rss_gib": "VmRSS", "anon_gib": "RssAnon", "file_gib": "RssFile",
+                  "peak_gib": "VmHWM"}  # fmt: skip
+
+
+def server_memory(pid: int) -> dict[str, float]:
+    """A server process's resident set, its anonymous and file-backed parts and its
+    peak, in GiB."""
+    return {key: _status_kib(field, pid) / 2**20 for key, field in _SERVER_FIELDS.items()}
+
+
+def run_servers(args: argparse.Namespace) -> dict[str, Any]:
+    """The target and draft servers' memory once serving and after one request."""
+    stack_args = argparse.Namespace(
+        target=args.target, draft=args.draft, target_dtype=args.target_dtype,
+        draft_dtype=args.draft_dtype, threads=args.threads, emulate_devices=None,
+        target_timeout_s=600.0, logs=None,
+    )  # fmt: skip
+    stages: list[dict[str, Any]] = []
+    with serving_stack(stack_args, {"default": OrchestratorSetting()}) as stack:
+        pids = {role: s.proc.pid for role, s in stack.servers.items() if s.proc is not None}
+        stages.append({"stage": "serving", **{r: server_memory(p) for r, p in pids.items()}})
+        address = stack.orchestrators["default"].address
+        with Client(address, timeout_s=3600) as client:
+            done = client.generate(list(range(10, 40)), max_new_tokens=args.new_tokens)
+        if not done.token_ids:
+            raise RuntimeError("the request through the stack generated no tokens")
+        name = f"after a request of {len(done.token_ids)} tokens"
+        stages.append({"stage": name, **{r: server_memory(p) for r, p in pids.items()}})
+    return {"target": args.target, "draft": args.draft, "stages": stages}
+
+
+def markdown_servers(result: dict[str, Any], env: dict[str, Any], command: str) -> str:
+    lines = [
+        "# Resident memory of the servers (bench.quant_memory --servers)",
+        "",
+        environment_md(env),
+        "",
+        f"Reproduce: `{command}`",
+        "",
+        f"Target server `{result['target']}`, draft server `{result['draft']}`, each with "
+        "its defaults (weight form, KV budget); GiB from /proc/<pid>/status.",
+        "",
+        "| stage | server | resident | anonymous | mapped files | peak |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for s in result["stages"]:
+        for role in ("target", "draft"):
+            m = s[role]
+            lines.append(
+                f"| {s['stage']} | {role} | {m['rss_gib']:.3f} | {m['anon_gib']:.3f} | "
+                f"{m['file_gib']:.3f} | {m['peak_gib']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
 def markdown(result: dict[str, Any], env: dict[str, Any], command: str) -> str:
     lines = [
         f"# Resident memory, {result['model']} quantized (bench.quant_memory)",
@@ -156,7 +225,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-write", action="store_true", help="print only, write no results")
+    p.add_argument("--servers", action="store_true", help="measure the server processes")
+    p.add_argument("--target", default=TARGET, help="--servers: the target server's model")
+    p.add_argument("--draft", default=DRAFT, help="--servers: the draft server's model")
+    p.add_argument("--target-dtype", default="float32")
+    p.add_argument("--draft-dtype", default="bfloat16", help="as `specserve up` (default)")
+    p.add_argument("--new-tokens", type=int, default=32, help="--servers: the request's")
+    p.add_argument("--tiny", action="store_true", help="--servers: the tiny random pair")
     args = p.parse_args(argv)
+    if args.servers:
+        if args.tiny:
+            args.target, args.draft = TINY_TARGET, TINY_DRAFT
+            args.target_dtype = args.draft_dtype = "float32"
+        served = run_servers(args)
+        env = environment()
+        command = reproduce_command("bench.quant_memory", argv)
+        md = markdown_servers(served, env, command)
+        print(md)
+        if not args.no_write:
+            write_results("server_memory", md, {"environment": env, "command": command, **served})
+        return 0
     torch.set_num_threads(args.threads)
     result = run(args.model, parse_bytes(args.kv_budget), args.prompt, args.steps)
     env = environment()

@@ -89,6 +89,7 @@ class Run:
 class StackUnderTest:
     orchestrators: dict[str, OrchestratorProcess]  # setting name -> process
     metrics_ports: dict[str, int]
+    servers: dict[str, ServerProcess] = field(default_factory=dict)  # role -> process
 
 
 def declared_devices(args: argparse.Namespace) -> str:
@@ -141,7 +142,7 @@ def serving_stack(
             orchestrators[name].start(timeout_s=900)
         for p in (*servers, *orchestrators.values()):
             p.wait_serving(timeout_s=900)
-        yield StackUnderTest(orchestrators, ports)
+        yield StackUnderTest(orchestrators, ports, {s.role: s for s in servers})
     finally:
         for p in (*orchestrators.values(), *servers):
             p.stop()

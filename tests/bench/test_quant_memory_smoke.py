@@ -1,5 +1,6 @@
-"""bench.quant_memory runs end to end on a tiny synthetic model: every stage reported,
-and the model holds its blocks (a tied head once) plus float32 vectors."""
+"""bench.quant_memory runs end to end on a tiny synthetic model (every stage reported,
+and the model holds its blocks, a tied head once, plus float32 vectors) and on the
+servers of the tiny pair (each server's resident set, once serving and after a request)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,18 @@ def test_a_tiny_run_reports_every_stage(capsys: pytest.CaptureFixture[str]) -> N
     for stage in ("start", "weights loaded", "KV pool", "prefill of 40 tokens", "2 one-token"):
         assert f"| {stage}" in md, md
     assert "Held by the model: 0.00" in md, md
+
+
+@pytest.mark.timeout(1800)  # three processes start; minutes on a busy machine
+def test_the_servers_of_the_tiny_pair_report_their_memory(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--servers", "--tiny", "--new-tokens", "8", "--threads", "1", "--no-write"]
+    assert quant_memory.main(argv) == 0
+    md = capsys.readouterr().out
+    rows = [line for line in md.splitlines() if line.startswith("| serving |")]
+    rows += [line for line in md.splitlines() if line.startswith("| after a request of 8 tokens |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["target", "draft", "target", "draft"], md
+    for row in rows:  # resident, anonymous, mapped files, peak: a loaded server holds some
+        resident, anonymous, files, peak = (float(v) for v in row.split("|")[3:7])
+        assert 0 < resident <= peak and anonymous + files <= resident + 0.01, row
