@@ -26,6 +26,7 @@ from torch import nn
 
 from specserve.engine import cpu_kernels
 from specserve.engine.config import ModelConfig
+from specserve.engine.loader import prepare
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.quant import GGMLType, QuantizedWeight
 from specserve.engine.quant.synthetic import random_weight
@@ -58,7 +59,8 @@ def q4_k_m_type(layer: int, layers: int, name: str) -> GGMLType:
 
 
 def synthetic_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
-    """A decoder of ``cfg``'s shapes with Q4_K_M-typed random blocks (no float32 copy)."""
+    """A decoder of ``cfg``'s shapes with Q4_K_M-typed random blocks (no float32 copy),
+    prepared to serve (:func:`~specserve.engine.loader.prepare`)."""
     with torch.device("meta"):
         model = CausalLM(cfg).eval()
     scales = (1e-5, 2e-3)  # small enough that activations stay finite through the layers
@@ -77,7 +79,7 @@ def synthetic_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * 0.01)
-    return model
+    return prepare(model)  # as the loader leaves a served model: weights on huge pages
 
 
 def _quantized_bytes(model: CausalLM) -> int:
