@@ -36,10 +36,13 @@ cache misses instead of ~10 us. The kernels here answer both:
     float operations and meet ``x`` in the float32 tiles' FMAs, lanes and order: the bits
     of the float32 kernel on the dequantized matrix. On AVX-512 a Q4_K sub-block's 16
     possible values (``d1 * q - m1``) and a Q5_0 block's 32 are computed once as a
-    register table and each weight is a permute of it; a Q6_K half-block's bytes are
-    loaded once for its four parts. Up to 3 rows the widened weights stay in registers;
-    more, each 256-value chunk of a block of weight rows is widened once into L1 and
-    every tile of rows reads it there.
+    register table and each weight is a permute of it; a Q6_K half-block's 128 values
+    are assembled as bytes ``4 (q - 32)`` by a few byte-wide operations, and each vector
+    of 16 is then a sign extension, a conversion and a product with a quarter of its
+    scale (exact). Up to 9 rows (AVX2: 3) the widened weights stay in registers and
+    meet every row there (R x 4 accumulators up to 6 rows, R x 2 beyond); more, each
+    256-value chunk of a block of weight rows is widened once into L1 and every tile
+    of rows reads it there.
 ``dequantize(blocks, type, K)``, ``dequantize_into(blocks, type, K, out)``
     The float32 matrix of quantized rows, widened as above; the second writes a tile of
     rows into the caller's buffer (products past
@@ -56,7 +59,7 @@ cache misses instead of ~10 us. The kernels here answer both:
     id could win, instead of ~20 torch ops over the vocabulary.
 
 One source serves two instruction sets, picked by torch's CPU capability: AVX-512
-(``-mavx512f -mfma``) or AVX2 + FMA (``-mavx2 -mfma``), each build in its own cache
+(``-mavx512f -mavx512bw -mfma``) or AVX2 + FMA (``-mavx2 -mfma``), each build in its own cache
 directory. The 16 lanes of a dot product are one zmm register or two ymm ones, with
 smaller register tiles on AVX2 (16 ymm registers, not 32 zmm); the FMAs per lane and
 the fixed-order sum of the lanes are the same operations either way, so the two builds
@@ -87,7 +90,8 @@ _SOURCES = ("cpu_kernels.cpp", "cpu_kernels_qblocks.cpp", "cpu_kernels_quant.cpp
 # Compiler flags per torch CPU capability; the define picks the vector code in the source.
 CAPABILITIES = ("AVX512", "AVX2")
 _ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mfma", "-mf16c", "-DSPECSERVE_AVX512"],
+    # torch's AVX512 capability implies AVX512BW (byte and word operations) as well.
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c", "-DSPECSERVE_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DSPECSERVE_AVX2"],
 }
 

@@ -33,9 +33,11 @@ inline Vec vfmsub(Vec a, Vec b, Vec c) { return _mm512_fmsub_ps(a, b, c); }
 inline Vec viota() {
   return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
-// Quantized weight rows per register tile (accumulators stay in registers with the
-// decoding temporaries beside them).
-constexpr int QNO = 4;
+// Rows of x the widened weights meet in registers (more: the L1 buffer of qblock), and
+// quantized weight rows per register tile at R rows: R x qno(R) accumulators (at most 24)
+// stay in registers with the decoding temporaries beside them.
+constexpr int QREG_ROWS = 9;
+constexpr int qno(int R) { return R <= 6 ? 4 : R <= 8 ? 3 : 2; }
 #else
 using VecI = __m256i;
 inline VecI iload_u8(const uint8_t* p) {
@@ -56,7 +58,8 @@ inline VecI iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
 inline Vec itof(VecI a) { return _mm256_cvtepi32_ps(a); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vfmsub(Vec a, Vec b, Vec c) { return _mm256_fmsub_ps(a, b, c); }
-constexpr int QNO = 2;
+constexpr int QREG_ROWS = 3;
+constexpr int qno(int) { return 2; }
 #endif
 
 // The float16 at p as float32 (exact).
@@ -194,23 +197,45 @@ struct Q4_K {
 
 struct Q6_K {
   static constexpr int BLOCK = 256, BYTES = 210;
-  // One half of a block (its ql and qh bytes serve all four 32-value parts) where the
-  // registers hold them; one part on AVX2.
 #if defined(SPECSERVE_AVX512)
+  // A half-block at a time: its 64 ql and 32 qh bytes become one byte per value, 4 (q - 32)
+  // as an int8, with a few byte-wide operations for all 128 values; then each Vec of 16
+  // is a sign extension, a conversion and the scale's product.
   static constexpr int GROUP = 128;
+  static constexpr float QSCALE = 0.25f;  // scales times 1/4 meet 4 (q - 32)
 #else
-  static constexpr int GROUP = 32;
+  static constexpr int GROUP = 32;  // one part
+  static constexpr float QSCALE = 1.0f;
 #endif
   struct Scales {
-    alignas(64) float s[16];  // per 16 values: d * scales[j]
+    // per 16 values: d * scales[j] (* QSCALE: a power of 2, exact, as the product of
+    // 4 (q - 32) and a quarter of the scale is then the exact (q - 32) * d * scales[j]
+    // of the reference, the sign of zero included)
+    alignas(64) float s[16];
   };
   static Scales scales(const uint8_t* b) {
     const Vec d = vset1(f16(b + 208));
     Scales s;
 #pragma GCC unroll 2
-    for (int j = 0; j < 16; j += W) vstore(s.s + j, vmul(itof(iload_i8(b + 192 + j)), d));
+    for (int j = 0; j < 16; j += W) {
+      const Vec sd = vmul(itof(iload_i8(b + 192 + j)), d);
+      vstore(s.s + j, QSCALE == 1.0f ? sd : vmul(sd, vset1(QSCALE)));
+    }
     return s;
   }
+#if defined(SPECSERVE_AVX512)
+  // Bytes 16 N .. 16 N + 15 of v (int8) as float32, times scale.
+  template <int N>
+  __attribute__((always_inline)) static Vec lane(__m512i v, float scale) {
+    __m128i bytes;
+    if constexpr (N == 0) {
+      bytes = _mm512_castsi512_si128(v);
+    } else {
+      bytes = _mm512_extracti32x4_epi32(v, N);
+    }
+    return vmul(itof(_mm512_cvtepi8_epi32(bytes)), vset1(scale));
+  }
+#endif
   template <typename F>
   __attribute__((always_inline)) static void widen(const uint8_t* b, const Scales& s, int e,
                                                    F&& use) {
@@ -219,20 +244,46 @@ struct Q6_K {
     const int h = e >> 7;
     const uint8_t* ql = b + 64 * h;
     const uint8_t* qh = b + 128 + 32 * h;
-    constexpr int CH = 32 / W;  // Vecs per part
+#if defined(SPECSERVE_AVX512)
+    // Byte j of v01: value j of the half (parts 0 and 1: the low nibble of ql[j]); of v23,
+    // value 64 + j (the high nibble). Each is (q << 2) ^ 0x80, i.e. the int8 4 (q - 32):
+    // the nibble shifted to bits 2-5, qh's two bits of its part to bits 6-7 (word shifts,
+    // whose spill into the next byte the masks drop), bits 0-1 cleared, bit 7 flipped.
+    const __m512i L = _mm512_loadu_si512(ql);
+    const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)qh));
+    const __m512i nib = _mm512_set1_epi8(0x3C), keep = _mm512_set1_epi8((char)0xFC);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    // qh bits of parts 0 | 1 (the two 256-bit halves) and 2 | 3 to bits 6-7
+    const __m512i h01 = _mm512_sllv_epi16(
+        H, _mm512_inserti64x4(_mm512_set1_epi16(6), _mm256_set1_epi16(4), 1));
+    const __m512i h23 = _mm512_sllv_epi16(
+        H, _mm512_inserti64x4(_mm512_set1_epi16(2), _mm256_set1_epi16(0), 1));
+    // (a & nib) | (b & ~nib) (0xE4), then (x & keep) ^ flip (0x6A)
+    const __m512i v01 = _mm512_ternarylogic_epi32(
+        _mm512_ternarylogic_epi32(_mm512_slli_epi16(L, 2), h01, nib, 0xE4), keep, flip, 0x6A);
+    const __m512i v23 = _mm512_ternarylogic_epi32(
+        _mm512_ternarylogic_epi32(_mm512_srli_epi16(L, 2), h23, nib, 0xE4), keep, flip, 0x6A);
+    const float* sc = s.s + (e >> 4);
+    use(0, lane<0>(v01, sc[0]));
+    use(1, lane<1>(v01, sc[1]));
+    use(2, lane<2>(v01, sc[2]));
+    use(3, lane<3>(v01, sc[3]));
+    use(4, lane<0>(v23, sc[4]));
+    use(5, lane<1>(v23, sc[5]));
+    use(6, lane<2>(v23, sc[6]));
+    use(7, lane<3>(v23, sc[7]));
+#else
+    const int part = (e >> 5) & 3;
 #pragma GCC unroll 4
-    for (int pi = 0; pi < GROUP / 32; ++pi) {
-      const int part = ((e >> 5) & 3) + pi;
-#pragma GCC unroll 4
-      for (int c = 0; c < CH; ++c) {
-        const VecI lq = iload_u8(ql + 32 * (part & 1) + c * W);
-        const VecI hq = iload_u8(qh + c * W);
-        const VecI low = part < 2 ? iand(lq, iset1(15)) : isrli(lq, 4);
-        const VecI high = part < 2 ? islli(hq, 4 - 2 * part) : isrli(hq, 2 * part - 4);
-        const VecI q = isub(ior_and(high, iset1(0x30), low), iset1(32));
-        use(pi * CH + c, vmul(itof(q), vset1(s.s[(e + 32 * pi + c * W) >> 4])));
-      }
+    for (int c = 0; c < 32 / W; ++c) {
+      const VecI lq = iload_u8(ql + 32 * (part & 1) + c * W);
+      const VecI hq = iload_u8(qh + c * W);
+      const VecI low = part < 2 ? iand(lq, iset1(15)) : isrli(lq, 4);
+      const VecI high = part < 2 ? islli(hq, 4 - 2 * part) : isrli(hq, 2 * part - 4);
+      const VecI q = isub(ior_and(high, iset1(0x30), low), iset1(32));
+      use(c, vmul(itof(q), vset1(s.s[(e + c * W) >> 4])));
     }
+#endif
   }
 };
 

@@ -58,11 +58,12 @@ __attribute__((always_inline)) inline void qtile_acc(const float* x, int64_t ldx
       for (int p = 0; p < P; ++p) acc[(r * ACC_NO + o) * P + p] = a[r][o][p];
 }
 
-// qtile_acc over weight rows O0 .. NO - 1 of a tile of NO, in register tiles of up to QNO.
+// qtile_acc over weight rows O0 .. NO - 1 of a tile of NO, in register tiles of up to
+// qno(R).
 template <int R, int NO, typename Q, int O0 = 0>
 inline void qtile(const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t k0,
                   int64_t k1, Vec* acc) {
-  constexpr int N = NO - O0 < QNO ? NO - O0 : QNO;
+  constexpr int N = NO - O0 < qno(R) ? NO - O0 : qno(R);
   qtile_acc<R, N, NO, Q>(x, ldx, w + O0 * ldw, ldw, k0, k1, acc + O0 * P);
   if constexpr (O0 + N < NO) qtile<R, NO, Q, O0 + N>(x, ldx, w, ldw, k0, k1, acc);
 }
@@ -91,14 +92,13 @@ inline void widen_row(const uint8_t* w, int64_t k0, int64_t k1, float* out) {
   }
 }
 
-// As block (cpu_kernels.cpp) for NO quantized weight rows. Up to SMALL_ROWS rows of x the
+// As block (cpu_kernels.cpp) for NO quantized weight rows. Up to REG_ROWS rows of x the
 // weights are widened in registers and meet every row there; more, each K_CHUNK of the
 // NO rows is widened once into an L1 buffer that the float32 tiles then read for every
 // group of RG rows (the same FMAs on the same values: the same bits).
-template <int NO, int RG, typename Q>
+template <int NO, int RG, int REG_ROWS, typename Q>
 void qblock(int64_t R, const float* x, int64_t ldx, const uint8_t* w, int64_t ldw, int64_t K,
             float* y, int64_t ldy, const float* bias) {
-  constexpr int REG_ROWS = SMALL_ROWS < RG ? SMALL_ROWS : RG;
   alignas(64) Vec acc[MAX_ROWS * NO * P];
   alignas(64) float buf[NO * K_CHUNK];
   for (int64_t s0 = 0; s0 < R; s0 += MAX_ROWS) {
@@ -122,17 +122,18 @@ void qblock(int64_t R, const float* x, int64_t ldx, const uint8_t* w, int64_t ld
   }
 }
 
-// As rows_block, for a quantized weight.
-template <typename Q, int NB, int RG>
+// As rows_block, for a quantized weight; REG_ROWS as in qblock.
+template <typename Q, int NB, int RG, int REG_ROWS>
 void qrows_block(int64_t R, const float* x, int64_t ldx, const uint8_t* w, int64_t ldw,
                  int64_t K, int64_t o, int64_t out, float* yo, int64_t ldy, const float* bias) {
   const uint8_t* wo = w + o * ldw;
   const float* bo = bias ? bias + o : nullptr;
   if (out - o >= NB) {
-    qblock<NB, RG, Q>(R, x, ldx, wo, ldw, K, yo, ldy, bo);
+    qblock<NB, RG, REG_ROWS, Q>(R, x, ldx, wo, ldw, K, yo, ldy, bo);
   } else {
     for (int64_t j = 0; j < out - o; ++j)
-      qblock<1, TAIL_RG, Q>(R, x, ldx, wo + j * ldw, ldw, K, yo + j, ldy, bo ? bo + j : nullptr);
+      qblock<1, TAIL_RG, REG_ROWS, Q>(R, x, ldx, wo + j * ldw, ldw, K, yo + j, ldy,
+                                      bo ? bo + j : nullptr);
   }
 }
 
@@ -152,10 +153,12 @@ void rows_block_quant(bool small, WeightType type, int64_t R, const float* x, in
                       float* yo, int64_t ldy, const float* bias) {
   with_format(type, [&](auto q) {
     using Q = decltype(q);
+    // Rows of x in registers: the small blocking's tile (R <= SMALL_ROWS), else QREG_ROWS.
+    constexpr int SMALL_REG = SMALL_ROWS < SMALL_RG ? SMALL_ROWS : SMALL_RG;
     if (small) {
-      qrows_block<Q, SMALL_NB, SMALL_RG>(R, x, ldx, w, ldw, K, o, out, yo, ldy, bias);
+      qrows_block<Q, SMALL_NB, SMALL_RG, SMALL_REG>(R, x, ldx, w, ldw, K, o, out, yo, ldy, bias);
     } else {
-      qrows_block<Q, LARGE_NB, LARGE_RG>(R, x, ldx, w, ldw, K, o, out, yo, ldy, bias);
+      qrows_block<Q, LARGE_NB, LARGE_RG, QREG_ROWS>(R, x, ldx, w, ldw, K, o, out, yo, ldy, bias);
     }
   });
 }

@@ -30,4 +30,4 @@ def test_a_small_run_reports_every_cell_and_the_floors(capsys: pytest.CaptureFix
         for rows in (1, 2):
             line = next(x for x in lines if x.startswith(f"| tiny 64x512 | {kind} | {rows} |"))
             ms, memory, fma, hot, bound = (float(v) for v in line.split("|")[4:9])
-            assert min(ms, memory, fma, hot, bound) > 0, line
+            assert ms > 0 and bound > 0 and min(memory, fma, hot) >= 0, line
