@@ -150,8 +150,9 @@ def test_an_exploration_waits_for_a_round_that_can_time_it() -> None:
 
 def test_re_timing_drafting_never_pays_for_a_warm_up_that_stalls_the_round() -> None:
     """Once measured rounds say a lone session on shared cores decodes faster plain, a
-    new (cold) session is never warmed just to re-time drafting: the warm-up would stall
-    its round. A session whose draft is warm still re-times it now and then."""
+    new turn's cold draft is never warmed just to re-time drafting: the warm-up of its
+    whole history would stall the round. A session whose draft is warm, or that has
+    drafted this turn, still re-times it now and then."""
     p = Planner(PolicyConfig(devices=Devices.SHARED, explore_every=4, max_backoff=2))
     warm = batch(1)
     for _ in range(30):  # drafting here costs more than it brings
@@ -162,3 +163,5 @@ def test_re_timing_drafting_never_pays_for_a_warm_up_that_stalls_the_round() -> 
     plans = [p.plan("t", 1, cold) for _ in range(40)]
     assert all(plan.cap == 0 and not plan.warm and not plan.exploring for plan in plans)
     assert any(p.plan("t", 1, warm).exploring for _ in range(12))  # a warm draft re-times
+    behind = [view(cache=Cache.COLD, turn_drafted=4)]  # drafted this turn, fell behind
+    assert any(p.plan("t", 1, behind).exploring for _ in range(70))

@@ -28,9 +28,10 @@ finish the batch's slowest turn is least::
 
 (a batch's rounds move together: it finishes with its slowest turn). One owner of
 exploration (:mod:`~specserve.orchestrator.policy.explore`) re-times the choice not
-made, in rounds that can be timed (no prefill, no warm-up beside them); re-timing
-drafting waits for a session whose draft is warm where a warm-up would stall the round
-(shared hardware, a lone session): an exploration never pays for one.
+made, in rounds that can be timed (no prefill, no warm-up beside them). Where a
+warm-up stalls the round (shared hardware, a lone session), re-timing drafting waits
+for a session whose draft is warm or has drafted this turn: an exploration never pays
+for a new turn's first warm-up of its whole history.
 
 **Warm-ups.** A cold session (its draft replica lacks a long history) that would
 draft is warmed: inside the round when it is alone or draft and target share
@@ -112,10 +113,12 @@ class Planner:
         untimed = any(s.view.target_behind > 1 or s.view.cache is Cache.WARMING for s in each)
         if adaptive and bound > 0 and c.fixed_k is None and not untimed:
             best = any(s.ks[cap] > 0 for s in adaptive)
-            # Re-timing drafting never pays for a warm-up that stalls the round: it
-            # needs a session whose draft is warm, or warm-ups that run beside.
+            # Re-timing drafting never pays for a new turn's first warm-up (its whole
+            # history) where it stalls the round: it needs a session whose draft is warm
+            # or has drafted this turn, or warm-ups that run beside the rounds.
             stalls = self._warm_where(each) is WarmWhere.INSIDE
-            if best or not stalls or any(s.view.cache is Cache.WARM for s in adaptive):
+            started = any(s.view.cache is Cache.WARM or s.view.turn_drafted for s in adaptive)
+            if best or not stalls or started:
                 key = (target, bucket_of(len(sessions)))
                 exploring = self._schedules.setdefault(key, Schedule()).next_round(c, best)
         if exploring is not None:
