@@ -26,6 +26,7 @@ from typing import Any
 
 from bench.common import environment, environment_md, reproduce_command, write_results
 from bench.concurrency import DRAFT, TARGET
+from bench.concurrency_report import weight_form
 from bench.policy_ablation import TINY_DRAFT, TINY_TARGET, orchestrator_has_flag
 from bench.serving_stack import OrchestratorSetting, declared_devices, serving_stack
 from specserve.client import Client
@@ -110,7 +111,8 @@ def markdown(h: dict[str, Any], args: argparse.Namespace, env: dict[str, Any]) -
     lines = [
         "# A fresh stack's first request vs the local loop",
         "",
-        f"Target {args.target} ({args.target_dtype}), draft {args.draft} ({args.draft_dtype}), "
+        f"Target {args.target} ({args.target_dtype} compute{weight_form(args.target)}), "
+        f"draft {args.draft} ({args.draft_dtype} compute{weight_form(args.draft)}), "
         f"{args.threads} torch threads; prompt {args.prompt!r}, greedy, {args.new_tokens} new "
         "tokens, drafter model, adaptive k. The local loop ran first in a child process; the "
         f"stack (devices declared: {env['devices']}) was started "
