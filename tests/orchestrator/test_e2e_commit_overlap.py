@@ -125,11 +125,14 @@ class Turn:
     accepted: int = 0
 
 
-async def stream(address: str, prompt: list[int], n: int, **kwargs: Any) -> Turn:
+async def stream(
+    address: str, prompt: list[int], n: int, drafter: str = "model", **kwargs: Any
+) -> Turn:
     turn = Turn()
     client = AsyncClient(address, timeout_s=120)
+    k = 4 if drafter != "none" else 0
     try:
-        async for d in client.stream(prompt, max_new_tokens=n, drafter="model", k=4, **kwargs):
+        async for d in client.stream(prompt, max_new_tokens=n, drafter=drafter, k=k, **kwargs):
             turn.tokens.extend(d.token_ids)
             turn.session_id = d.session_id or turn.session_id
             turn.finish = d.finish_reason or turn.finish
@@ -149,32 +152,37 @@ def run_with_faults(
     *,
     delay_s: float = 0.0,
     then_continue: bool = False,
-) -> tuple[Turn, Turn | None, CommitFaults, list[int], list[tuple[float, float]]]:
+    drafter: str = "model",
+) -> tuple[Turn, Turn | None, CommitFaults, list[int], dict[str, list[tuple[float, float]]]]:
     """One kept streamed turn with a fault at commit FAIL_AT (and, if asked, a second turn
     continuing the session); returns the turns, the faults, the stored tokens and the
-    (start, end) of every Propose the orchestrator made."""
+    (start, end) of every Propose and every Verify the orchestrator made."""
 
-    async def body() -> tuple[Turn, Turn | None, CommitFaults, list[int], list[Any]]:
+    async def body() -> tuple[Turn, Turn | None, CommitFaults, list[int], dict[str, Any]]:
         app = await start_orchestrator(replicas, redis_url)
         faults = CommitFaults(app.store, mode, delay_s=delay_s)
-        proposes: list[tuple[float, float]] = []
-        real_propose = calls.propose
+        timed: dict[str, list[tuple[float, float]]] = {"propose": [], "verify": []}
+        real = {name: getattr(calls, name) for name in timed}
 
-        async def timed_propose(*a: Any, **kw: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return await real_propose(*a, **kw)
-            finally:
-                proposes.append((start, time.perf_counter()))
+        def timing(name: str) -> Any:
+            async def call(*a: Any, **kw: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return await real[name](*a, **kw)
+                finally:
+                    timed[name].append((start, time.perf_counter()))
 
-        calls.propose = timed_propose  # type: ignore[assignment]
+            return call
+
+        for name in timed:
+            setattr(calls, name, timing(name))
         try:
-            first = await stream(app.address, PROMPT, N, keep_session=True)
+            first = await stream(app.address, PROMPT, N, drafter, keep_session=True)
             second = None
             if then_continue and first.session_id:
                 left = N - len(first.tokens)
                 second = await stream(
-                    app.address, [], left, session_id=first.session_id, keep_session=True
+                    app.address, [], left, drafter, session_id=first.session_id, keep_session=True
                 )
             record = await app.store.get(first.session_id)
             stored = [] if record is None else list(record.tokens)[len(PROMPT) :]
@@ -185,9 +193,10 @@ def run_with_faults(
                 await app.store.delete(first.session_id)
             finally:
                 await client.close()
-            return first, second, faults, stored, proposes
+            return first, second, faults, stored, timed
         finally:
-            calls.propose = real_propose  # type: ignore[assignment]
+            for name, call in real.items():
+                setattr(calls, name, call)
             await app.close()
 
     return asyncio.run(body())
@@ -203,14 +212,34 @@ def test_a_rounds_commit_runs_while_the_next_round_proposes(
 ) -> None:
     """With commits 30 ms slower than usual, the next round's Propose is out while one
     is in flight, and the greedy output is still the target's, drafts accepted."""
-    turn, _, faults, stored, proposes = run_with_faults(replicas, redis_url, None, delay_s=0.03)
+    turn, _, faults, stored, timed = run_with_faults(replicas, redis_url, None, delay_s=0.03)
     assert turn.error is None and turn.finish == "length"
     assert turn.tokens == reference.decode(PROMPT, N)
     assert turn.drafted > 0 and turn.accepted > 0
     assert stored == turn.tokens
+    proposes = timed["propose"]
     both = overlapped(faults.spans, proposes)
     print(f"{both} of {len(faults.spans)} commits overlapped a Propose ({len(proposes)} in all)")
     # Before the overlap every commit ended before the next round's Propose began.
+    assert both >= len(faults.spans) // 2
+
+
+def test_a_plain_rounds_commit_runs_while_the_next_round_verifies(
+    replicas: tuple[str, str], redis_url: str, reference: Reference
+) -> None:
+    """Plain decoding (no Propose to hide it behind): with commits 30 ms slower than
+    usual, the next round's Verify is out while one is in flight, and the greedy output
+    and the stored tokens are still the target's."""
+    turn, _, faults, stored, timed = run_with_faults(
+        replicas, redis_url, None, delay_s=0.03, drafter="none"
+    )
+    assert turn.error is None and turn.finish == "length"
+    assert turn.tokens == reference.decode(PROMPT, N)
+    assert stored == turn.tokens
+    assert not timed["propose"] and turn.drafted == 0
+    both = overlapped(faults.spans, timed["verify"])
+    print(f"{both} of {len(faults.spans)} commits overlapped a Verify")
+    # Before, every commit settled before the next round's Verify was sent.
     assert both >= len(faults.spans) // 2
 
 
@@ -228,13 +257,15 @@ def test_a_commit_retried_after_a_transient_failure_is_written_once(
     assert stored == turn.tokens  # not a token twice, not one missing
 
 
+@pytest.mark.parametrize("drafter", ["model", "none"])
 def test_a_conflicting_commit_stops_the_session_with_only_stored_tokens_sent(
-    replicas: tuple[str, str], redis_url: str, reference: Reference
+    replicas: tuple[str, str], redis_url: str, reference: Reference, drafter: str
 ) -> None:
     """Another writer took the record over before round 3's commit: the client gets
     ABORTED after exactly the tokens of the rounds that were stored, and this
-    orchestrator never writes the session again."""
-    turn, _, faults, stored, _ = run_with_faults(replicas, redis_url, "conflict")
+    orchestrator never writes the session again (the next round, verified while the
+    commit was in flight, is dropped)."""
+    turn, _, faults, stored, _ = run_with_faults(replicas, redis_url, "conflict", drafter=drafter)
     assert turn.error is not None and turn.error.code() == grpc.StatusCode.ABORTED
     assert 0 < len(turn.tokens) < N
     assert turn.tokens == stored == reference.decode(PROMPT, N)[: len(turn.tokens)]

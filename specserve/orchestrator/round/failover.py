@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from opentelemetry import trace
 
@@ -66,10 +66,19 @@ class Failover:
         self.snapshots = snapshots  # None: --kv-snapshots is off
         self.refresh_usable = refresh_usable  # the scheduler's view of usable replicas
 
-    async def verify(self, target: str, items: Items) -> tuple[calls.VerifyOutcome, dict[str, str]]:
+    async def verify(
+        self,
+        target: str,
+        items: Items,
+        settle: Callable[[], Awaitable[set[str]]] | None = None,
+    ) -> tuple[calls.VerifyOutcome, dict[str, str]]:
         """Verify on ``target``; if it is lost, replay on others.
 
-        Returns the outcome of every session (a verdict or an error, unless it
+        ``settle``: awaits the lane's last commit, still in flight while this round
+        verifies, and returns the sessions it ended; called before the store is read
+        for a replay, which those sessions are left out of (they get no outcome here).
+
+        Returns the outcome of every other session (a verdict or an error, unless it
         ``expired``) and the sessions that now live on another target (id -> target).
         """
         total = calls.VerifyOutcome()
@@ -105,6 +114,11 @@ class Failover:
                 break
             if out.lost:
                 self.planner.forget(target)  # a replacement may be another machine
+            if settle is not None:  # the store must hold the last round before it is read
+                ended = await settle()
+                todo = [(s, p) for s, p in todo if s.sid not in ended]
+                if not todo:
+                    break
             todo = await self._resume_from_store(todo, total)
             next_target = await self._another_target(give_up)
             if next_target is None:

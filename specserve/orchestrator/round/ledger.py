@@ -9,28 +9,31 @@ over by another replica is never written again.
 
 **The commit overlaps the next round.** Round r's tokens are in each session's
 :class:`~specserve.engine.decode_state.DecodeState` once verified; writing them to
-the store is a Redis round trip that no part of round r + 1's ``Propose`` needs
-(the draft replica reads only the tokens, which are in memory). So the round
-runner starts the commit of round r as a task (:class:`PendingCommit`) and
-proposes round r + 1 at once; the lane awaits the commit (:meth:`PendingCommit.settle`)
-before round r + 1's ``Verify``. The rules that keep it lossless:
+the store is a Redis round trip that no part of round r + 1's ``Propose`` or
+``Verify`` needs (the replicas read only the tokens, which are in memory). So the
+round runner starts the commit of round r as a task (:class:`PendingCommit`) and
+proposes and verifies round r + 1 at once; the lane awaits the commit
+(:meth:`PendingCommit.settle`, once per round: :class:`SettleOnce`) before it applies
+round r + 1's verdicts. Plain rounds (no ``Propose``) thus keep the store off their
+path too. The rules that keep it lossless:
 
 * **Tokens go out only after their commit.** The commit task puts a session's
   tokens in its outbox once the store answered OK for it
   (:meth:`Ledger.write`), exactly as a commit
   awaited in the round did: no client ever holds a token the store may not have.
   Only the emit moved off the critical path, not ahead of the write.
-* **One commit per session at a time, in round order.** Round r + 1 verifies and
-  commits only after round r's commit settled, so its commit is written over the
-  version round r wrote, and the versioned script still refuses a double commit or
-  a commit over another writer's version.
+* **One commit per session at a time, in round order.** Round r + 1 applies its
+  verdicts and commits only after round r's commit settled, so its commit is written
+  over the version round r wrote, and the versioned script still refuses a double
+  commit or a commit over another writer's version.
 * **A failed commit ends a session as it did.** Transient store errors are retried
   inside the store's window (the script is idempotent: a retried commit whose
   first reply was lost finds its own bytes and appends nothing twice). A version
   conflict, a closed session or a store down past the window ends the session
-  when the commit settles: before round r + 1 verifies it, so nothing round r + 1
-  computed for it is committed or sent. Its ``Propose`` for round r + 1 was
-  wasted work, nothing more.
+  when the commit settles: before round r + 1's verdict is applied to it, so
+  nothing round r + 1 computed for it is committed or sent. Its ``Propose`` and
+  ``Verify`` for round r + 1 were wasted work, nothing more (every call says where
+  its news starts, so a replica's cache past the stored tokens is never trusted).
 * **A verify failover reads the store after the settle**, so the record it
   compares against is the one round r wrote.
 
@@ -361,3 +364,26 @@ class Commits:
         for pending in list(self._pending):
             await self.settle(pending)
         await self.ledger.drain()
+
+
+class SettleOnce:
+    """The settling of one round's commit (None: nothing in flight), done at most once
+    by whichever of the next round's steps needs it first (a failover before it reads
+    the store, else the runner before it applies the verdicts)."""
+
+    def __init__(self, commits: Commits, pending: PendingCommit | None) -> None:
+        self._commits = commits
+        self._pending = pending
+        self._endings: list[Ending] | None = None
+
+    async def endings(self) -> list[Ending]:
+        """The endings the commit decided that the caller must finish (the same list on
+        every call)."""
+        if self._endings is None:
+            pending = self._pending
+            self._endings = [] if pending is None else await self._commits.settle(pending)
+        return self._endings
+
+    async def ended(self) -> set[str]:
+        """The ids of the sessions the commit ended."""
+        return {s.sid for s, _, _ in await self.endings()}

@@ -23,10 +23,11 @@ A round of a lane (see :mod:`specserve.orchestrator.fleet.scheduler`) is the rou
    the round is replayed on it once more (its KV is warm there; another replica
    would have to prefill every session) and only a second miss fails it over;
 4. ``DecodeState.commit``, then one pipelined atomic commit per session to the
-   store, started and left in flight while the lane's next round proposes; the
-   tokens go to the clients once it is written, and the next round verifies only
-   after it settled (:class:`~.ledger.PendingCommit`). A
-   session whose record changed under it (another replica took it over) stops.
+   store, started and left in flight while the lane's next round proposes and
+   verifies; the tokens go to the clients once it is written, and the next round
+   applies its verdicts and commits only after it settled
+   (:class:`~.ledger.PendingCommit`). A session whose record changed under it
+   (another replica took it over) stops.
 
 Verify with failover and replay: :class:`~.failover.Failover`; commits and endings
 (releases, final records): :class:`~.ledger.Ledger`; spans: :class:`~.spans.RoundSpans`;
@@ -50,7 +51,13 @@ from specserve.orchestrator.policy import BatchPlan, Planner, RoundOutcome, Warm
 from specserve.orchestrator.round import calls
 from specserve.orchestrator.round.calls import Plan, RoundTimeouts, batch_timeout
 from specserve.orchestrator.round.failover import Failover
-from specserve.orchestrator.round.ledger import Commits, Ending, Ledger, PendingCommit
+from specserve.orchestrator.round.ledger import (
+    Commits,
+    Ending,
+    Ledger,
+    PendingCommit,
+    SettleOnce,
+)
 from specserve.orchestrator.round.spans import RoundSpans
 from specserve.orchestrator.round.stats import RunnerStats
 from specserve.orchestrator.round.views import session_view, target_backlog
@@ -247,8 +254,13 @@ class RoundRunner:
         spans: RoundSpans,
         pending: PendingCommit | None,
     ) -> tuple[list[Ending], PendingCommit | None]:
-        """Plan, propose, (settle the last commit,) verify, commit; returns the sessions
-        that end with this round and this round's commit if it is still in flight."""
+        """Plan, propose, verify, settle the last commit, commit; returns the sessions
+        that end with this round and this round's commit if it is still in flight.
+
+        Round r - 1's commit (``pending``) runs while this round proposes and verifies;
+        it is settled before this round's verdicts are applied, so a session it ends
+        keeps nothing this round computed (a failover settles it before reading the
+        store)."""
         started = time.perf_counter()
         views = [session_view(s, self.planner.config.warm_above_tokens) for s in live]
         batch_plan = self.planner.plan(target, self.scheduler.target_load(target), views)
@@ -258,23 +270,23 @@ class RoundRunner:
         with spans.phase(attr.SPAN_PROPOSE) as pspan:
             plans = await self._propose(target, live, spans, batch_plan)
             spans.proposed(pspan, plans, cap)
-        ending: list[Ending] = []
-        if pending is not None:  # round r - 1's commit ran while this round proposed
-            waited = time.perf_counter()
-            ending = await self.commits.settle(pending)
-            started += time.perf_counter() - waited  # the round's time is its compute's
+        last_commit = SettleOnce(self.commits, pending)
+        with spans.phase(attr.SPAN_VERIFY) as vspan:
+            outcome, moved = await self.failover.verify(
+                target, [(s, plans[s.sid]) for s in live], last_commit.ended
+            )
+            seconds = time.perf_counter() - started  # before the settle: compute alone
+            spans.verified(vspan, target, plans, outcome, len(moved))
+        ending = list(await last_commit.endings())
+        if ending:
             ended = {s.sid for s, _, _ in ending}
             live = [s for s in live if s.sid not in ended]
             views = [v for v in views if v.sid not in ended]
             for sid in ended:
                 plans.pop(sid, None)
-            if not live:
-                return ending, None
-        with spans.phase(attr.SPAN_VERIFY) as vspan:
-            outcome, moved = await self.failover.verify(target, [(s, plans[s.sid]) for s in live])
-            seconds = time.perf_counter() - started
-            spans.verified(vspan, target, plans, outcome, len(moved))
         self.stats.rounds += 1
+        if not live:
+            return ending, None
         committed = []
         for s in live:
             if outcome.expired and s.sid not in outcome.verdicts:
