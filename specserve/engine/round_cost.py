@@ -157,49 +157,60 @@ class RoundCosts:
 def _fit(buckets: dict[int, _Moments], order: tuple[tuple[int, ...], ...]) -> RoundFit | None:
     heaviest = max(b.m[0][0] for b in buckets.values())
     keys = sorted(k for k, b in buckets.items() if b.m[0][0] >= 1e-3 * heaviest)  # not aged out
-    n = len(keys)
-    # Normal equations over the unknowns (t0 of each bucket, fixed, per_step, per_token).
-    size = n + 3
-    a = [[0.0] * size for _ in range(size)]
-    c = [0.0] * size
-    yy = 0.0
-    for i, key in enumerate(keys):
+    # Least squares over (t0 of each bucket, fixed, per_step, per_token). Each t0 is its
+    # bucket's own intercept, so it is partialled out in closed form (t0 = bucket mean of
+    # what drafting leaves): the drafting unknowns solve a 3 x 3 system (or a subset's),
+    # not one with a row per bucket, and the residuals differ from the full system's by
+    # the same constant for every subset. This runs after every timed round.
+    a = [[0.0] * 3 for _ in range(3)]
+    raw = [[0.0] * 3 for _ in range(3)]  # the full system's drafting block
+    c = [0.0] * 3
+    yy = reduced_yy = 0.0
+    scale = 0.0  # the full system's largest entry: what "singular" is judged against
+    for key in keys:
         m = buckets[key].m
-        a[i][i] = m[0][0]
-        c[i] = m[0][4]
+        w, wy = m[0][0], m[0][4]
+        scale = max(scale, w, *(abs(x) for x in m[0][1:4]))
         for j in range(3):
-            a[i][n + j] = a[n + j][i] = m[0][1 + j]
-            c[n + j] += m[1 + j][4]
+            mj = m[0][1 + j] / w
+            c[j] += m[1 + j][4] - mj * wy
             for k in range(3):
-                a[n + j][n + k] += m[1 + j][1 + k]
+                raw[j][k] += m[1 + j][1 + k]
+                a[j][k] += m[1 + j][1 + k] - mj * m[0][1 + k]
         yy += m[4][4]
+        reduced_yy += m[4][4] - wy * wy / w
+    scale = max(scale, *(abs(x) for row in raw for x in row))
     best: tuple[float, list[float], tuple[int, ...]] | None = None
     tolerance = 1e-9 * max(yy, 1e-12)
     for subset in order:
-        idx = list(range(n)) + [n + j for j in subset]
-        beta = _solve([[a[r][s] for s in idx] for r in idx], [c[r] for r in idx])
-        if beta is None or any(x < 0 for x in beta[n:]):
+        beta = _solve([[a[r][s] for s in subset] for r in subset], [c[r] for r in subset], scale)
+        if beta is None or any(x < 0 for x in beta):
             continue
-        residual = yy - sum(x * c[r] for x, r in zip(beta, idx, strict=True))
+        residual = reduced_yy - sum(x * c[r] for x, r in zip(beta, subset, strict=True))
         if best is None or residual < best[0] - tolerance:
             best = (residual, beta, subset)
     if best is None:
         return None  # no drafting coefficient is identified yet
     _, beta, subset = best
-    coef = dict(zip(subset, beta[n:], strict=True))
+    coef = dict(zip(subset, beta, strict=True))
+    t0 = {}
+    for key in keys:
+        m = buckets[key].m
+        drafting = sum(m[0][1 + j] * x for j, x in coef.items())
+        t0[key] = (m[0][4] - drafting) / m[0][0]
     return RoundFit(
-        t0=dict(zip(keys, beta[:n], strict=True)),
+        t0=t0,
         fixed=coef.get(FIXED, 0.0),
         per_step=coef.get(PER_STEP, 0.0),
         per_token=coef.get(PER_TOKEN, 0.0),
     )
 
 
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """``m x = v`` by Gaussian elimination with partial pivoting; None if singular."""
+def _solve(m: list[list[float]], v: list[float], scale: float) -> list[float] | None:
+    """``m x = v`` by Gaussian elimination with partial pivoting; None if singular (a
+    pivot at most ``1e-9 * scale``)."""
     n = len(v)
     rows = [[*m[i], v[i]] for i in range(n)]
-    scale = max((abs(x) for row in m for x in row), default=0.0)
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
         if abs(rows[pivot][col]) <= 1e-9 * scale:

@@ -131,3 +131,30 @@ def test_the_policy_plans_with_measured_costs_and_goes_back_to_its_static_ones()
     fixed = KPolicy(3)
     fixed.measured(dear)
     assert fixed.plan(8) == 3  # a fixed k is what was asked for
+
+
+def test_the_fit_is_the_least_squares_fit_of_every_unknown_at_once() -> None:
+    """The bucket intercepts are partialled out in closed form: the coefficients are still
+    those of one least-squares fit of all of them (numpy's, on noisy rounds of three
+    batch sizes)."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(5)
+    costs = RoundCosts(decay=1.0)
+    rows, ys = [], []
+    buckets = [bucket_of(b) for b in (1, 8, 32)]
+    for _ in range(60):
+        batch = rng.choice((1, 8, 32))
+        depth = rng.choice((0, 1, 2, 3, 4, 6))
+        drafts = depth * rng.randint(max(1, batch // 2), batch) if depth else 0
+        y = seconds(batch, depth) + rng.gauss(0, 0.003)
+        costs.observe(batch, depth, drafts, y)
+        rows.append([float(bucket_of(batch) == b) for b in buckets] + [depth > 0, depth, drafts])
+        ys.append(y)
+    beta, *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(ys), rcond=None)
+    fit = costs.fit()
+    assert fit is not None and min(beta[3:]) > 0  # all three identified and positive
+    assert [fit.t0[b] for b in buckets] == pytest.approx(list(beta[:3]))
+    assert [fit.fixed, fit.per_step, fit.per_token] == pytest.approx(list(beta[3:]))
