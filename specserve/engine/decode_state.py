@@ -100,13 +100,18 @@ class DecodeState:
         return self.tokens[self.prompt_len :]
 
     @property
+    def completion_len(self) -> int:
+        """``len(completion)`` without copying it (read every round)."""
+        return len(self.tokens) - self.prompt_len
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def next_k(self, k_cap: int | None = None) -> int:
         if self.drafter == DrafterKind.NONE:
             return 0
-        remaining = self.stop.max_new_tokens - len(self.completion)
+        remaining = self.stop.max_new_tokens - self.completion_len
         return max(0, min(self.k_policy.next_k(k_cap), remaining - 1))
 
     def outlook(self, limit: int) -> list[tuple[float, int]]:
@@ -117,7 +122,7 @@ class DecodeState:
         if self.drafter == DrafterKind.NONE:
             ks = [0] * (limit + 1)
         else:
-            remaining = self.stop.max_new_tokens - len(self.completion)
+            remaining = self.stop.max_new_tokens - self.completion_len
             ks = [max(0, min(k, remaining - 1)) for k in self.k_policy.plans(limit)]
         alpha = self.k_policy.alpha
         return [(expected_tokens(alpha, k), k) for k in ks]
@@ -160,7 +165,7 @@ class DecodeState:
         self.draft_start = len(self.tokens)
 
     def _apply_stops(self, emitted: list[int]) -> list[int]:
-        room = self.stop.max_new_tokens - len(self.completion)
+        room = self.stop.max_new_tokens - self.completion_len
         kept = emitted[:room]
         for i, t in enumerate(kept):
             if t in self.stop.eos_ids:
@@ -174,6 +179,6 @@ class DecodeState:
                     self.finish_reason = FinishReason.STOP
                     self.text_end = min(hits)
                     return kept[: i + 1]
-        if len(self.completion) + len(kept) >= self.stop.max_new_tokens:
+        if self.completion_len + len(kept) >= self.stop.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
         return kept

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specserve.engine.k_policy import CostModel, KPolicy, expected_tokens
-from specserve.engine.round_cost import RoundCosts, bucket_of
+from specserve.engine.round_cost import RoundCosts, RoundFit, bucket_of
 from specserve.orchestrator.policy.config import Devices, PolicyConfig
 from specserve.orchestrator.policy.explore import Schedule
 from specserve.orchestrator.policy.views import (
@@ -65,6 +65,7 @@ class _Session:
     view: SessionView
     alpha: float
     ks: list[int]  # k by cap
+    expect: list[float]  # tokens its round is expected to emit, by cap (at ks[cap])
     adaptive: bool  # its k follows the cap (not a requested or fixed k)
 
 
@@ -89,6 +90,11 @@ class Planner:
         costs = self._costs.get(target)
         measured = None if costs is None else costs.model(batch)
         return measured or self.config.prior_costs
+
+    def fit(self, target: str) -> RoundFit | None:
+        """The round times fitted for ``target`` so far (None: none yet)."""
+        costs = self._costs.get(target)
+        return None if costs is None else costs.fit()
 
     def forget(self, target: str) -> None:
         """Drop a target's figures (it left the pool; a replacement may differ)."""
@@ -138,6 +144,7 @@ class Planner:
         left = max(1, v.tokens_left)
         alpha = v.alpha if v.turn_drafted else c.alpha0
         fixed = v.requested_k if v.requested_k is not None else c.fixed_k
+        expect = [expected_tokens(alpha, k) for k in range(max(bound, fixed or 0) + 1)]
         if v.drafter == "none" or v.cache is Cache.WARMING:
             ks = [0] * (bound + 1)
         elif fixed is not None:
@@ -146,12 +153,13 @@ class Planner:
             ks, best, best_rate = [], 0, -1.0
             for k in range(bound + 1):  # the best k under each cap: the best over 0 .. cap
                 if k <= c.k_max:
-                    rate = expected_tokens(alpha, k) / cost.round(k)
+                    rate = expect[k] / cost.round(k)
                     if rate > best_rate:  # ties keep the smaller k
                         best, best_rate = k, rate
                 ks.append(best)
         ks = [max(0, min(k, left - 1)) for k in ks]
-        return _Session(v, alpha, ks, v.requested_k is None and c.fixed_k is None)
+        adaptive = v.requested_k is None and c.fixed_k is None
+        return _Session(v, alpha, ks, [expect[k] for k in ks], adaptive)
 
     def _warm_ups(self, each: list[_Session], k: dict[str, int]) -> dict[str, WarmWhere]:
         """Which cold sessions warm, and where; a cold session not warmed inside verifies
@@ -202,5 +210,5 @@ def _finish(each: list[_Session], cap: int, cost: CostModel) -> float:
         return 0.0
     ks = [s.ks[cap] for s in each]
     paced = [s for s in each if s.view.cache is not Cache.WARMING] or each
-    rounds = max(max(1, s.view.tokens_left) / expected_tokens(s.alpha, s.ks[cap]) for s in paced)
+    rounds = max(max(1, s.view.tokens_left) / s.expect[cap] for s in paced)
     return rounds * cost.batch_round(max(ks), sum(ks))

@@ -23,7 +23,7 @@ def session_view(s: LiveSession, warm_above_tokens: int) -> SessionView:
         drafter=str(st.drafter),
         greedy=st.params.greedy,
         requested_k=st.k_policy.fixed,
-        tokens_left=st.stop.max_new_tokens - len(st.completion),
+        tokens_left=st.stop.max_new_tokens - st.completion_len,
         alpha=st.k_policy.alpha,
         turn_drafted=st.stats.drafted,
         turn_accepted=st.stats.accepted,

@@ -97,7 +97,7 @@ def ended(
 
 def turn_usage(state: DecodeState, prompt_tokens: int) -> Usage:
     s = state.stats
-    return Usage(prompt_tokens, len(state.completion), s.rounds, s.drafted, s.accepted)
+    return Usage(prompt_tokens, state.completion_len, s.rounds, s.drafted, s.accepted)
 
 
 def usage_of(record: session_pb2.SessionRecord) -> Usage:
