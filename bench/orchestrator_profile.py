@@ -6,7 +6,8 @@ device time while the CPU idles (:mod:`bench.emulated_device`, default draft
 The orchestrator runs **in this process** (:func:`specserve.orchestrator.app.start`),
 so its Python can be profiled; the clients run in a child process, so their
 Python is not counted. For each ``--sessions`` count, that many greedy streams
-(adaptive k, draft model) of ``--new-tokens`` run at once, ``--reps`` times:
+(adaptive k, ``--drafter``, default the draft model) of ``--new-tokens`` run at
+once, ``--reps`` times:
 
 * unprofiled: the process's CPU time (every thread: the event loop, gRPC's
   threads) and the event loop thread's alone, each divided by the rounds the
@@ -15,8 +16,13 @@ Python is not counted. For each ``--sessions`` count, that many greedy streams
   a busy machine's waits are not counted): the functions with the most own CPU
   time per round.
 
+It also reports the unprofiled runs' batch rounds by k cap and, at the end of each
+sessions count, the planner's fitted round times (what the adaptive policy decides
+from).
+
     .venv/bin/python -m bench.orchestrator_profile [--sessions 1,8] [--new-tokens 64] \\
-        [--emulate-devices 2,12] [--reps 3] [--top 25] [--no-write]
+        [--emulate-devices 2,12] [--reps 3] [--top 25] [--drafter model|none] [--k K] \\
+        [--no-write]
 
 Writes ``bench/results/orchestrator_profile.{md,json}`` (``--name`` changes the stem).
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import cProfile
 import io
@@ -47,8 +54,11 @@ def prompts(n: int, rep: int) -> list[list[int]]:
     return [[(31 * (rep * 64 + i) + j) % 250 + 1 for j in range(24)] for i in range(n)]
 
 
-def run_clients(address: str, batch: list[list[int]], new_tokens: int) -> int:
-    """Child process: stream every prompt at once; the tokens received."""
+def run_clients(
+    address: str, batch: list[list[int]], new_tokens: int, drafter: str, k: int | None
+) -> int:
+    """Child process: stream every prompt at once (``k`` None: adaptive); the tokens
+    received."""
     from specserve.client import AsyncClient
 
     async def go() -> int:
@@ -56,7 +66,8 @@ def run_clients(address: str, batch: list[list[int]], new_tokens: int) -> int:
 
             async def one(p: list[int]) -> int:
                 got = 0
-                async for d in client.stream(p, max_new_tokens=new_tokens, drafter="model"):
+                deltas = client.stream(p, max_new_tokens=new_tokens, drafter=drafter, k=k)
+                async for d in deltas:
                     got += len(d.token_ids)
                 return got
 
@@ -70,23 +81,31 @@ async def measure(
     pool: concurrent.futures.ProcessPoolExecutor,
     batch: list[list[int]],
     new_tokens: int,
+    args: argparse.Namespace,
     profile: cProfile.Profile | None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
-    rounds0 = app.runner.stats.rounds
+    stats = app.runner.stats
+    rounds0, caps0 = stats.rounds, collections.Counter(stats.k_caps)
+    drafted0, accepted0 = stats.draft_tokens, stats.accepted_tokens
     cpu0, thread0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
     if profile is not None:
         profile.enable()
-    tokens = await loop.run_in_executor(pool, run_clients, app.address, batch, new_tokens)
+    tokens = await loop.run_in_executor(
+        pool, run_clients, app.address, batch, new_tokens, args.drafter, args.k
+    )
     if profile is not None:
         profile.disable()
-    rounds = app.runner.stats.rounds - rounds0
+    rounds = stats.rounds - rounds0
     return {
         "rounds": rounds,
         "tokens": tokens,
         "wall_s": time.perf_counter() - wall0,
         "process_cpu_s": time.process_time() - cpu0,
         "loop_cpu_s": time.thread_time() - thread0,
+        "k_caps": dict(sorted((collections.Counter(stats.k_caps) - caps0).items())),
+        "drafted": stats.draft_tokens - drafted0,
+        "accepted": stats.accepted_tokens - accepted0,
     }
 
 
@@ -121,15 +140,20 @@ async def run_all(args: argparse.Namespace, target: str, draft: str, redis_url: 
     out: dict[str, Any] = {}
     try:
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-            await measure(app, pool, prompts(max(args.sessions), 99), 16, None)  # warm-up
+            warm = prompts(max(args.sessions), 99)
+            await measure(app, pool, warm, 16, args, None)
             for n in args.sessions:
                 plain = [
-                    await measure(app, pool, prompts(n, rep), args.new_tokens, None)
+                    await measure(app, pool, prompts(n, rep), args.new_tokens, args, None)
                     for rep in range(args.reps)
                 ]
                 profile = cProfile.Profile(time.thread_time)  # CPU time: the machine is shared
-                profiled = await measure(app, pool, prompts(n, 0), args.new_tokens, profile)
+                profiled = await measure(app, pool, prompts(n, 0), args.new_tokens, args, profile)
                 rounds = sum(r["rounds"] for r in plain)
+                caps: collections.Counter[int] = collections.Counter()
+                for r in plain:
+                    caps.update(r["k_caps"])
+                fits = {t: app.runner.planner.fit(t) for t in app.runner.targets.replicas}
                 out[str(n)] = {
                     "runs": plain,
                     "rounds": rounds,
@@ -140,12 +164,18 @@ async def run_all(args: argparse.Namespace, target: str, draft: str, redis_url: 
                     "wall_ms_per_round": sum(r["wall_s"] for r in plain) / rounds * 1e3,
                     "profiled_rounds": profiled["rounds"],
                     "top": top_functions(profile, int(profiled["rounds"]), args.top),
+                    "k_caps": dict(sorted(caps.items())),
+                    "acceptance": sum(r["accepted"] for r in plain)
+                    / max(1, sum(r["drafted"] for r in plain)),
+                    "fit": {t: None if f is None else str(f) for t, f in fits.items()},
                 }
                 row = out[str(n)]
                 print(
                     f"{n} sessions: {row['process_cpu_ms_per_round']:.2f} ms process CPU, "
                     f"{row['loop_cpu_ms_per_round']:.2f} ms loop CPU, "
-                    f"{row['wall_ms_per_round']:.2f} ms wall per round ({rounds} rounds)",
+                    f"{row['wall_ms_per_round']:.2f} ms wall per round ({rounds} rounds); "
+                    f"rounds by k cap {row['k_caps']}, acceptance {row['acceptance']:.2f}; "
+                    f"fit {row['fit']}",
                     flush=True,
                 )
     finally:
@@ -160,16 +190,23 @@ def report(results: dict, args: argparse.Namespace, env: dict, argv: list[str]) 
         "",
         f"Tiny pair, device time draft {draft_ms:g} ms / target {target_ms:g} ms per forward, "
         f"real Redis, {args.new_tokens} tokens per stream, {args.reps} repetitions; greedy, "
-        "adaptive k, draft model.",
+        f"{'adaptive k' if args.k is None else f'k {args.k}'}, drafter {args.drafter}.",
         "",
-        "| sessions | rounds | process CPU ms/round | event-loop CPU ms/round | wall ms/round |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        "| sessions | rounds | process CPU ms/round | event-loop CPU ms/round | wall ms/round "
+        "| rounds by k cap | acceptance |",
+        "| ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for n, r in results.items():
+        caps = ", ".join(f"{cap}: {count}" for cap, count in r["k_caps"].items()) or "-"
         lines.append(
             f"| {n} | {r['rounds']} | {r['process_cpu_ms_per_round']:.2f} "
-            f"| {r['loop_cpu_ms_per_round']:.2f} | {r['wall_ms_per_round']:.2f} |"
+            f"| {r['loop_cpu_ms_per_round']:.2f} | {r['wall_ms_per_round']:.2f} | {caps} "
+            f"| {r['acceptance']:.2f} |"
         )
+    lines += ["", "The planner's fitted round times after each sessions count:", ""]
+    for n, r in results.items():
+        for target, fit in r["fit"].items():
+            lines.append(f"- {n} sessions, target `{target}`: {fit or 'no fit yet'}")
     for n, r in results.items():
         lines += [
             "",
@@ -200,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="DRAFT_MS,TARGET_MS of device time per forward",
     )
     p.add_argument("--top", type=int, default=25, help="functions listed per sessions count")
+    p.add_argument("--drafter", choices=("model", "none"), default="model")
+    p.add_argument("--k", type=int, help="every request's own k (default: adaptive)")
     p.add_argument("--redis-url", help="an existing Redis (default: a throwaway redis-server)")
     p.add_argument("--name", default="orchestrator_profile")
     p.add_argument("--no-write", action="store_true")
