@@ -9,8 +9,6 @@
 // on the dequantized matrix, for any row count.
 namespace {
 
-constexpr int QPREFETCH_BYTES = 1024;  // ahead in a quantized weight row
-
 // As tile_acc, for NO quantized weight rows (ldw bytes apart) whose accumulators are
 // lane sets (r * ACC_NO + o) of acc; k0 and k1 are multiples of the block size. Each
 // weight row's group of values is widened once and meets every row of x (read from L1)
@@ -30,11 +28,14 @@ __attribute__((always_inline)) inline void qtile_acc(const float* x, int64_t ldx
   for (int64_t k = k0; k < k1; k += Q::BLOCK) {
     const uint8_t* blk[NO];
     typename Q::Scales sc[NO];
+    // Prefetch the next tile's rows (a contiguous weight's rows lie back to back, so they
+    // start at w + NO ldw) into L2, NO blocks' bytes a step: all of them while this tile
+    // runs, far enough ahead to hide the memory's latency, as a row-local stream is not.
+    const char* ahead = (const char*)(w + NO * ldw) + k / Q::BLOCK * NO * Q::BYTES;
+    for (int off = 0; off < NO * Q::BYTES; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int o = 0; o < NO; ++o) {
       blk[o] = w + o * ldw + k / Q::BLOCK * Q::BYTES;
-      for (int off = 0; off < Q::BYTES; off += 64)
-        _mm_prefetch((const char*)blk[o] + QPREFETCH_BYTES + off, _MM_HINT_T0);
       sc[o] = Q::scales(blk[o]);
     }
 #pragma GCC unroll 8
