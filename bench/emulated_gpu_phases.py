@@ -58,7 +58,7 @@ def traced_environment(receiver: TraceReceiver) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _request_spans(receiver: TraceReceiver, trace_id: str) -> list[ReceivedSpan]:
+def request_spans(receiver: TraceReceiver, trace_id: str) -> list[ReceivedSpan]:
     """The spans of one finished request, once its request span has come in."""
 
     def has_request(spans: list[ReceivedSpan]) -> bool:
@@ -118,7 +118,7 @@ def round_phases(
             trace_id = secrets.token_hex(16)
             client.metadata = (("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),)
             client.generate(prompt, max_new_tokens=new_tokens, drafter=drafter, ignore_eos=True)
-            rounds += decode_rounds(_request_spans(receiver, trace_id))
+            rounds += decode_rounds(request_spans(receiver, trace_id))
     if not rounds:
         return {"rounds": 0, "ms_per_round": {}}
     keys = [*PARTS, "round"]
