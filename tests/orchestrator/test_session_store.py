@@ -289,3 +289,68 @@ def test_rounds_are_deltas_over_a_record_written_once(make_store: StoreFactory) 
         await store.close()
 
     asyncio.run(body())
+
+
+def test_a_commit_and_a_renewal_after_redis_lost_its_scripts_load_them_again(
+    make_store: StoreFactory,
+) -> None:
+    """Pipelines carry bare EVALSHAs; a Redis that lost its scripts (a restart, SCRIPT
+    FLUSH) answers NOSCRIPT, and the store loads them and sends the pipeline again."""
+
+    async def body() -> None:
+        store = make_store()
+        s = sid()
+        rec = await store.create(record(s, [1]))
+        nxt = session_pb2.SessionRecord()
+        nxt.CopyFrom(rec)
+        nxt.tokens.append(2)
+        [(status, written)] = await store.commit_many([nxt], after=[rec])
+        assert status is CommitStatus.OK
+        await store.redis.script_flush()
+        again = session_pb2.SessionRecord()
+        again.CopyFrom(written)
+        again.tokens.append(3)
+        [(status, _)] = await store.commit_many([again], after=[written])
+        assert status is CommitStatus.OK
+        got = await store.get(s)
+        assert got is not None and list(got.tokens) == [1, 2, 3]  # written once
+        await store.redis.script_flush()
+        assert await store.renew([s]) == 1
+        await store.delete(s)
+        await store.close()
+
+    asyncio.run(body())
+
+
+def test_a_pipelined_commit_is_one_round_trip_without_script_exists(
+    make_store: StoreFactory,
+) -> None:
+    """redis-py's registered scripts ask SCRIPT EXISTS before every pipeline that carries
+    one: a round trip more per round. The store's commits do not (real Redis counts)."""
+
+    async def body() -> None:
+        store = make_store()
+        if "fake" in type(store.redis).__module__:
+            await store.close()
+            pytest.skip("fakeredis keeps no command statistics")
+
+        async def script_exists() -> int:
+            stats = await store.redis.info("commandstats")
+            return int(stats.get("cmdstat_script|exists", {}).get("calls", 0))
+
+        s = sid()
+        rec = await store.create(record(s, [1]))
+        before = await script_exists()
+        for token in (2, 3, 4):
+            nxt = session_pb2.SessionRecord()
+            nxt.CopyFrom(rec)
+            nxt.tokens.append(token)
+            [(status, written)] = await store.commit_many([nxt], after=[rec])
+            assert status is CommitStatus.OK
+            rec = written
+        assert await store.renew([s]) == 1
+        assert await script_exists() == before
+        await store.delete(s)
+        await store.close()
+
+    asyncio.run(body())

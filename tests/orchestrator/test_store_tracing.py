@@ -45,6 +45,9 @@ def test_store_calls_are_spans_under_the_current_span(make_store: StoreFactory) 
                 ]
                 with tracer.start_as_current_span("specserve.commit") as commit:
                     results = await store.commit_many(written)
+                    written = [w for _, w in results]
+                with tracer.start_as_current_span("specserve.commit") as second:
+                    results = await store.commit_many(written, after=written)
             assert all(status.value == "ok" for status, _ in results)
             for s in sids:
                 await store.delete(s)
@@ -62,6 +65,9 @@ def test_store_calls_are_spans_under_the_current_span(make_store: StoreFactory) 
         under_commit = children(commit)
         [pipeline] = [s for s in under_commit if "EVALSHA" in s.name]
         assert pipeline.attributes["db.redis.pipeline_length"] == 2  # one round trip for both
+        # ... and nothing else once the script is loaded (no SCRIPT EXISTS before each)
+        [again] = children(second)
+        assert "EVALSHA" in again.name and again.attributes["db.redis.pipeline_length"] == 2
         assert all(s.context.trace_id == request.context.trace_id for s in under_commit)
         # Values never reach the spans: the statement is sanitized.
         statements = [str(s.attributes.get("db.statement", "")) for s in redis]

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
+from redis.exceptions import NoScriptError
 
 from specserve.engine.errors import NotFound
 from specserve.orchestrator.errors import RecordError, VersionConflict
@@ -117,10 +118,13 @@ class SessionStore:
         self.owner = owner or uuid.uuid4().hex
         self.retry = RetryWindow(f"the session store ({where})", retry_s)
         self._create = redis.register_script(store_scripts.CREATE)
-        self._commit = redis.register_script(store_scripts.COMMIT)
+        # Pipelined per round (commits) and per lease period (renewals): bare EVALSHAs.
+        self._commit_script = store_scripts.PipelinedScript(redis, store_scripts.COMMIT)
+        self._renew_script = store_scripts.PipelinedScript(redis, store_scripts.RENEW)
+        self._commit = self._commit_script
+        self._renew = self._renew_script
         self._delete = redis.register_script(store_scripts.DELETE)
         self._cancel = redis.register_script(store_scripts.CANCEL)
-        self._renew = redis.register_script(store_scripts.RENEW)
 
     @property
     def _ttl_ms(self) -> int:
@@ -170,15 +174,16 @@ class SessionStore:
         if not session_ids:
             return 0
 
-        async def attempt() -> list[Any]:
-            pipe = self.redis.pipeline(transaction=False)
+        async def fill(pipe: Any) -> None:
             for sid in session_ids:
                 await self._renew(
                     keys=[keys.lease_key(sid)], args=[self.owner, self._lease_ms], client=pipe
                 )
-            return list(await pipe.execute())
 
-        return sum(int(r) for r in await self.retry.call(attempt, retry=False))
+        replies = await self.retry.call(
+            lambda: self._pipelined(self._renew_script, fill), retry=False
+        )
+        return sum(int(r) for r in replies)
 
     async def commit(
         self,
@@ -248,13 +253,11 @@ class SessionStore:
                 )
             )
 
-        async def attempt() -> list[Any]:
-            pipe = self.redis.pipeline(transaction=False)
+        async def fill(pipe: Any) -> None:
             for call_keys, args in calls:
                 await self._commit(keys=call_keys, args=args, client=pipe)
-            return list(await pipe.execute())
 
-        replies = await self._call(attempt)
+        replies = await self._call(lambda: self._pipelined(self._commit_script, fill))
         return [(_STATUS[int(r[0])], rec) for r, rec in zip(replies, written, strict=True)]
 
     async def delete(self, session_id: str, *, version: int | None = None) -> bool:
@@ -313,6 +316,24 @@ class SessionStore:
 
     async def _call(self, attempt: Callable[[], Awaitable[T]]) -> T:
         return await self.retry.call(attempt)
+
+    async def _pipelined(
+        self, script: store_scripts.PipelinedScript, fill: Callable[[Any], Awaitable[None]]
+    ) -> list[Any]:
+        """One pipeline that ``fill`` fills with calls of ``script``: its replies. Sent
+        again once if Redis had lost the script (``NOSCRIPT``: none of its calls ran)."""
+        await script.load()
+        try:
+            return await self._send(fill)
+        except NoScriptError:
+            script.forget()
+            await script.load()
+            return await self._send(fill)
+
+    async def _send(self, fill: Callable[[Any], Awaitable[None]]) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        await fill(pipe)
+        return list(await pipe.execute())
 
 
 def parse(raw: bytes, session_id: str) -> session_pb2.SessionRecord:

@@ -12,6 +12,11 @@ Every write that leaves a record ACTIVE also sets the writer's lease (``owner``,
 
 from __future__ import annotations
 
+import hashlib
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
 # KEYS session, lease; ARGV r, ttl_ms, owner ('' = no lease), lease_ms -> 1 created, 0 taken
 CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -89,3 +94,43 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+
+
+class PipelinedScript:
+    """A script a pipeline carries as a bare ``EVALSHA``.
+
+    redis-py's registered scripts make every pipeline that carries one ask Redis
+    ``SCRIPT EXISTS`` first: one round trip more for each round's commit. This one is
+    loaded once (:meth:`load`); a pipeline that finds it gone (a restarted Redis answers
+    ``NOSCRIPT``, and then none of the pipeline's calls of it ran) loads it again and is
+    sent again by its caller. Called without a pipeline it runs at once, loading itself
+    if need be, like a registered script.
+    """
+
+    def __init__(self, redis: Any, source: str) -> None:
+        self.redis = redis
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.loaded = False
+
+    async def load(self) -> None:
+        """Have Redis hold the script (once; again after :meth:`forget`)."""
+        if not self.loaded:
+            self.sha = await self.redis.script_load(self.source)
+            self.loaded = True
+
+    def forget(self) -> None:
+        """Redis answered ``NOSCRIPT``: load it again before the next use."""
+        self.loaded = False
+
+    async def __call__(self, *, keys: list[str], args: list[Any], client: Any = None) -> Any:
+        """Buffer the call in the pipeline ``client``, or (None) run it now: its reply."""
+        if client is not None:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        await self.load()
+        try:
+            return await self.redis.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self.forget()
+            await self.load()
+            return await self.redis.evalsha(self.sha, len(keys), *keys, *args)
