@@ -188,7 +188,8 @@ def report(results: dict, args: argparse.Namespace, env: dict, argv: list[str]) 
     lines = [
         "# The orchestrator's CPU per round",
         "",
-        f"Tiny pair, device time draft {draft_ms:g} ms / target {target_ms:g} ms per forward, "
+        f"Target `{args.target}`, draft `{args.draft}`, device time draft {draft_ms:g} ms / target "
+        f"{target_ms:g} ms per forward, "
         f"real Redis, {args.new_tokens} tokens per stream, {args.reps} repetitions; greedy, "
         f"{'adaptive k' if args.k is None else f'k {args.k}'}, drafter {args.drafter}.",
         "",
@@ -238,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--top", type=int, default=25, help="functions listed per sessions count")
     p.add_argument("--drafter", choices=("model", "none"), default="model")
+    p.add_argument("--target", default=TARGET, help="the target model (a tiny one)")
+    p.add_argument("--draft", default=DRAFT, help="the draft model (noise sets its acceptance)")
     p.add_argument("--k", type=int, help="every request's own k (default: adaptive)")
     p.add_argument("--redis-url", help="an existing Redis (default: a throwaway redis-server)")
     p.add_argument("--name", default="orchestrator_profile")
@@ -250,8 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             role, [role, "--forward-ms", str(ms), "--model", model, *common], module=module
         )
         for role, ms, model, module in (
-            ("target", target_ms, TARGET, "bench.emulated_device"),
-            ("draft", draft_ms, DRAFT, "bench.emulated_device"),
+            ("target", target_ms, args.target, "bench.emulated_device"),
+            ("draft", draft_ms, args.draft, "bench.emulated_device"),
         )
     ]
     try:
