@@ -40,7 +40,7 @@ import asyncio
 import logging
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -52,6 +52,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from specserve.engine.errors import InvalidArgument
 from specserve.serving.errors import status_for
 from specserve.serving.malformed import Malformed, Oversized, refuse
+from specserve.serving.stream_frames import answer_bytes
 from specserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,21 @@ class StreamMethod(Generic[Req, Resp]):
     handle: Callable[[Req], Awaitable[Resp]]  # the unary method's own path
     answer_type: Callable[..., Any]  # the stream's response message class
     max_in_flight: int = MAX_IN_FLIGHT
+    span_attributes: dict[str, str] = field(init=False, repr=False, compare=False)
 
-    def answer(self, request_id: int, response: Resp) -> Any:
-        return self.answer_type(request_id=request_id, response=response)
+    def __post_init__(self) -> None:
+        service, _, name = self.unary_method.lstrip("/").rpartition("/")
+        attributes = {
+            "rpc.system": "grpc",
+            "rpc.service": service,
+            "rpc.method": name,
+            "specserve.transport": "stream",
+        }
+        object.__setattr__(self, "span_attributes", attributes)  # built once, not per call
+
+    def answer(self, request_id: int, response: Resp) -> bytes:
+        """The answer's bytes (no copy of ``response`` into a wrapper message)."""
+        return answer_bytes(request_id, response)  # type: ignore[arg-type]
 
     def refusal(self, request_id: int, code: grpc.StatusCode, message: str) -> Any:
         error = common_pb2.StreamCallError(code=code.value[0], message=message)
@@ -97,17 +110,11 @@ async def _run_call(method: StreamMethod[Req, Resp], message: Any) -> Any:
     """One call of the stream, answered: its response or its error, under its request id."""
     header = message.header
     request_id = header.request_id
-    service, _, name = method.unary_method.lstrip("/").rpartition("/")
     with tracer.start_as_current_span(
         method.unary_method,
         context=_parent_context(header),
         kind=SpanKind.SERVER,
-        attributes={
-            "rpc.system": "grpc",
-            "rpc.service": service,
-            "rpc.method": name,
-            "specserve.transport": "stream",
-        },
+        attributes=method.span_attributes,
         record_exception=False,
         set_status_on_exception=False,
     ) as span:

@@ -22,7 +22,8 @@ unary-stream, such as ``GenerateStream``) gets a tolerant deserializer: bytes
 that do not parse as its request message are answered ``INVALID_ARGUMENT`` with
 one rate-limited WARNING line (:mod:`specserve.serving.malformed`). A
 stream-stream handler (the data-plane streams, :mod:`specserve.serving.call_stream`)
-gets the same deserializer and maps each call's errors itself.
+gets the same deserializer and maps each call's errors itself; its answers may be
+bytes already framed (:mod:`specserve.serving.stream_frames`), sent as they are.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from specserve.engine.errors import (
     NotFound,
 )
 from specserve.serving.malformed import Malformed, Oversized, refuse, tolerant
+from specserve.serving.stream_frames import bytes_or_message
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +136,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.stream_stream_rpc_method_handler(
                 handler.stream_stream,
                 request_deserializer=tolerant(handler.request_deserializer, limit),
-                response_serializer=handler.response_serializer,
+                response_serializer=bytes_or_message(handler.response_serializer),
             )
         return handler
 

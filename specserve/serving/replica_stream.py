@@ -40,7 +40,8 @@ import grpc.aio
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specserve.serving.stream_frames import call_bytes
+from specserve.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
@@ -59,23 +60,22 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class ReplicaStream(Generic[Req, Resp]):
     """Calls of one method to one replica over one shared bidirectional stream.
 
-    ``open_stream`` opens the stream (a stub's stream-stream method, e.g.
-    ``DraftServiceStub(channel).ProposeStream``); ``request_type`` is its request
-    message; ``unary_method`` the full name of the unary twin (the calls' span
-    name). :meth:`propose` and :meth:`verify` build the two the services offer.
+    ``open_stream`` opens the stream: a channel's stream-stream method that takes
+    bytes (calls are written framed, :mod:`specserve.serving.stream_frames`) and
+    parses the stream's response message; ``unary_method`` the full name of the
+    unary twin (the calls' span name). :meth:`propose` and :meth:`verify` build
+    the two the services offer.
     """
 
     def __init__(
         self,
         open_stream: Callable[[], grpc.aio.StreamStreamCall],
-        request_type: Callable[..., Any],
         unary_method: str,
         *,
         backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
     ) -> None:
         self.open_stream = open_stream
-        self.request_type = request_type
         self.unary_method = unary_method
         service, _, name = unary_method.lstrip("/").rpartition("/")
         self._span_attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
@@ -96,26 +96,24 @@ class ReplicaStream(Generic[Req, Resp]):
         cls, channel: grpc.aio.Channel, **backoff: float
     ) -> ReplicaStream[draft_pb2.ProposeRequest, draft_pb2.ProposeResponse]:
         """Propose calls over ``DraftService.ProposeStream`` on ``channel``."""
-        stub = draft_pb2_grpc.DraftServiceStub(channel)
-        return ReplicaStream(
-            stub.ProposeStream,
-            draft_pb2.ProposeStreamRequest,
-            "/specserve.v1.DraftService/Propose",
-            **backoff,
+        open_stream = channel.stream_stream(
+            "/specserve.v1.DraftService/ProposeStream",
+            request_serializer=None,  # calls are written as framed bytes
+            response_deserializer=draft_pb2.ProposeStreamResponse.FromString,
         )
+        return ReplicaStream(open_stream, "/specserve.v1.DraftService/Propose", **backoff)
 
     @classmethod
     def verify(
         cls, channel: grpc.aio.Channel, **backoff: float
     ) -> ReplicaStream[target_pb2.VerifyRequest, target_pb2.VerifyResponse]:
         """Verify calls over ``TargetService.VerifyStream`` on ``channel``."""
-        stub = target_pb2_grpc.TargetServiceStub(channel)
-        return ReplicaStream(
-            stub.VerifyStream,
-            target_pb2.VerifyStreamRequest,
-            "/specserve.v1.TargetService/Verify",
-            **backoff,
+        open_stream = channel.stream_stream(
+            "/specserve.v1.TargetService/VerifyStream",
+            request_serializer=None,  # calls are written as framed bytes
+            response_deserializer=target_pb2.VerifyStreamResponse.FromString,
         )
+        return ReplicaStream(open_stream, "/specserve.v1.TargetService/Verify", **backoff)
 
     @property
     def in_flight(self) -> int:
@@ -145,12 +143,15 @@ class ReplicaStream(Generic[Req, Resp]):
         header = common_pb2.StreamCallHeader(request_id=request_id)
         if timeout is not None:
             header.timeout_ms = max(1, math.ceil(timeout * 1000))
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier)
-        header.traceparent = carrier.get("traceparent", "")
-        header.tracestate = carrier.get("tracestate", "")
-        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if trace.get_current_span().get_span_context().is_valid:  # else nothing to carry
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier)
+            header.traceparent = carrier.get("traceparent", "")
+            header.tracestate = carrier.get("tracestate", "")
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[Any] = loop.create_future()
         self._pending[request_id] = answer
+        expiry: asyncio.TimerHandle | None = None
         try:
             if stream.done():  # ended before this call could join it; its reader says why
                 await asyncio.sleep(0)
@@ -161,7 +162,7 @@ class ReplicaStream(Generic[Req, Resp]):
                 return self._outcome(answer.result())
             try:
                 async with self._write_lock:
-                    await stream.write(self.request_type(header=header, request=request))
+                    await stream.write(call_bytes(header, request))  # type: ignore[arg-type]
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
                 if answer.done():  # the reader saw the break first: its error says why
                     return self._outcome(answer.result())
@@ -170,16 +171,21 @@ class ReplicaStream(Generic[Req, Resp]):
                     grpc.StatusCode.UNAVAILABLE,
                     f"the {self.unary_method} stream broke while sending: {why}",
                 ) from None
-            left = None if end is None else max(0.0, end - time.monotonic())
-            try:
-                message = await asyncio.wait_for(asyncio.shield(answer), left)
-            except TimeoutError:
+            if end is not None and not answer.done():
+                # One timer, not wait_for(shield()): a task and two futures per call.
+                expiry = loop.call_at(
+                    loop.time() + max(0.0, end - time.monotonic()), _expire, answer
+                )
+            message = await answer
+            if message is _EXPIRED:
                 raise rpc_error(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"{self.unary_method} on the stream got no answer within {timeout:g} s",
-                ) from None
+                )
             return self._outcome(message)
         finally:
+            if expiry is not None:
+                expiry.cancel()
             self._pending.pop(request_id, None)
 
     def _outcome(self, message: Any) -> Resp:
@@ -270,6 +276,14 @@ class ReplicaStream(Generic[Req, Resp]):
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
+
+
+_EXPIRED = object()  # what a call's future holds when its deadline passed first
+
+
+def _expire(answer: asyncio.Future[Any]) -> None:
+    if not answer.done():
+        answer.set_result(_EXPIRED)
 
 
 async def _final_code(stream: grpc.aio.StreamStreamCall) -> grpc.StatusCode:
