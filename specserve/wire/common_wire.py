@@ -18,6 +18,7 @@ The client side of the same messages (the orchestrator's calls, the benchmarks'
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,15 +110,25 @@ def check_tokens(tokens: Sequence[int], vocab: int, field: str, sid: str) -> lis
 def sampling_params(pb: common_pb2.SamplingConfig, sid: str) -> SamplingParams:
     """SamplingConfig -> SamplingParams; an unset top_p (0) means 1 (off)."""
     try:
-        return SamplingParams(
-            temperature=float(pb.temperature),
-            top_k=int(pb.top_k),
-            top_p=float(pb.top_p) if pb.top_p != 0 else 1.0,
-            seed=int(pb.seed),
-            rule=sampling_rule(pb.rule, f"session {sid!r}: sampling rule"),
-        )
+        return _sampling_params(pb.temperature, pb.top_k, pb.top_p, pb.seed, pb.rule)
     except InvalidArgument as e:
         raise InvalidArgument(f"session {sid!r}: {e}") from None
+
+
+# A session sends the same config every round, and building (and validating) the params
+# costs more than the lookup; SamplingParams is frozen, so sessions may share one. A
+# config that fails raises each time (exceptions are not cached).
+@functools.lru_cache(maxsize=1 << 16)
+def _sampling_params(
+    temperature: float, top_k: int, top_p: float, seed: int, rule: int
+) -> SamplingParams:
+    return SamplingParams(
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p) if top_p != 0 else 1.0,
+        seed=int(seed),
+        rule=sampling_rule(rule, "sampling rule"),
+    )
 
 
 def sampling_pb(params: SamplingParams) -> common_pb2.SamplingConfig:

@@ -45,6 +45,8 @@ def propose_response(
 ) -> draft_pb2.ProposeResponse:
     """Outcomes -> ProposeResponse (compute_ns, replica_id and batch_size set by the caller)."""
     response = draft_pb2.ProposeResponse()
+    proposals: list[Proposal] = []
+    qs: list[common_pb2.SparseQ] = []
     for call, o in zip(calls, outcomes, strict=True):
         r = response.results.add(session_id=call.input.session_id)
         if o.stale:
@@ -53,9 +55,9 @@ def propose_response(
         assert o.proposal is not None
         r.status = common_pb2.SESSION_STATUS_OK
         r.tokens.extend(o.proposal.tokens)
-        q = sparse_q.encode(o.proposal)
-        if q is not None:
-            r.q.CopyFrom(q)
+        proposals.append(o.proposal)
+        qs.append(r.q)
+    sparse_q.encode_into(proposals, qs)  # all sessions' q in one conversion
     return response
 
 

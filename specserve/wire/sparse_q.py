@@ -172,6 +172,31 @@ def _first_row(mask: np.ndarray) -> int:
     return int(np.argmax(mask.any(axis=1)))
 
 
+def encode_into(proposals: Sequence[Proposal], out: Sequence[common_pb2.SparseQ]) -> None:
+    """Write each proposal's sparse q into its ``out`` message (left unset for point
+    masses), as :func:`encode` would: proposals of one support width are converted to
+    little-endian bytes in one pass and sliced, not one tensor conversion each."""
+    groups: dict[int, list[int]] = {}  # support width -> proposals that carry q
+    for i, p in enumerate(proposals):
+        if p.q_ids is None or p.q_probs is None or not len(p.tokens):
+            continue
+        assert p.q_ids.shape == p.q_probs.shape, "dense q is not sent over the wire"
+        groups.setdefault(int(p.q_ids.shape[1]), []).append(i)
+    for m, idx in groups.items():
+        ids = torch.cat([proposals[i].q_ids for i in idx])  # type: ignore[misc]  # [rows, m]
+        probs = torch.cat([proposals[i].q_probs for i in idx])  # type: ignore[misc]
+        ids_bytes = ids.cpu().numpy().astype("<i4").tobytes()
+        probs_bytes = probs.cpu().numpy().astype("<f4").tobytes()
+        start = 0
+        for i in idx:
+            end = start + 4 * m * len(proposals[i].tokens)
+            q = out[i]
+            q.support = m
+            q.ids = ids_bytes[start:end]
+            q.probs = probs_bytes[start:end]
+            start = end
+
+
 def encode(p: Proposal) -> common_pb2.SparseQ | None:
     """A proposal's q as a SparseQ message; None for point masses."""
     if p.q_ids is None or p.q_probs is None or not len(p.tokens):
