@@ -97,7 +97,7 @@ def check_session_ids(ids: Sequence[str]) -> None:
 
 def check_tokens(tokens: Sequence[int], vocab: int, field: str, sid: str) -> list[int]:
     """``tokens`` as a list, or InvalidArgument naming the first id outside ``[0, vocab)``."""
-    out = list(tokens)
+    out = tokens if isinstance(tokens, list) else list(tokens)
     if out and (min(out) < 0 or max(out) >= vocab):
         bad = next(t for t in out if not 0 <= t < vocab)
         raise InvalidArgument(

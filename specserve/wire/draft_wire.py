@@ -17,23 +17,26 @@ def draft_calls(
     request: draft_pb2.ProposeRequest, vocab: int, limit: common_wire.SessionLimit
 ) -> list[DraftCall]:
     """A ProposeRequest -> validated engine inputs (raises InvalidArgument)."""
-    common_wire.check_session_ids([s.session_id for s in request.sessions])
+    sessions = request.sessions
+    ids = [s.session_id for s in sessions]
+    common_wire.check_session_ids(ids)
     calls = []
-    for s in request.sessions:
-        sid = s.session_id
+    for s, sid in zip(sessions, ids, strict=True):
         kind = common_wire.drafter_kind(s.drafter, sid)
         if kind == DrafterKind.NONE:
             raise InvalidArgument(
                 f"session {sid!r}: drafter DRAFTER_NONE means no drafting; do not send the "
                 "session to Propose"
             )
-        if s.k > MAX_K:
-            raise InvalidArgument(f"session {sid!r}: k must be between 0 and {MAX_K}, got {s.k}")
-        limit.check(sid, s.start, len(s.new_tokens), s.k)
-        tokens = common_wire.check_tokens(s.new_tokens, vocab, "new_tokens", sid)
+        k, start = s.k, s.start
+        if k > MAX_K:
+            raise InvalidArgument(f"session {sid!r}: k must be between 0 and {MAX_K}, got {k}")
+        tokens = list(s.new_tokens)
+        limit.check(sid, start, len(tokens), k)
+        common_wire.check_tokens(tokens, vocab, "new_tokens", sid)
         params = common_wire.sampling_params(s.sampling, sid)
         try:
-            x = DraftInput(sid, s.start, tokens, s.k, params, s.round_index)
+            x = DraftInput(sid, start, tokens, k, params, s.round_index)
         except InvalidArgument as e:
             raise InvalidArgument(f"session {sid!r}: {e}") from None
         calls.append(DraftCall(kind, x))

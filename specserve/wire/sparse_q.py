@@ -16,7 +16,6 @@ All sessions of a call are checked together, one numpy pass per support width.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,59 +46,68 @@ class WireQ:
 def proposals(items: Sequence[WireQ], vocab: int) -> list[Proposal]:
     """Validated :class:`Proposal` objects (q as [k, m] tensors), one per item, in order."""
     out: list[Proposal | None] = [None] * len(items)
-    groups: dict[int, list[int]] = {}  # support width -> items that carry q
+    # support width -> (item index, ids bytes, probs bytes) of the items that carry q
+    groups: dict[int, list[tuple[int, bytes, bytes]]] = {}
+    limit = min(MAX_SUPPORT, vocab)
     for i, x in enumerate(items):
         k, sid, q = len(x.tokens), x.session_id, x.q
-        if q.support == 0:
-            if q.ids or q.probs:
+        support, ids, probs = q.support, q.ids, q.probs  # each read once: a read copies
+        if support == 0:
+            if ids or probs:
                 raise InvalidArgument(
                     f"session {sid!r}: q carries ids/probs but support is 0; set support to "
                     "the number of q entries per draft token (or send no q for point masses)"
                 )
             out[i] = Proposal(tokens=x.tokens)
             continue
-        limit = min(MAX_SUPPORT, vocab)
-        if q.support > limit:
-            raise InvalidArgument(f"session {sid!r}: support {q.support} exceeds the limit {limit}")
-        n = 4 * k * q.support
-        if len(q.ids) != n or len(q.probs) != n:
+        if support > limit:
+            raise InvalidArgument(f"session {sid!r}: support {support} exceeds the limit {limit}")
+        n = 4 * k * support
+        if len(ids) != n or len(probs) != n:
             raise InvalidArgument(
-                f"session {sid!r}: {k} draft tokens x support {q.support} need {n} bytes of "
-                f"q ids and of q probs (4 per entry), got {len(q.ids)} and {len(q.probs)}"
+                f"session {sid!r}: {k} draft tokens x support {support} need {n} bytes of "
+                f"q ids and of q probs (4 per entry), got {len(ids)} and {len(probs)}"
             )
         if k == 0:
             out[i] = Proposal(tokens=[])
         else:
-            groups.setdefault(q.support, []).append(i)
-    for m, idx in groups.items():
-        _fill(out, [items[i] for i in idx], idx, m, vocab)
+            groups.setdefault(support, []).append((i, ids, probs))
+    for m, group in groups.items():
+        _fill(out, items, group, m, vocab)
     assert all(p is not None for p in out)
     return out  # type: ignore[return-value]
 
 
 def _fill(
-    out: list[Proposal | None], group: list[WireQ], idx: list[int], m: int, vocab: int
+    out: list[Proposal | None],
+    items: Sequence[WireQ],
+    group: list[tuple[int, bytes, bytes]],
+    m: int,
+    vocab: int,
 ) -> None:
-    ks = [len(x.tokens) for x in group]
+    """Check the q of one support width ``m`` in one pass and set their proposals."""
+    ks = [len(items[i].tokens) for i, _, _ in group]
     rows = sum(ks)
     # [rows, m]; astype copies: the tensors must own writable memory
-    ids = np.frombuffer(b"".join(x.q.ids for x in group), "<i4").astype(np.int64)
-    probs = np.frombuffer(b"".join(x.q.probs for x in group), "<f4").astype(np.float32)
-    ids, probs = ids.reshape(rows, m), probs.reshape(rows, m)
-    tokens = np.fromiter(itertools.chain.from_iterable(x.tokens for x in group), np.int64, rows)
+    ids = np.frombuffer(b"".join(g[1] for g in group), "<i4").astype(np.int64).reshape(rows, m)
+    probs = np.frombuffer(b"".join(g[2] for g in group), "<f4").astype(np.float32)
+    probs = probs.reshape(rows, m)
+    flat = [t for i, _, _ in group for t in items[i].tokens]
+    tokens = np.array(flat, dtype=np.int64)  # [rows]
     problem = check_rows(tokens, ids, probs, vocab)
-    starts = np.cumsum([0, *ks])
     if problem is not None:
         row, what = problem
+        starts = np.cumsum([0, *ks])
         owner = int(np.searchsorted(starts, row, side="right")) - 1
         raise InvalidArgument(
-            f"session {group[owner].session_id!r}: q of draft position "
+            f"session {items[group[owner][0]].session_id!r}: q of draft position "
             f"{row - int(starts[owner])} {what}"
         )
-    ids_t, probs_t = torch.from_numpy(ids), torch.from_numpy(probs)
-    for j, (i, x) in enumerate(zip(idx, group, strict=True)):
-        a, b = int(starts[j]), int(starts[j + 1])
-        out[i] = Proposal(tokens=x.tokens, q_ids=ids_t[a:b], q_probs=probs_t[a:b])
+    # one split into per-session views, not two tensor slicings per session
+    ids_parts = torch.from_numpy(ids).split(ks)
+    probs_parts = torch.from_numpy(probs).split(ks)
+    for (i, _, _), q_ids, q_probs in zip(group, ids_parts, probs_parts, strict=True):
+        out[i] = Proposal(tokens=items[i].tokens, q_ids=q_ids, q_probs=q_probs)
 
 
 def check_rows(

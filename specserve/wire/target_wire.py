@@ -21,32 +21,29 @@ def verify_inputs(
 ) -> list[VerifyInput]:
     """A VerifyRequest -> validated engine inputs (raises InvalidArgument)."""
     sessions = request.sessions
-    common_wire.check_session_ids([s.session_id for s in sessions])
-    wire = []
-    for s in sessions:
-        sid = s.session_id
-        if not s.new_tokens:
+    ids = [s.session_id for s in sessions]
+    common_wire.check_session_ids(ids)
+    wire, news = [], []
+    for s, sid in zip(sessions, ids, strict=True):
+        new = list(s.new_tokens)
+        if not new:
             raise InvalidArgument(
                 f"session {sid!r}: new_tokens is empty; a verify needs at least one new "
                 "committed token (the last round's recovered or bonus token, or the prompt)"
             )
-        limit.check(sid, s.start, len(s.new_tokens), len(s.draft_tokens))
-        drafts = common_wire.check_tokens(s.draft_tokens, vocab, "draft_tokens", sid)
+        drafts = list(s.draft_tokens)
+        limit.check(sid, s.start, len(new), len(drafts))
+        common_wire.check_tokens(drafts, vocab, "draft_tokens", sid)
         wire.append(sparse_q.WireQ.of(sid, drafts, s.q if s.HasField("q") else None))
+        news.append(new)
     proposals = sparse_q.proposals(wire, vocab)
-    return [
-        VerifyInput(
-            s.session_id,
-            s.start,
-            common_wire.check_tokens(s.new_tokens, vocab, "new_tokens", s.session_id),
-            p,
-            common_wire.sampling_params(s.sampling, s.session_id),
-            s.round_index,
-            s.return_logprobs,
-            _top_logprobs(s, s.session_id),
-        )
-        for s, p in zip(sessions, proposals, strict=True)
-    ]
+    out = []
+    for s, sid, new, p in zip(sessions, ids, news, proposals, strict=True):
+        common_wire.check_tokens(new, vocab, "new_tokens", sid)
+        params = common_wire.sampling_params(s.sampling, sid)
+        top = _top_logprobs(s, sid)
+        out.append(VerifyInput(sid, s.start, new, p, params, s.round_index, s.return_logprobs, top))
+    return out
 
 
 def prefill_inputs(
