@@ -98,3 +98,21 @@ def test_the_caller_being_cancelled_is_not_a_stall() -> None:
             await server.stop(None)
 
     asyncio.run(body())
+
+
+def test_a_call_answered_before_the_first_poll_starts_no_watch() -> None:
+    """Every round's Verify is watched: one answered within a fifth of the stall time
+    (at accelerator speed, all of them) costs a timer, not a polling task."""
+
+    async def body() -> None:
+        running: list[str] = []
+
+        async def quick() -> int:
+            running.extend(t.get_coro().__qualname__ for t in asyncio.all_tasks())  # type: ignore[union-attr]
+            return 7
+
+        replica: Any = object()  # never asked: the watch does not start
+        assert await call_watched(replica, quick(), stall_s=5.0) == 7
+        assert running and "_watch" not in running
+
+    asyncio.run(body())

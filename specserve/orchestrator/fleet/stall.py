@@ -40,13 +40,25 @@ class Stalled(Exception):
 async def call_watched(replica: Replica, call: Awaitable[T], stall_s: float) -> T:
     """``await call``, cancelling it and raising :class:`Stalled` if ``replica`` hangs.
 
-    ``stall_s <= 0``: no watch (just ``await call``).
+    ``stall_s <= 0``: no watch (just ``await call``). The watch starts at the first
+    poll, a fifth of ``stall_s`` in: a call answered before then (every round's Verify
+    at accelerator speed) costs a timer, not a task.
     """
     if stall_s <= 0:
         return await call
     task: asyncio.Future[T] = asyncio.ensure_future(call)
     why: list[str] = []
-    watcher = asyncio.ensure_future(_watch(replica, task, stall_s, why))
+    loop = asyncio.get_running_loop()
+    poll_s = max(0.05, stall_s / 5)
+    since = time.monotonic()
+    watcher: asyncio.Task[None] | None = None
+
+    def watch() -> None:
+        nonlocal watcher
+        if not task.done():
+            watcher = loop.create_task(_watch(replica, task, stall_s, poll_s, since, why))
+
+    first_poll = loop.call_later(poll_s, watch)
     try:
         return await task
     except asyncio.CancelledError:
@@ -55,23 +67,28 @@ async def call_watched(replica: Replica, call: Awaitable[T], stall_s: float) -> 
             raise Stalled(why[0]) from None
         raise
     finally:
-        watcher.cancel()
+        first_poll.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
 
 async def _watch(
-    replica: Replica, task: asyncio.Future[Any], stall_s: float, why: list[str]
+    replica: Replica,
+    task: asyncio.Future[Any],
+    stall_s: float,
+    poll_s: float,
+    since: float,
+    why: list[str],
 ) -> None:
-    poll_s = max(0.05, stall_s / 5)
+    """Poll the replica's progress every ``poll_s`` from now on; ``since``: when the call
+    began (the counter is taken to have last moved then)."""
     last_steps: int | None = None
-    since = time.monotonic()  # when the counter last moved (or the watch began)
     while not task.done():
-        await asyncio.sleep(poll_s)
         steps = await progress_steps(replica, poll_s)
         now = time.monotonic()
         if steps is not None and steps != last_steps:
             last_steps, since = steps, now
-            continue
-        if now - since >= stall_s and not task.done():
+        elif now - since >= stall_s and not task.done():
             seen = "did not answer" if steps is None else f"stayed at step {steps}"
             why.append(
                 f"{replica.endpoint} made no progress for {now - since:.1f} s "
@@ -79,6 +96,7 @@ async def _watch(
             )
             task.cancel()
             return
+        await asyncio.sleep(poll_s)
 
 
 async def progress_steps(replica: Replica, timeout_s: float) -> int | None:
