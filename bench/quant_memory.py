@@ -174,6 +174,16 @@ def run_servers(args: argparse.Namespace) -> dict[str, Any]:
     return {"target": args.target, "draft": args.draft, "stages": stages}
 
 
+def servers_headline(served: dict[str, Any]) -> dict[str, float]:
+    """Each server's resident and peak GiB after the request (the last stage)."""
+    last = served["stages"][-1]
+    return {
+        f"{role}_{key}": last[role][key]
+        for role in ("target", "draft")
+        for key in ("rss_gib", "peak_gib")
+    }
+
+
 def markdown_servers(result: dict[str, Any], env: dict[str, Any], command: str) -> str:
     lines = [
         "# Resident memory of the servers (bench.quant_memory --servers)",
@@ -243,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         md = markdown_servers(served, env, command)
         print(md)
         if not args.no_write:
-            write_results("server_memory", md, {"environment": env, "command": command, **served})
+            data = {"headline": servers_headline(served), "environment": env, "command": command}
+            write_results("server_memory", md, {**data, **served})
         return 0
     torch.set_num_threads(args.threads)
     result = run(args.model, parse_bytes(args.kv_budget), args.prompt, args.steps)

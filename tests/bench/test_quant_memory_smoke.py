@@ -31,3 +31,19 @@ def test_the_servers_of_the_tiny_pair_report_their_memory(
     for row in rows:  # resident, anonymous, mapped files, peak: a loaded server holds some
         resident, anonymous, files, peak = (float(v) for v in row.split("|")[3:7])
         assert 0 < resident <= peak and anonymous + files <= resident + 0.01, row
+
+
+def test_the_servers_headline_is_the_last_stage_of_each_server() -> None:
+    mem = {"rss_gib": 1.0, "anon_gib": 0.9, "file_gib": 0.1, "peak_gib": 1.5}
+    served = {
+        "stages": [
+            {"stage": "serving", "target": {**mem, "rss_gib": 0.5}, "draft": mem},
+            {"stage": "after", "target": {**mem, "rss_gib": 3.5}, "draft": {**mem, "peak_gib": 2}},
+        ]
+    }
+    assert quant_memory.servers_headline(served) == {
+        "target_rss_gib": 3.5,
+        "target_peak_gib": 1.5,
+        "draft_rss_gib": 1.0,
+        "draft_peak_gib": 2,
+    }
