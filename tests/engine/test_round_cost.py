@@ -28,10 +28,10 @@ def test_the_fit_recovers_every_coefficient_from_two_batch_sizes() -> None:
     feed(costs, [(1, 0), (1, 1), (1, 3), (4, 0), (4, 2), (4, 4), (1, 2), (4, 1)])
     fit = costs.fit()
     assert fit is not None
-    assert fit.fixed == {bucket_of(1): pytest.approx(FIXED), bucket_of(4): pytest.approx(FIXED)}
+    assert fit.fixed == pytest.approx(FIXED)
+    assert fit.per_step == pytest.approx(STEP)
+    assert fit.per_token == pytest.approx(TOKEN)
     assert fit.t0 == {bucket_of(1): pytest.approx(T0), bucket_of(4): pytest.approx(T0)}
-    for b in fit.buckets.values():
-        assert (b.per_step, b.per_token) == (pytest.approx(STEP), pytest.approx(TOKEN))
     model = costs.model(4)
     assert model is not None
     assert model.batch_round(2, 8) == pytest.approx(seconds(4, 2) / T0)
@@ -57,21 +57,19 @@ def test_steps_first_reads_one_batch_sizes_rounds_as_the_drafts_sequential_steps
     steps = RoundCosts(steps_first=True)
     feed(steps, lone)
     fit = steps.fit()
-    one = None if fit is None else fit.at(1)
-    assert one is not None and one.per_token == 0.0
-    assert one.per_step == pytest.approx(STEP + TOKEN) and one.fixed == pytest.approx(FIXED)
+    assert fit is not None and fit.per_token == 0.0
+    assert fit.per_step == pytest.approx(STEP + TOKEN) and fit.fixed == pytest.approx(FIXED)
     tokens = RoundCosts()
     feed(tokens, lone)
     dear = tokens.fit()
-    one = None if dear is None else dear.at(1)
-    assert one is not None and one.per_step == 0.0
-    assert one.per_token == pytest.approx(STEP + TOKEN)
+    assert (
+        dear is not None and dear.per_step == 0.0 and dear.per_token == pytest.approx(STEP + TOKEN)
+    )
     both = [*lone, (8, 0), (8, 2), (8, 3), (8, 1)]
     fits = []
     for costs in (RoundCosts(steps_first=True, decay=1.0), RoundCosts(decay=1.0)):
         feed(costs, both)
-        fit = costs.fit()
-        fits.append(None if fit is None else fit.at(8))
+        fits.append(costs.fit())
     assert fits[0] is not None and fits[1] is not None
     assert fits[0].per_token == pytest.approx(fits[1].per_token) == pytest.approx(TOKEN)
     assert fits[0].per_step == pytest.approx(fits[1].per_step) == pytest.approx(STEP)
@@ -84,19 +82,10 @@ def test_no_fit_before_enough_rounds_or_while_k_has_not_varied() -> None:
     same = RoundCosts()
     feed(same, [(1, 4)] * 10)
     assert same.model() is None  # one k, no plain round: intercept and slope not told apart
-    one_k = [(1, 0), (1, 0), (1, 4), (1, 4), (1, 4)]
-    no_prior = RoundCosts()
-    feed(no_prior, one_k)
-    model = no_prior.model()
+    plain_then_one_k = RoundCosts()
+    feed(plain_then_one_k, [(1, 0), (1, 0), (1, 4), (1, 4), (1, 4)])
+    model = plain_then_one_k.model()
     assert model is not None  # told apart by the plain rounds: all of it per drafted token
-    assert model.fixed == model.draft_per_token == 0.0
-    assert model.round(4) == pytest.approx(seconds(1, 4) / T0)
-    prior = CostModel(draft_per_token=0.1, verify_per_token=0.05, fixed=0.5)
-    with_prior = RoundCosts(prior=prior)
-    feed(with_prior, one_k)
-    model = with_prior.model()
-    assert model is not None  # the prior's slopes held, the plain rounds tell the rest
-    assert model.draft_per_token == 0.1 and model.verify_per_token == 0.05
     assert model.round(4) == pytest.approx(seconds(1, 4) / T0)
 
 
@@ -105,9 +94,8 @@ def test_a_slope_the_rounds_would_make_negative_is_held_at_zero() -> None:
     for k, s in [(0, 0.25), (1, 0.30), (2, 0.29), (3, 0.28), (4, 0.27)]:
         costs.observe(1, k, k, s)  # noise: deeper rounds look cheaper
     fit = costs.fit()
-    one = None if fit is None else fit.at(1)
-    assert one is not None and one.per_step == one.per_token == 0.0
-    assert one.fixed == pytest.approx(0.285 - 0.25)  # drafting all fixed, by the mean
+    assert fit is not None and fit.per_step == fit.per_token == 0.0
+    assert fit.fixed == pytest.approx(0.285 - 0.25)  # drafting all fixed, by the mean
 
 
 def test_newer_rounds_outweigh_older_ones() -> None:
@@ -146,9 +134,9 @@ def test_the_policy_plans_with_measured_costs_and_goes_back_to_its_static_ones()
 
 
 def test_the_fit_is_the_least_squares_fit_of_every_unknown_at_once() -> None:
-    """Each bucket's plain and drafting intercepts are partialled out in closed form:
-    the coefficients are still those of one least-squares fit of all of them (numpy's,
-    on noisy rounds of three batch sizes)."""
+    """The bucket intercepts are partialled out in closed form: the coefficients are still
+    those of one least-squares fit of all of them (numpy's, on noisy rounds of three
+    batch sizes)."""
     import random
 
     import numpy as np
@@ -161,15 +149,12 @@ def test_the_fit_is_the_least_squares_fit_of_every_unknown_at_once() -> None:
         batch = rng.choice((1, 8, 32))
         depth = rng.choice((0, 1, 2, 3, 4, 6))
         drafts = depth * rng.randint(max(1, batch // 2), batch) if depth else 0
-        y = T0 + (depth > 0) * FIXED + STEP * depth + TOKEN * drafts + rng.gauss(0, 0.003)
+        y = seconds(batch, depth) + rng.gauss(0, 0.003)
         costs.observe(batch, depth, drafts, y)
-        at = [float(bucket_of(batch) == b) for b in buckets]
-        rows.append([*at, *(x * (depth > 0) for x in at), depth, drafts])
+        rows.append([float(bucket_of(batch) == b) for b in buckets] + [depth > 0, depth, drafts])
         ys.append(y)
     beta, *_ = np.linalg.lstsq(np.array(rows, dtype=float), np.array(ys), rcond=None)
     fit = costs.fit()
-    assert fit is not None and min(beta[3:]) > 0  # every term identified and positive
+    assert fit is not None and min(beta[3:]) > 0  # all three identified and positive
     assert [fit.t0[b] for b in buckets] == pytest.approx(list(beta[:3]))
-    assert [fit.fixed[b] for b in buckets] == pytest.approx(list(beta[3:6]))
-    for b in fit.buckets.values():
-        assert [b.per_step, b.per_token] == pytest.approx(list(beta[6:]))
+    assert [fit.fixed, fit.per_step, fit.per_token] == pytest.approx(list(beta[3:]))

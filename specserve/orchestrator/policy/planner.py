@@ -12,10 +12,6 @@ rounds; before it has a fit, the prior for the declared ``devices``)::
 
     round(depth, drafts) = 1 + fixed + per_step * depth + per_token * drafts
 
-``fixed`` is the batch size's own (a Propose of 32 sessions costs more than one of
-8); a term the rounds cannot tell (every drafting round equally deep, as under a
-fixed k) keeps its last measured value or the prior's.
-
 Where the rounds cannot tell ``per_step`` from ``per_token`` (one batch size), the
 declared devices read them: as the draft's sequential steps on ``separate`` devices
 (a batch drafts in the same forwards; a wider verify costs about nothing), as tokens
@@ -198,10 +194,7 @@ class Planner:
         if costs is None:
             steps_first = c.devices is Devices.SEPARATE  # a wider verify is about free there
             costs = self._costs[target] = RoundCosts(
-                min_rounds=c.cost_min_rounds,
-                decay=c.cost_decay,
-                steps_first=steps_first,
-                prior=c.prior_costs,
+                min_rounds=c.cost_min_rounds, decay=c.cost_decay, steps_first=steps_first
             )
         costs.observe(len(sessions), outcome.depth, outcome.drafts, outcome.seconds)
         schedule = self._schedules.get((target, bucket_of(len(sessions))))
