@@ -19,6 +19,13 @@ For each setting:
    through the three processes (:mod:`bench.emulated_gpu_phases`), split into
    device, transport, servers, orchestrator and store.
 
+The default draft, ``tiny:3:noise=0.05``, is the target with noise of 0.05 on its
+weights: on these prompts at draft 2 ms / target 12 ms it had 82-93% of its drafts
+accepted at 8 and 32 sessions and 71-75% for the lone session's prompt (two runs, 64
+tokens): about the 85% the issue's targets assume. ``noise=0.1`` gave 72-84% at 8
+and 32 sessions, ``noise=0.3`` (the earlier default) 26-57%, where drafting rarely
+pays at all.
+
 Greedy, EOS ignored (every stream makes ``--new-tokens``), HumanEval prompts as
 UTF-8 bytes. Every stream's tokens are checked against plain decoding's for the
 same prompt (stack against stack, local against local and against the stack's
@@ -191,7 +198,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per stream (EOS ignored)")
     p.add_argument("--traced", type=int, default=3, help="traced requests per variant")
     p.add_argument("--target", default="tiny:3")
-    p.add_argument("--draft", default="tiny:3:noise=0.3")
+    p.add_argument("--draft", default="tiny:3:noise=0.05", help="draft model spec")
     p.add_argument("--target-dtype", default="float32")
     p.add_argument("--draft-dtype", default="float32")
     p.add_argument("--threads", type=int, default=1, help="torch threads per server and local")
