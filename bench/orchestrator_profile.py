@@ -183,6 +183,12 @@ async def run_all(args: argparse.Namespace, target: str, draft: str, redis_url: 
     return out
 
 
+def headline(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """By sessions: the orchestrator's CPU and wall time per round, in ms."""
+    keys = ("process_cpu_ms_per_round", "loop_cpu_ms_per_round", "wall_ms_per_round")
+    return {n: {k: r[k] for k in keys} for n, r in results.items()}
+
+
 def report(results: dict, args: argparse.Namespace, env: dict, argv: list[str]) -> str:
     draft_ms, target_ms = args.emulate_devices
     lines = [
@@ -276,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = report(results, args, env, ["bench.orchestrator_profile", *argv])
     print(md)
     if not args.no_write:
-        write_results(args.name, md, {"results": results, "environment": env, "argv": argv})
+        data = {"headline": headline(results), "results": results}
+        write_results(args.name, md, {**data, "environment": env, "argv": argv})
     return 0
 
 

@@ -17,6 +17,8 @@ def test_both_forms_round_trip_and_are_timed() -> None:
     for row in rows.values():
         assert row["repeated_total_us"] > 0 and row["packed_total_us"] > 0
         assert row["packed_bytes"] > 0 and row["repeated_bytes"] > 0
+    ratios = token_packing.headline(rows)
+    assert set(ratios) == set(rows) and all(r > 0 for r in ratios.values())
 
 
 def test_packed_tokens_must_be_whole_int32s() -> None:
