@@ -42,6 +42,7 @@ import torch
 
 from bench.common import LoadProbe, StreamMeter, environment, environment_md, interleave
 from bench.quant_decode_profile import TARGET, q4_k_m_type
+from bench.quant_matmul import cycling_product
 from specserve.engine import cpu_kernels, ops
 from specserve.engine.hugepages import huge_page_buffer
 from specserve.engine.quant import GGMLType, QuantizedWeight
@@ -117,21 +118,6 @@ def hot_seconds_per_weight(
     return best / (len(ws) * out * k)
 
 
-def _weight(ggml_type: GGMLType, out: int, k: int, seed: int) -> QuantizedWeight:
-    return random_weight(ggml_type, out, k, seed=seed)
-
-
-def _cycling(x: torch.Tensor, pool: list[QuantizedWeight]) -> Callable[[], object]:
-    """A product of ``x`` with the next weight of ``pool`` at each call."""
-    state = {"i": 0}
-
-    def call() -> object:
-        state["i"] = (state["i"] + 1) % len(pool)
-        return ops.linear(x, pool[state["i"]])
-
-    return call
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Floors, then every (shape, type, rows) cell; then the step projection."""
     threads, rows_list = args.threads, [int(r) for r in args.rows.split(",")]
@@ -151,14 +137,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         out, k = SHAPES[shape]
         t = GGMLType[type_name]
-        pool = huge_page_pool(partial(_weight, t, out, k), args.pool_mib << 20)
+        pool = huge_page_pool(partial(random_weight, t, out, k), args.pool_mib << 20)
         for rows in rows_list:
             key = (type_name, k, rows)
             if key not in hot:
                 hot[key] = hot_seconds_per_weight(
                     t, k, rows, threads, args.hot_kib, args.hot_repeat, 5
                 )
-            s = interleave({"p": _cycling(torch.randn(rows, k), pool)}, args.reps, warmup=2)["p"]
+            product = cycling_product(torch.randn(rows, k), pool)
+            s = interleave({"p": product}, args.reps, warmup=2)["p"]
             floors = {
                 "memory_ms": pool[0].nbytes / bandwidth * 1e3,
                 "fma_ms": rows * out * k / macs * 1e3,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,7 +79,9 @@ def _variants(out: int, k: int, types: list[str], pool_bytes: int) -> dict[str, 
     return pools
 
 
-def _caller(x: torch.Tensor, pool: list[Weight]) -> Callable[[], object]:
+def cycling_product(x: torch.Tensor, pool: Sequence[Weight]) -> Callable[[], object]:
+    """A product of ``x`` with the next weight of ``pool`` at each call, so a pool larger
+    than the caches makes every call stream its weight from memory."""
     state = {"i": 0}
 
     def call() -> object:
@@ -100,7 +102,7 @@ def run(
             for r in rows:
                 x = torch.randn(r, k)
                 samples = interleave(
-                    {n: _caller(x, p) for n, p in pools.items()}, reps=reps, warmup=2
+                    {n: cycling_product(x, p) for n, p in pools.items()}, reps=reps, warmup=2
                 )
                 for name, s in samples.items():
                     ms = s.median * 1e3
