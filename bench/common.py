@@ -9,8 +9,10 @@ puts ``NAME.md`` and ``NAME.json`` under ``bench/results/``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime as dt
 import json
+import multiprocessing
 import os
 import platform
 import shlex
@@ -20,9 +22,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # CPU flags that decide which kernels can run; reported with every table.
@@ -241,6 +245,23 @@ class StreamMeter:
     def sample(self, reps: int = 3) -> list[float]:
         """``reps`` bandwidth samples in bytes/s."""
         return [self.nbytes / time_call(self.buffer.amax) for _ in range(reps)]
+
+
+MODEL_SETTINGS = ("target", "draft", "target_dtype", "draft_dtype", "threads")
+
+
+def model_settings(args: Any) -> dict[str, Any]:
+    """The models a benchmark's ``args`` name (:data:`MODEL_SETTINGS`), as plain data a
+    child process can take."""
+    return {k: getattr(args, k) for k in MODEL_SETTINGS}
+
+
+def in_child(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a fresh spawned process that has exited when this returns, so the
+    models it loaded (a local loop's) leave memory before a stack loads its own."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def parse_range(text: str) -> list[int]:

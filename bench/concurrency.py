@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
-import multiprocessing
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import concurrency_report as report
-from bench.common import LoadProbe, environment, write_results
+from bench.common import LoadProbe, environment, in_child, model_settings, write_results
 from bench.serving_stack import (
     OrchestratorSetting,
     Run,
@@ -157,11 +155,8 @@ def local_runs(
 
 
 def run_local_in_child(args: argparse.Namespace, prompt_list: list[list[int]]) -> list[LocalRun]:
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        names = ("target", "draft", "target_dtype", "draft_dtype", "threads", "emulate_devices")
-        settings = {k: getattr(args, k) for k in names}
-        return pool.submit(local_runs, settings, prompt_list, args.new_tokens).result()
+    settings = {**model_settings(args), "emulate_devices": args.emulate_devices}
+    return in_child(local_runs, settings, prompt_list, args.new_tokens)
 
 
 # -- the stack -------------------------------------------------------------------------------

@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
-import multiprocessing
 import sys
 import time
 from collections.abc import Sequence
@@ -52,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import emulated_gpu_report as report
-from bench.common import LoadProbe, environment, write_results
+from bench.common import LoadProbe, environment, in_child, model_settings, write_results
 from bench.concurrency import LocalRun, prompt_ids, prompts
 from bench.emulated_gpu_phases import round_phases, traced_environment
 from bench.serving_stack import OrchestratorSetting, Run, measure, run_streams, serving_stack
@@ -122,17 +120,7 @@ def local_runs(
 def run_local_in_child(
     args: argparse.Namespace, setting: Setting, prompt_list: list[list[int]]
 ) -> list[LocalRun]:
-    models = {
-        "target": args.target,
-        "draft": args.draft,
-        "target_dtype": args.target_dtype,
-        "draft_dtype": args.draft_dtype,
-        "threads": args.threads,
-    }
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        job = pool.submit(local_runs, models, setting, prompt_list, args.new_tokens)
-        return job.result()
+    return in_child(local_runs, model_settings(args), setting, prompt_list, args.new_tokens)
 
 
 # -- the stack -------------------------------------------------------------------------------

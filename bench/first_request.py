@@ -18,13 +18,18 @@ Writes ``bench/results/NAME.{md,json}`` (``--name``, default ``first_request``) 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import multiprocessing
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench.common import environment, environment_md, reproduce_command, write_results
+from bench.common import (
+    environment,
+    environment_md,
+    in_child,
+    model_settings,
+    reproduce_command,
+    write_results,
+)
 from bench.concurrency import DRAFT, TARGET
 from bench.concurrency_report import weight_form
 from bench.policy_ablation import TINY_DRAFT, TINY_TARGET, orchestrator_has_flag
@@ -170,16 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.emulate_devices, args.logs = None, None  # what serving_stack reads
     args.devices = args.devices or declared_devices(args)
     prompt = encode(args.target, args.prompt)
-    settings = {
-        "target": args.target,
-        "draft": args.draft,
-        "target_dtype": args.target_dtype,
-        "draft_dtype": args.draft_dtype,
-        "threads": args.threads,
-    }
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        local = pool.submit(local_run, settings, prompt, args.new_tokens).result()
+    local = in_child(local_run, model_settings(args), prompt, args.new_tokens)
     stack = stack_run(args, prompt)
     env = environment()
     env["command"] = reproduce_command("bench.first_request", argv)
