@@ -29,6 +29,14 @@ def record(sid: str, tokens: list[int]) -> session_pb2.SessionRecord:
     )
 
 
+def next_record(rec: session_pb2.SessionRecord, token: int) -> session_pb2.SessionRecord:
+    """A copy of ``rec`` with ``token`` appended: the next round's record."""
+    nxt = session_pb2.SessionRecord()
+    nxt.CopyFrom(rec)
+    nxt.tokens.append(token)
+    return nxt
+
+
 def sid() -> str:
     return uuid.uuid4().hex
 
@@ -226,9 +234,7 @@ def test_a_retried_write_finds_its_own_bytes(make_store: StoreFactory) -> None:
         store = make_store()
         s = sid()
         rec = await store.create(record(s, [1]))
-        nxt = session_pb2.SessionRecord()
-        nxt.CopyFrom(rec)
-        nxt.tokens.append(2)
+        nxt = next_record(rec, 2)
         [(status, written)] = await store.commit_many([nxt], after=[rec])
         assert status is CommitStatus.OK
         delta, appended = delta_of(rec, written)
@@ -267,9 +273,7 @@ def test_rounds_are_deltas_over_a_record_written_once(make_store: StoreFactory) 
         assert got == old
         written = got
         for token in (3, 4):
-            nxt = session_pb2.SessionRecord()
-            nxt.CopyFrom(written)
-            nxt.tokens.append(token)
+            nxt = next_record(written, token)
             nxt.round_index += 1
             nxt.target.endpoint = f"t{token}"
             [(status, written)] = await store.commit_many([nxt], after=[written])
@@ -301,15 +305,11 @@ def test_a_commit_and_a_renewal_after_redis_lost_its_scripts_load_them_again(
         store = make_store()
         s = sid()
         rec = await store.create(record(s, [1]))
-        nxt = session_pb2.SessionRecord()
-        nxt.CopyFrom(rec)
-        nxt.tokens.append(2)
+        nxt = next_record(rec, 2)
         [(status, written)] = await store.commit_many([nxt], after=[rec])
         assert status is CommitStatus.OK
         await store.redis.script_flush()
-        again = session_pb2.SessionRecord()
-        again.CopyFrom(written)
-        again.tokens.append(3)
+        again = next_record(written, 3)
         [(status, _)] = await store.commit_many([again], after=[written])
         assert status is CommitStatus.OK
         got = await store.get(s)
@@ -342,9 +342,7 @@ def test_a_pipelined_commit_is_one_round_trip_without_script_exists(
         rec = await store.create(record(s, [1]))
         before = await script_exists()
         for token in (2, 3, 4):
-            nxt = session_pb2.SessionRecord()
-            nxt.CopyFrom(rec)
-            nxt.tokens.append(token)
+            nxt = next_record(rec, token)
             [(status, written)] = await store.commit_many([nxt], after=[rec])
             assert status is CommitStatus.OK
             rec = written
