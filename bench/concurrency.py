@@ -46,6 +46,8 @@ from typing import Any
 from bench import concurrency_report as report
 from bench.common import LoadProbe, environment, in_child, model_settings, write_results
 from bench.serving_stack import (
+    EMBEDDED,
+    STORES,
     OrchestratorSetting,
     Run,
     Stream,
@@ -222,6 +224,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=600.0,
         help="the orchestrators' Verify deadline: a CPU without AVX-512 prefills ~20 tokens/s, "
         "so a round with new prompts can pass the default 60 s and be taken for a lost target",
+    )
+    p.add_argument(
+        "--store",
+        choices=STORES,
+        default=EMBEDDED,
+        help="the orchestrators' session store: embedded (as `specserve up` runs it), or a "
+        "redis-server on loopback (as deployed)",
     )
     p.add_argument("--no-local", action="store_true", help="skip the local single-session loop")
     p.add_argument("--name", default="concurrency", help="results file stem")

@@ -197,6 +197,12 @@ def weight_form(model: str) -> str:
     return f", GGUF weights {form.value}"
 
 
+def _stores(args: argparse.Namespace) -> str:
+    if getattr(args, "store", "embedded") == "redis":
+        return "session store: a redis-server on loopback"
+    return "embedded session stores"
+
+
 def markdown(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any]) -> str:
     t = summary["targets"]
     widest = max(args.concurrency)
@@ -206,7 +212,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, A
         f"Target {args.target} ({args.target_dtype} compute{weight_form(args.target)}), "
         f"draft {args.draft} ({args.draft_dtype} compute{weight_form(args.draft)}): "
         "target server, draft server and orchestrators as separate processes on loopback "
-        f"(embedded session stores), {args.threads} torch threads per server. Streaming "
+        f"({_stores(args)}), {args.threads} torch threads per server. Streaming "
         f"`GenerateStream` requests, greedy, at most {args.new_tokens} new tokens each, "
         f"HumanEval prompts (raw), {args.reps} repetitions: repetition j sends problems "
         f"{widest}j..{widest}j+c-1 at concurrency c, the same to every variant; variants run "

@@ -9,8 +9,9 @@ For each setting:
    child process that exits before the servers load): plain decoding (k = 0) and
    adaptive speculation, interleaved prompt by prompt;
 2. **the stack**: a target server, a draft server and one orchestrator declared
-   ``--devices separate``, as separate processes on loopback (embedded session
-   store; :func:`bench.serving_stack.serving_stack`); at each of ``--sessions``
+   ``--devices separate``, as separate processes on loopback (session store: a
+   redis-server on loopback as deployed, or ``--store embedded``;
+   :func:`bench.serving_stack.serving_stack`); at each of ``--sessions``
    (default 1, 8, 32) concurrent streaming requests, plain (drafter none) and
    adaptive (the orchestrator's defaults), interleaved: repetition j sends the
    same prompts to both, and a repetition's single session the prompt its local
@@ -53,7 +54,15 @@ from bench import emulated_gpu_report as report
 from bench.common import LoadProbe, environment, in_child, model_settings, write_results
 from bench.concurrency import LocalRun, prompt_ids, prompts
 from bench.emulated_gpu_phases import round_phases, traced_environment
-from bench.serving_stack import OrchestratorSetting, Run, measure, run_streams, serving_stack
+from bench.serving_stack import (
+    REDIS,
+    STORES,
+    OrchestratorSetting,
+    Run,
+    measure,
+    run_streams,
+    serving_stack,
+)
 from specserve.telemetry.receiver import TraceReceiver
 
 ORCHESTRATOR = "separate"
@@ -137,6 +146,7 @@ def stack_namespace(args: argparse.Namespace, setting: Setting) -> argparse.Name
         emulate_devices=(setting.draft_ms, setting.target_ms),
         target_timeout_s=args.target_timeout_s,
         logs=None,
+        store=args.store,
     )
 
 
@@ -191,6 +201,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-dtype", default="float32")
     p.add_argument("--threads", type=int, default=1, help="torch threads per server and local")
     p.add_argument("--target-timeout-s", type=float, default=600.0)
+    p.add_argument(
+        "--store",
+        choices=STORES,
+        default=REDIS,
+        help="the orchestrator's session store: a redis-server on loopback (as deployed), "
+        "or the embedded one (its Lua runs in the orchestrator's process)",
+    )
     p.add_argument("--no-write", action="store_true", help="print, do not write results")
     args = p.parse_args(argv)
     try:

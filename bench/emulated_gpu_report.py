@@ -191,6 +191,12 @@ def setting_section(label: str, s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _store(args: dict[str, Any]) -> str:
+    if args.get("store", "embedded") == "redis":
+        return "a redis-server on loopback, as deployed"
+    return "embedded in the orchestrator (its Lua runs in the orchestrator's process)"
+
+
 def markdown(data: dict[str, Any], argv: list[str]) -> str:
     args, env, h = data["args"], data["environment"], data["headline"]
     lines = [
@@ -200,8 +206,9 @@ def markdown(data: dict[str, Any], argv: list[str]) -> str:
         "forward taking a fixed device time while the CPU idles (`bench/emulated_device.py`), "
         "in the servers and the local loop alike. The stack: target server, draft server and "
         "one orchestrator declared `--devices separate`, separate processes on loopback, "
-        f"{args['threads']} torch thread(s) each. Greedy, EOS ignored, {args['new_tokens']} "
-        f"tokens per stream, HumanEval prompts as bytes, {args['reps']} repetitions; plain "
+        f"{args['threads']} torch thread(s) each; session store: {_store(args)}. Greedy, EOS "
+        f"ignored, {args['new_tokens']} tokens per stream, HumanEval prompts as bytes, "
+        f"{args['reps']} repetitions; plain "
         "(k = 0) and adaptive (the orchestrator's defaults) interleaved at every session "
         "count on the same prompts. The local loop (one session) ran in a child process "
         "before each setting's stack, on the prompts of the stack's single sessions. ITL: a "

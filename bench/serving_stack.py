@@ -1,7 +1,9 @@
 """The serving stack the stack benchmarks measure, and one timed batch of streams through it.
 
 :func:`serving_stack` starts a target server, a draft server and one orchestrator per
-:class:`OrchestratorSetting` (its own flags and environment; embedded session store;
+:class:`OrchestratorSetting` (its own flags and environment; the session store ``args.store``
+names: ``embedded`` in each orchestrator, or ``redis``, one throwaway redis-server on
+loopback with a database per orchestrator, as a deployment keeps it;
 ``SPECSERVE_DEVICES`` from :func:`declared_devices` unless the setting names it),
 as separate processes on loopback, the way ``specserve up`` starts them. The
 orchestrators share the two servers and run one at a time, so a variant whose
@@ -22,14 +24,18 @@ import re
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 from specserve.client import AsyncClient
 from specserve.devtools.ports import free_port
+from specserve.devtools.redis_server import throwaway_redis
 from specserve.engine.model_spec import ModelSpec
 from specserve.orchestrator.launch import OrchestratorProcess
 from specserve.serving.launch import ServerProcess
+
+EMBEDDED, REDIS = "embedded", "redis"
+STORES = (EMBEDDED, REDIS)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,18 @@ def declared_devices(args: argparse.Namespace) -> str:
     return os.environ.get("SPECSERVE_DEVICES") or ("separate" if args.emulate_devices else "shared")
 
 
+def orchestrator_env(
+    args: argparse.Namespace, setting: OrchestratorSetting, redis_url: str | None, db: int
+) -> dict[str, str]:
+    """The environment of the stack's ``db``-th orchestrator: its declared devices, its
+    setting's environment, and with a redis-server (``redis_url``) database ``db`` of it
+    (no orchestrator sees another's sessions) unless the setting names a store itself."""
+    env = {"SPECSERVE_DEVICES": declared_devices(args), **setting.env}
+    if redis_url is not None:
+        env.setdefault("SPECSERVE_REDIS_URL", f"{redis_url.rsplit('/', 1)[0]}/{db}")
+    return env
+
+
 @contextmanager
 def serving_stack(
     args: argparse.Namespace, settings: Mapping[str, OrchestratorSetting]
@@ -108,8 +126,9 @@ def serving_stack(
 
     ``args`` carries the models and how they run: ``target``, ``draft``,
     ``target_dtype``, ``draft_dtype``, ``threads``, ``emulate_devices`` (None or
-    (draft ms, target ms) per forward), ``target_timeout_s`` and ``logs`` (None or a
-    folder for every process's output when the stack stops).
+    (draft ms, target ms) per forward), ``target_timeout_s``, ``logs`` (None or a
+    folder for every process's output when the stack stops) and ``store``
+    (``embedded``, the default where absent, or ``redis``: see the module docstring).
     """
     threads = ["--threads", str(args.threads)]
     flags = {
@@ -125,16 +144,23 @@ def serving_stack(
     servers = [ServerProcess(role, flags[role], module=module) for role in ("target", "draft")]
     orchestrators: dict[str, OrchestratorProcess] = {}
     ports = {name: free_port() for name in settings}
+    store = getattr(args, "store", EMBEDDED)
+    if store not in STORES:
+        raise ValueError(f"store must be one of {', '.join(STORES)}, got {store!r}")
+    if store == REDIS and len(settings) > 16:
+        raise ValueError("one redis-server holds 16 databases: at most 16 orchestrators")
+    cleanup = ExitStack()
     try:
+        redis_url = cleanup.enter_context(throwaway_redis()) if store == REDIS else None
         for s in servers:  # a loaded machine can take minutes to import torch and bind
             s.start(timeout_s=900)
         common = ["--target", servers[0].address, "--draft", servers[1].address]
         common += ["--target-timeout-s", str(args.target_timeout_s)]
         if not ModelSpec.parse(args.target).is_tiny:
             common += ["--tokenizer", args.target]
-        for name, port in ports.items():
+        for db, (name, port) in enumerate(ports.items()):
             setting = settings[name]
-            env = {"SPECSERVE_DEVICES": declared_devices(args), **setting.env}
+            env = orchestrator_env(args, setting, redis_url, db)
             # Held before it starts: a start that times out leaves a child to stop below.
             orchestrators[name] = OrchestratorProcess(
                 [*common, *setting.flags, "--metrics-port", str(port)], env=env
@@ -146,6 +172,7 @@ def serving_stack(
     finally:
         for p in (*orchestrators.values(), *servers):
             p.stop()
+        cleanup.close()  # the redis-server, after the orchestrators that used it
         if args.logs is not None:  # each process's output (with SPECSERVE_LOG_LEVEL=DEBUG:
             args.logs.mkdir(parents=True, exist_ok=True)  # every round and cap decision)
             for s in servers:
