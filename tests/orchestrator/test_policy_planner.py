@@ -94,17 +94,25 @@ def test_a_batchs_cold_session_waits_for_its_targets_prefill_then_warms_per_devi
     assert inside.warm == {"c": WarmWhere.INSIDE} and inside.k["c"] > 0
 
 
-def test_a_new_turn_starts_from_alpha0_whatever_the_pool_accepted() -> None:
+def test_a_sessions_acceptance_is_its_judged_drafts_with_the_targets_pool_as_prior() -> None:
     p = Planner(PolicyConfig(alpha0=0.6))
-    s = batch(1)
+    fresh = view(turn_drafted=0, turn_accepted=0)
+    first = p.plan("t", 1, [fresh]).k["a"]  # no pool yet: alpha0
     for _ in range(50):  # the pool's drafts: 9 of 10 accepted
-        p.observe("t", s, BatchPlan(8, {"0": 10}), RoundOutcome({"0": 10}, {"0": 9}, 0.2, True))
-    assert p.session_policy(None).alpha == pytest.approx(0.6)
-    # A session that judged no drafts yet this turn is planned at alpha0, not its estimate.
-    low = p.plan("u", 1, [view(alpha=0.1, turn_drafted=0)])
-    high = p.plan("u", 1, [view(alpha=0.99, turn_drafted=0)])
-    assert low.k == high.k
-    assert p.plan("u", 1, [view(alpha=0.1, turn_drafted=5)]).k["a"] < low.k["a"]
+        p.observe(
+            "t", batch(1), BatchPlan(8, {"0": 10}), RoundOutcome({"0": 10}, {"0": 9}, 0.2, True)
+        )
+    assert p._pools["t"].rate(0.6) == pytest.approx(0.9)
+    # A new turn starts at the pool's rate, not alpha0 (nor its running estimate).
+    assert p.plan("t", 1, [fresh]).k["a"] > first
+    assert p.plan("t", 1, [replace(fresh, alpha=0.01)]).k == p.plan("t", 1, [fresh]).k
+    # Two unlucky rounds leave it drafting; many rejected ones stop it.
+    unlucky = view(turn_drafted=10, turn_accepted=1, turn_rejections=2)
+    assert p.plan("t", 1, [unlucky]).k["a"] >= 2
+    poor = view(turn_drafted=80, turn_accepted=3, turn_rejections=40)
+    assert p.plan("t", 1, [poor]).k["a"] == 0
+    p.forget("t")
+    assert p.plan("t", 1, [fresh]).k["a"] == first
 
 
 def test_observe_learns_only_from_clean_timeable_rounds_and_forget_drops_a_target() -> None:

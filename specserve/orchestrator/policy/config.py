@@ -56,6 +56,8 @@ class PolicyConfig:
     curve_zero_at: int | None = None  # load from which it allows 0 (None: see `curve`)
     alpha0: float = ALPHA0
     alpha_smoothing: float = 0.2
+    alpha_prior_trials: float = 8.0  # judged drafts the target's pooled acceptance counts as
+    acceptance_decay: float = 0.99  # weight the pool keeps of older rounds at each new round
     cost_decay: float = 0.98
     cost_min_rounds: int = 4
     explore_every: int = 8
@@ -79,6 +81,8 @@ class PolicyConfig:
             (self.fixed_k is None or 0 <= self.fixed_k <= 16, "fixed_k must be in 0..16 or none"),
             (0 < self.alpha0 < 1, "alpha0 must be in (0, 1)"),
             (0 < self.alpha_smoothing <= 1, "alpha_smoothing must be in (0, 1]"),
+            (self.alpha_prior_trials > 0, "alpha_prior_trials must be > 0"),
+            (0 < self.acceptance_decay <= 1, "acceptance_decay must be in (0, 1]"),
             (0 < self.cost_decay <= 1, "cost_decay must be in (0, 1]"),
             (self.cost_min_rounds >= 2, "cost_min_rounds must be >= 2"),
             (self.explore_every >= 2, "explore_every must be >= 2"),

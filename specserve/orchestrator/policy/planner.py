@@ -17,16 +17,29 @@ declared devices read them: as the draft's sequential steps on ``separate`` devi
 (a batch drafts in the same forwards; a wider verify costs about nothing), as tokens
 the verify waits for on ``shared`` cores.
 
+**Acceptance.** A session's per-token acceptance ``a`` is its turn's judged drafts
+(accepted ones, and a failed trial per rejection) with ``alpha_prior_trials`` more at
+the target's pooled rate (every session's judged drafts there, decayed by
+``acceptance_decay`` a round; ``alpha0`` before any)::
+
+    a = (accepted + m * pooled) / (accepted + rejections + m)
+
+A new turn starts at the pool's rate, and two unlucky rounds do not stop a session's
+drafting for the rest of its turn (with k = 0 it judges nothing and could not win
+drafting back); a draft that is poor for this session's text still loses it.
+
 **k.** A session's k is the one with the most expected tokens
-``(1 - a**(k + 1)) / (1 - a)`` per unit of cost at its acceptance ``a`` (a new turn
-starts from ``alpha0``), at most the round's cap; a request's own k, or ``fixed_k``,
+``(1 - a**(k + 1)) / (1 - a)`` per unit of cost at its acceptance ``a``, at most the
+round's cap; a request's own k, or ``fixed_k``,
 is drafted as given. The cap is, under the load curve's bound (on ``separate``
-devices no curve bounds it unless one is set), the cap whose predicted time to
-finish the batch's slowest turn is least::
+devices no curve bounds it unless one is set), the cap with the most expected
+tokens per unit of the batch's round time (its goodput)::
 
-    finish(cap) = max over sessions of (tokens left / expected tokens) * round(depth, drafts)
+    goodput(cap) = sum over sessions of expected tokens / round(depth, drafts)
 
-(a batch's rounds move together: it finishes with its slowest turn). One owner of
+(ties: the smaller cap). A session whose acceptance fell drafts little or nothing
+under any cap and pays the batch's longer round; the others' tokens outweigh it,
+as they would not under a rule that waits for the batch's slowest turn. One owner of
 exploration (:mod:`~specserve.orchestrator.policy.explore`) re-times the choice not
 made, in rounds that can be timed (no prefill, no warm-up beside them). Where a
 warm-up stalls the round (shared hardware, a lone session), re-timing drafting waits
@@ -75,6 +88,7 @@ class Planner:
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
         self._costs: dict[str, RoundCosts] = {}
+        self._pools: dict[str, _Pool] = {}  # per target: every session's judged drafts
         self._schedules: dict[tuple[str, int], Schedule] = {}
 
     # -- sessions ----------------------------------------------------------------------
@@ -99,6 +113,7 @@ class Planner:
     def forget(self, target: str) -> None:
         """Drop a target's figures (it left the pool; a replacement may differ)."""
         self._costs.pop(target, None)
+        self._pools.pop(target, None)
         for key in [k for k in self._schedules if k[0] == target]:
             del self._schedules[key]
 
@@ -109,10 +124,12 @@ class Planner:
         c = self.config
         bound = c.curve_cap(load)
         cost = self.cost_model(target, len(sessions))
-        each = [self._session(v, bound, cost) for v in sessions]
+        pool = self._pools.get(target)
+        pooled = c.alpha0 if pool is None else pool.rate(c.alpha0)
+        each = [self._session(v, bound, cost, pooled) for v in sessions]
         adaptive = [s for s in each if s.adaptive and s.view.drafter != "none"]
-        finish = {cap: _finish(each, cap, cost) for cap in range(bound + 1)}
-        cap = min(finish, key=lambda x: (finish[x], x)) if adaptive else bound
+        goodput = {cap: _goodput(each, cap, cost) for cap in range(bound + 1)}
+        cap = max(goodput, key=lambda x: (goodput[x], -x)) if adaptive else bound
         exploring: bool | None = None
         # An exploration only pays if its round is timed: none while the target
         # prefills a session or a draft warms beside the rounds (neither round counts).
@@ -138,11 +155,12 @@ class Planner:
         timeable = not untimed and not any(s.view.sid in warm for s in each)
         return BatchPlan(cap, k, warm, timeable, exploring is not None)
 
-    def _session(self, v: SessionView, bound: int, cost: CostModel) -> _Session:
-        """``v``'s k under each cap up to ``bound``."""
+    def _session(self, v: SessionView, bound: int, cost: CostModel, pooled: float) -> _Session:
+        """``v``'s k under each cap up to ``bound``; ``pooled``: the target's acceptance."""
         c = self.config
         left = max(1, v.tokens_left)
-        alpha = v.alpha if v.turn_drafted else c.alpha0
+        m = c.alpha_prior_trials
+        alpha = (v.turn_accepted + m * pooled) / (v.turn_accepted + v.turn_rejections + m)
         fixed = v.requested_k if v.requested_k is not None else c.fixed_k
         expect = [expected_tokens(alpha, k) for k in range(max(bound, fixed or 0) + 1)]
         if v.drafter == "none" or v.cache is Cache.WARMING:
@@ -187,6 +205,7 @@ class Planner:
     ) -> None:
         """What a round planned by :meth:`plan` did: its acceptance and, where it is
         clean and timeable, its time."""
+        self._pools.setdefault(target, _Pool()).add(outcome, self.config.acceptance_decay)
         if not (outcome.clean and plan.timeable):
             return
         c = self.config
@@ -202,13 +221,31 @@ class Planner:
             schedule.timed(outcome.depth > 0)
 
 
-def _finish(each: list[_Session], cap: int, cost: CostModel) -> float:
-    """Predicted time, in plain rounds, to finish the batch's slowest turn under ``cap``.
-    A session whose draft cache warms beside the rounds is not the slowest for long (it
-    drafts once warm): the others' turns set it, unless it is all there is."""
+@dataclass
+class _Pool:
+    """Judged drafts of every session on one target, decayed a round at a time."""
+
+    accepted: float = 0.0
+    judged: float = 0.0  # accepted drafts, and a failed trial per rejection
+
+    def add(self, outcome: RoundOutcome, decay: float) -> None:
+        accepted = judged = 0
+        for sid, drafted in outcome.drafted.items():
+            if drafted > 0:
+                kept = outcome.accepted.get(sid, 0)
+                accepted += kept
+                judged += kept + (kept < drafted)
+        self.accepted = decay * self.accepted + accepted
+        self.judged = decay * self.judged + judged
+
+    def rate(self, default: float) -> float:
+        """The pooled acceptance; ``default`` until a trial is in it."""
+        return self.accepted / self.judged if self.judged >= 1 else default
+
+
+def _goodput(each: list[_Session], cap: int, cost: CostModel) -> float:
+    """Expected tokens of the batch's round under ``cap`` per plain round of it."""
     if not each:
         return 0.0
     ks = [s.ks[cap] for s in each]
-    paced = [s for s in each if s.view.cache is not Cache.WARMING] or each
-    rounds = max(max(1, s.view.tokens_left) / s.expect[cap] for s in paced)
-    return rounds * cost.batch_round(max(ks), sum(ks))
+    return sum(s.expect[cap] for s in each) / cost.batch_round(max(ks), sum(ks))

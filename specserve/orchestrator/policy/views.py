@@ -30,8 +30,9 @@ class SessionView:
     requested_k: int | None  # the request's own k (drafted whatever the caps); None: adaptive
     tokens_left: int  # of this turn's max_new_tokens
     alpha: float  # the session's running per-token acceptance estimate
-    turn_drafted: int = 0  # drafts judged this turn
-    turn_accepted: int = 0
+    turn_drafted: int = 0  # drafts proposed this turn
+    turn_accepted: int = 0  # of them accepted
+    turn_rejections: int = 0  # rounds this turn whose drafts were not all accepted
     cache: Cache = Cache.WARM
     target_behind: int = 0  # history tokens its target has not seen (a prefill if > 1)
 

@@ -27,6 +27,7 @@ def session_view(s: LiveSession, warm_above_tokens: int) -> SessionView:
         alpha=st.k_policy.alpha,
         turn_drafted=st.stats.drafted,
         turn_accepted=st.stats.accepted,
+        turn_rejections=st.stats.rejections,
         cache=cache,
         target_behind=target_backlog(s),
     )
