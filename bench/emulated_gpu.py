@@ -9,8 +9,9 @@ For each setting:
    child process that exits before the servers load): plain decoding (k = 0) and
    adaptive speculation, interleaved prompt by prompt;
 2. **the stack**: a target server, a draft server and one orchestrator declared
-   ``--devices separate``, as separate processes on loopback (session store: a
-   redis-server on loopback as deployed, or ``--store embedded``;
+   ``--devices separate`` with a prefill budget of ``--max-prefill-tokens`` (4096: an
+   emulated forward costs the same at any width), as separate processes on loopback
+   (session store: a redis-server on loopback as deployed, or ``--store embedded``;
    :func:`bench.serving_stack.serving_stack`); at each of ``--sessions``
    (default 1, 8, 32) concurrent streaming requests, plain (drafter none) and
    adaptive (the orchestrator's defaults), interleaved: repetition j sends the
@@ -66,7 +67,10 @@ from bench.serving_stack import (
 from specserve.telemetry.receiver import TraceReceiver
 
 ORCHESTRATOR = "separate"
-SETTING_FLAGS = OrchestratorSetting(("--devices", "separate"))
+# The orchestrator's prefill budget: an emulated forward costs the same at any width, as a
+# GPU's does for a few prompts of the tiny models, so 32 prompts of 300-600 byte tokens
+# are admitted in a few rounds rather than the 30 that the CPU default (512) would take.
+MAX_PREFILL_TOKENS = 4096
 # variant -> (drafter, k): k None = adaptive
 VARIANTS = {"plain": ("none", 0), "adaptive": ("model", None)}
 
@@ -135,6 +139,29 @@ def run_local_in_child(
 # -- the stack -------------------------------------------------------------------------------
 
 
+def orchestrator_setting(args: argparse.Namespace) -> OrchestratorSetting:
+    """The orchestrator as a deployment on accelerators runs it."""
+    budget = str(args.max_prefill_tokens)
+    return OrchestratorSetting(("--devices", "separate", "--max-prefill-tokens", budget))
+
+
+def add_deployment_flags(p: argparse.ArgumentParser) -> None:
+    """The flags :func:`orchestrator_setting` and :func:`stack_namespace` read."""
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=MAX_PREFILL_TOKENS,
+        help="the orchestrator's prefill budget per round (its CPU default is 512)",
+    )
+    p.add_argument(
+        "--store",
+        choices=STORES,
+        default=REDIS,
+        help="the orchestrator's session store: a redis-server on loopback (as deployed), "
+        "or the embedded one (its Lua runs in the orchestrator's process)",
+    )
+
+
 def stack_namespace(args: argparse.Namespace, setting: Setting) -> argparse.Namespace:
     """What :func:`serving_stack` reads, for one setting."""
     return argparse.Namespace(
@@ -160,7 +187,7 @@ def run_stack(
     with (
         TraceReceiver() as receiver,
         traced_environment(receiver),
-        serving_stack(stack_args, {ORCHESTRATOR: SETTING_FLAGS}) as st,
+        serving_stack(stack_args, {ORCHESTRATOR: orchestrator_setting(args)}) as st,
     ):
         address = st.orchestrators[ORCHESTRATOR].address
         for drafter, k in VARIANTS.values():  # untimed warm-up at the widest batch
@@ -201,13 +228,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-dtype", default="float32")
     p.add_argument("--threads", type=int, default=1, help="torch threads per server and local")
     p.add_argument("--target-timeout-s", type=float, default=600.0)
-    p.add_argument(
-        "--store",
-        choices=STORES,
-        default=REDIS,
-        help="the orchestrator's session store: a redis-server on loopback (as deployed), "
-        "or the embedded one (its Lua runs in the orchestrator's process)",
-    )
+    add_deployment_flags(p)
     p.add_argument("--no-write", action="store_true", help="print, do not write results")
     args = p.parse_args(argv)
     try:

@@ -38,10 +38,16 @@ from typing import Any
 
 from bench.common import environment, environment_md, reproduce_command, write_results
 from bench.concurrency import prompts
-from bench.emulated_gpu import Setting, int_list, stack_namespace
+from bench.emulated_gpu import (
+    Setting,
+    add_deployment_flags,
+    int_list,
+    orchestrator_setting,
+    stack_namespace,
+)
 from bench.emulated_gpu_phases import request_spans, traced_environment
 from bench.round_phases import Tree
-from bench.serving_stack import OrchestratorSetting, serving_stack
+from bench.serving_stack import serving_stack
 from specserve.client import Client
 from specserve.telemetry.attributes import SPAN_PROPOSE, SPAN_ROUND, SPAN_VERIFY
 from specserve.telemetry.receiver import ReceivedSpan, TraceReceiver
@@ -49,7 +55,6 @@ from specserve.telemetry.receiver import ReceivedSpan, TraceReceiver
 PROPOSE = "/specserve.v1.DraftService/Propose"
 VERIFY = "/specserve.v1.TargetService/Verify"
 DRAFT_FORWARD = "specserve.draft.propose"
-SEPARATE = OrchestratorSetting(("--devices", "separate"))
 
 
 def round_hops(spans: list[ReceivedSpan]) -> list[dict[str, float]]:
@@ -121,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with (
         TraceReceiver() as receiver,
         traced_environment(receiver),
-        serving_stack(stack_args, {"separate": SEPARATE}) as st,
+        serving_stack(stack_args, {"separate": orchestrator_setting(args)}) as st,
     ):
         address = st.orchestrators["separate"].address
         traced_batch(address, receiver, prompt_list[:widest], 8)  # warm-up, untimed
@@ -189,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--draft-dtype", default="float32")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--target-timeout-s", type=float, default=600.0)
+    add_deployment_flags(p)
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv_list)
     if args.reps < 1 or args.new_tokens < 2 or not args.sessions or min(args.sessions) < 1:

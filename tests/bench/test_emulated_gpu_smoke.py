@@ -11,7 +11,8 @@ from bench import emulated_gpu, emulated_gpu_report
 @pytest.mark.timeout(1800)  # three processes and a local loop start; minutes on a busy machine
 def test_a_short_run_measures_every_ratio_and_where_a_round_goes() -> None:
     argv = ["--settings", "2/12", "--sessions", "1,2", "--reps", "1"]
-    argv += ["--new-tokens", "8", "--traced", "1", "--no-write"]
+    argv += ["--new-tokens", "24", "--traced", "1", "--no-write"]  # a lone adaptive
+    # session drafts up to 8 a round from its first: 24 tokens leave it decode rounds
     data = emulated_gpu.main(argv)
     headline = data["headline"]
     assert set(headline["stack_over_local"]["2/12"]) == {"plain", "adaptive"}
