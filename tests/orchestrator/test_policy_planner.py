@@ -47,7 +47,8 @@ def test_separate_devices_draft_a_batch_that_shared_cores_decode_plain() -> None
     shared = Planner(PolicyConfig(devices=Devices.SHARED)).plan("t", 8, sessions)
     assert min(separate.k.values()) >= 3 and separate.cap >= 3
     assert shared.cap == 0 and set(shared.k.values()) == {0}
-    lone = Planner(PolicyConfig(devices=Devices.SHARED)).plan("t", 1, batch(1))
+    drafting = view("0", alpha=0.9, turn_drafted=40, turn_accepted=36, turn_rejections=4)
+    lone = Planner(PolicyConfig(devices=Devices.SHARED)).plan("t", 1, [drafting])
     assert lone.k["0"] >= 2  # one session on shared cores drafts
 
 
@@ -95,7 +96,7 @@ def test_a_batchs_cold_session_waits_for_its_targets_prefill_then_warms_per_devi
 
 
 def test_a_sessions_acceptance_is_its_judged_drafts_with_the_targets_pool_as_prior() -> None:
-    p = Planner(PolicyConfig(alpha0=0.6))
+    p = Planner(PolicyConfig(alpha0=0.6, explore_every=1000))  # the predictions alone
     fresh = view(turn_drafted=0, turn_accepted=0)
     first = p.plan("t", 1, [fresh]).k["a"]  # no pool yet: alpha0
     for _ in range(50):  # the pool's drafts: 9 of 10 accepted
@@ -106,10 +107,11 @@ def test_a_sessions_acceptance_is_its_judged_drafts_with_the_targets_pool_as_pri
     # A new turn starts at the pool's rate, not alpha0 (nor its running estimate).
     assert p.plan("t", 1, [fresh]).k["a"] > first
     assert p.plan("t", 1, [replace(fresh, alpha=0.01)]).k == p.plan("t", 1, [fresh]).k
-    # Two unlucky rounds leave it drafting; many rejected ones stop it.
-    unlucky = view(turn_drafted=10, turn_accepted=1, turn_rejections=2)
-    assert p.plan("t", 1, [unlucky]).k["a"] >= 2
-    poor = view(turn_drafted=80, turn_accepted=3, turn_rejections=40)
+    # Two unlucky rounds (its running estimate alone: k = 1) leave it drafting more;
+    # many rejected ones stop it.
+    unlucky = view(alpha=0.45, turn_drafted=10, turn_accepted=1, turn_rejections=2)
+    assert p.plan("t", 1, [unlucky]).k["a"] >= 3
+    poor = view(alpha=0.05, turn_drafted=80, turn_accepted=3, turn_rejections=40)
     assert p.plan("t", 1, [poor]).k["a"] == 0
     p.forget("t")
     assert p.plan("t", 1, [fresh]).k["a"] == first

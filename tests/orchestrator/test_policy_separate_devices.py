@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
+from specserve.engine.k_policy import updated_alpha
 from specserve.orchestrator.policy import (
     BatchPlan,
     Devices,
@@ -86,6 +87,7 @@ def decode(p: Planner, sessions: int, alpha: float, rng: random.Random, tokens: 
     """``sessions`` turns of ``tokens`` decoded together, every round planned by ``p``
     and timed as :func:`round_s` says; each draft accepted with probability ``alpha``."""
     left = {str(i): tokens for i in range(sessions)}
+    running = {sid: p.session_policy(None).alpha for sid in left}
     drafted = dict.fromkeys(left, 0)
     kept_all = dict.fromkeys(left, 0)
     rejections = dict.fromkeys(left, 0)
@@ -95,6 +97,7 @@ def decode(p: Planner, sessions: int, alpha: float, rng: random.Random, tokens: 
             view(
                 sid,
                 tokens_left=left[sid],
+                alpha=running[sid],
                 turn_drafted=drafted[sid],
                 turn_accepted=kept_all[sid],
                 turn_rejections=rejections[sid],
@@ -109,6 +112,7 @@ def decode(p: Planner, sessions: int, alpha: float, rng: random.Random, tokens: 
             while kept < k and rng.random() < alpha:
                 kept += 1
             accepted[v.sid] = kept
+            running[v.sid] = updated_alpha(running[v.sid], k, kept, p.config.alpha_smoothing)
             drafted[v.sid] += k
             kept_all[v.sid] += kept
             rejections[v.sid] += kept < k
@@ -161,8 +165,9 @@ def test_one_session_whose_acceptance_fell_does_not_turn_the_batchs_drafting_off
     turn would run all 32 plain)."""
     p = Planner(PolicyConfig(devices=Devices.SEPARATE))
     lone_rounds(p, [0, 4, 5, 6, 6, 5, 6, 7, 6, 6, 5, 6])
-    batch = [view(str(i), turn_drafted=40, turn_accepted=36, turn_rejections=4) for i in range(31)]
-    batch.append(view("poor", turn_drafted=40, turn_accepted=2, turn_rejections=30))
+    good = {"alpha": 0.9, "turn_drafted": 40, "turn_accepted": 36, "turn_rejections": 4}
+    batch = [view(str(i), **good) for i in range(31)]
+    batch.append(view("poor", alpha=0.1, turn_drafted=40, turn_accepted=2, turn_rejections=30))
     plan = p.plan("t", 32, batch)
     assert plan.cap >= 4
     assert min(plan.k[str(i)] for i in range(31)) >= 4

@@ -17,12 +17,13 @@ declared devices read them: as the draft's sequential steps on ``separate`` devi
 (a batch drafts in the same forwards; a wider verify costs about nothing), as tokens
 the verify waits for on ``shared`` cores.
 
-**Acceptance.** A session's per-token acceptance ``a`` is its turn's judged drafts
-(accepted ones, and a failed trial per rejection) with ``alpha_prior_trials`` more at
-the target's pooled rate (every session's judged drafts there, decayed by
-``acceptance_decay`` a round; ``alpha0`` before any)::
+**Acceptance.** A session's per-token acceptance ``a`` is its running estimate
+(``alpha``, which follows its recent drafts) weighed by the trials it judged this
+turn (``n``: accepted drafts, and a failed trial per rejection) against
+``alpha_prior_trials`` (``m``) trials at the target's pooled rate (every session's
+judged drafts there, decayed by ``acceptance_decay`` a round; ``alpha0`` before any)::
 
-    a = (accepted + m * pooled) / (accepted + rejections + m)
+    a = (n * alpha + m * pooled) / (n + m)
 
 A new turn starts at the pool's rate, and two unlucky rounds do not stop a session's
 drafting for the rest of its turn (with k = 0 it judges nothing and could not win
@@ -159,8 +160,8 @@ class Planner:
         """``v``'s k under each cap up to ``bound``; ``pooled``: the target's acceptance."""
         c = self.config
         left = max(1, v.tokens_left)
-        m = c.alpha_prior_trials
-        alpha = (v.turn_accepted + m * pooled) / (v.turn_accepted + v.turn_rejections + m)
+        m, judged = c.alpha_prior_trials, v.turn_accepted + v.turn_rejections
+        alpha = (judged * v.alpha + m * pooled) / (judged + m)
         fixed = v.requested_k if v.requested_k is not None else c.fixed_k
         expect = [expected_tokens(alpha, k) for k in range(max(bound, fixed or 0) + 1)]
         if v.drafter == "none" or v.cache is Cache.WARMING:
