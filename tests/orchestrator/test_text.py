@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -34,7 +35,7 @@ def tokenization() -> Tokenization:
 def test_deltas_end_on_character_boundaries() -> None:
     ids = list("añ€😀b".encode())
     stream = TextStream(tokenization())
-    deltas = [stream.push(ids[: i + 1]) for i in range(len(ids))]
+    deltas = [stream.push([i]) for i in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) + stream.finish(ids, None) == "añ€😀b"
     assert deltas[2] == "ñ" and deltas[1] == ""
@@ -43,7 +44,7 @@ def test_deltas_end_on_character_boundaries() -> None:
 def test_stop_string_tail_is_held_back() -> None:
     ids = list(b"hello </stop> world")
     stream = TextStream(tokenization(), stop=["</stop>"])
-    sent = "".join(stream.push(ids[:n]) for n in range(1, 9))  # "hello </s"
+    sent = "".join(stream.push([i]) for i in ids[:8])  # "hello </s"
     assert sent == "hello "
     cut = len("hello ")
     assert sent + stream.finish(ids[:13], cut) == "hello "
@@ -77,3 +78,71 @@ def test_a_character_cut_by_the_end_is_not_sent() -> None:
     stream = TextStream(tokenization())
     assert stream.push(ids) == ""
     assert stream.finish(ids, None) == "ok"
+
+
+def reference_text(ids: list[int], stop: list[str]) -> str:
+    """What the deltas must add up to: the whole text decoded at once, cut before the
+    first stop string and before a character the tokens end inside of."""
+    text = bytes(ids).decode("utf-8", errors="replace")
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    text = text[: min(hits)] if hits else text
+    return text.rstrip("\ufffd")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_incremental_deltas_add_up_to_the_text_decoded_at_once(seed: int) -> None:
+    rng = random.Random(seed)
+    alphabet = "ab <>/STOPñ€😀\n"
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 80)))
+    ids = list(text.encode())
+    stop = [s for s in ("</S", "STOP", "b b", "😀<") if rng.random() < 0.5]
+    stream = TextStream(tokenization(), stop=stop)
+    sent, at = "", 0
+    while at < len(ids):
+        n = rng.randrange(1, 6)
+        delta = stream.push(ids[at : at + n])
+        assert "\ufffd" not in delta
+        sent += delta
+        at += n
+        assert reference_text(ids[:at], stop).startswith(sent)
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    assert sent + stream.finish(ids, min(hits) if hits else None) == reference_text(ids, stop)
+
+
+class CountingTokenizer(ByteTokenizer):
+    def __init__(self) -> None:
+        self.decoded = 0
+
+    def decode(self, ids: Sequence[int]) -> str:
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+def test_streaming_a_completion_decodes_each_token_a_bounded_number_of_times() -> None:
+    counting = CountingTokenizer()
+    stream = TextStream(Tokenization(counting))  # type: ignore[arg-type]
+    ids = list(("añ€😀b" * 400).encode())
+    for i in ids:
+        stream.push([i])
+    assert stream.sent == "añ€😀b" * 400
+    assert counting.decoded <= 8 * len(ids)  # the whole completion each time: n**2 / 2
+
+
+class LeadingSpaceTokenizer:
+    """Word pieces whose text starts with a space the decoder drops at the start of
+    a decode (as SentencePiece does): decoding a suffix alone loses that space."""
+
+    vocab_size = 4
+    eos_token_ids = ()
+    pieces = (" hello", " world", "!", " ok")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.pieces[i] for i in ids).removeprefix(" ")
+
+
+def test_deltas_keep_the_space_a_decode_of_the_new_tokens_alone_drops() -> None:
+    stream = TextStream(Tokenization(LeadingSpaceTokenizer()))  # type: ignore[arg-type]
+    ids = [0, 1, 2, 3, 1]
+    deltas = [stream.push([i]) for i in ids]
+    assert "".join(deltas) + stream.finish(ids, None) == "hello world! ok world"
+    assert deltas[1] == " world"

@@ -154,7 +154,7 @@ class Orchestrator:
                 last_ns = now
                 logprobs = tuple(live.logprobs[delivered : delivered + len(item)])
                 delivered += len(item)
-                delta = stream.push(live.state.completion[:delivered])
+                delta = stream.push(item)
                 yield Chunk(live.sid, delta, tuple(item), seed=seed, logprobs=logprobs)
         finally:
             if not live.done:  # the client went away: stop at the next round boundary

@@ -78,25 +78,56 @@ class Tokenization:
 
 
 class TextStream:
-    """The text of a growing completion, handed out as deltas on character boundaries."""
+    """The text of a growing completion, handed out as deltas on character boundaries.
+
+    Decoding is incremental (as vLLM's detokenizer does it): each :meth:`push` decodes
+    only the tokens since the last complete character, with the tokens of the chunk
+    before them as context (a tokenizer that drops a leading space at the start of a
+    decode drops it from both), so a completion of n tokens costs O(n) to stream,
+    not O(n**2). :meth:`finish` decodes the whole completion once."""
 
     def __init__(self, tokenization: Tokenization, stop: Sequence[str] = ()) -> None:
         self.tokenization = tokenization
         self.stop = tuple(stop)
-        self.sent = ""
+        self._longest_stop = max((len(s) for s in self.stop), default=0)
+        self._ids: list[int] = []
+        self._text = ""  # the text of _ids[:_read]: whole characters
+        self._prefix = 0  # where the last decoded chunk began (the next one's context)
+        self._read = 0
+        self._sent = 0  # characters of _text handed out
 
-    def push(self, completion: Sequence[int]) -> str:
-        """The new text since the last call (empty while a character is incomplete)."""
-        text = self.tokenization.decode(completion)
-        if text.endswith(REPLACEMENT):
+    @property
+    def sent(self) -> str:
+        """The text handed out so far."""
+        return self._text[: self._sent]
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """The completion grew by ``new_ids``: the new text since the last call (empty
+        while a character is incomplete or the text's tail may begin a stop string)."""
+        self._ids.extend(new_ids)
+        self._decode_new()
+        text, start = self._text, self._sent
+        since = max(0, start - self._longest_stop + 1)  # a stop string never began earlier
+        hits = [i for i in (text.find(s, since) for s in self.stop) if i >= 0]
+        end = min(hits) if hits else len(text) - self._held_back(text)
+        if end <= start:
             return ""
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        text = text[: min(hits)] if hits else text[: len(text) - self._held_back(text)]
-        if len(text) <= len(self.sent) or not text.startswith(self.sent):
-            return ""
-        delta = text[len(self.sent) :]
-        self.sent = text
-        return delta
+        self._sent = end
+        return text[start:end]
+
+    def _decode_new(self) -> None:
+        """Extend ``_text`` by the tokens past ``_read``, once they end on a whole character
+        (and their text extends the context's: otherwise they wait for :meth:`finish`)."""
+        ids = self._ids
+        if self._read == len(ids):
+            return
+        decode = self.tokenization.decode
+        context = decode(ids[self._prefix : self._read])
+        window = decode(ids[self._prefix :])
+        if window.endswith(REPLACEMENT) or not window.startswith(context):
+            return
+        self._text += window[len(context) :]
+        self._prefix, self._read = self._read, len(ids)
 
     def _held_back(self, text: str) -> int:
         """Length of the longest tail of ``text`` that begins some stop string."""
@@ -117,8 +148,8 @@ class TextStream:
         # Decoding stopped inside a character (max_new_tokens, cancel): its bytes are in
         # the token ids; the text ends before it rather than with U+FFFD.
         text = text.rstrip(REPLACEMENT)
-        if not text.startswith(self.sent):  # cannot happen for byte-level BPE; never resend
+        sent = self.sent
+        if not text.startswith(sent):  # cannot happen for byte-level BPE; never resend
             return ""
-        delta = text[len(self.sent) :]
-        self.sent = text
-        return delta
+        self._text, self._sent = text, len(text)
+        return text[len(sent) :]
