@@ -146,3 +146,24 @@ def test_deltas_keep_the_space_a_decode_of_the_new_tokens_alone_drops() -> None:
     deltas = [stream.push([i]) for i in ids]
     assert "".join(deltas) + stream.finish(ids, None) == "hello world! ok world"
     assert deltas[1] == " world"
+
+
+def test_deltas_of_a_transformers_tokenizer_that_joins_words_with_spaces() -> None:
+    """A word-level tokenizers-library tokenizer writes the space between two words only
+    when it decodes both: each delta is decoded with the chunk before it."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    from specserve.engine.tokenizer import Tokenizer
+
+    words = ["<unk>", "def", "fib", "(", "n", ")", ":", "return"]
+    raw = RawTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = Whitespace()
+    tok = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>"))
+    ids = tok.encode("def fib ( n ) : return fib")
+    stream = TextStream(Tokenization(tok))
+    deltas = [stream.push([i]) for i in ids]
+    assert "".join(deltas) + stream.finish(ids, None) == tok.decode(ids)
+    assert deltas[1] == " fib"
