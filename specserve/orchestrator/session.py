@@ -112,15 +112,6 @@ class LiveSession:
     def turn_usage(self) -> Usage:
         return records.turn_usage(self.state, self.prompt_tokens)
 
-    def record_after_round(
-        self, draft: session_pb2.KvOwnership, target: session_pb2.KvOwnership
-    ) -> session_pb2.SessionRecord:
-        """The record to commit once this round's tokens are in ``state``."""
-        usage = self.base_usage + self.turn_usage()
-        return records.after_round(
-            self.record, self.state, usage, draft, target, kv_snapshot=self.kv_snapshot
-        )
-
     def deliver(self, tokens: list[int]) -> None:
         if tokens:
             self.outbox.put_nowait(tokens)

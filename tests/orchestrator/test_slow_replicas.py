@@ -306,7 +306,7 @@ def test_a_lone_cold_session_warms_inside_its_round_a_batchs_where_devices_say(
             runner.scheduler.join("a", Placement("t", 0, endpoint))
             plan = plan_for(runner, [lone])
             assert plan.k["a"] > 0 and plan.warm == {"a": WarmWhere.INSIDE}
-            plans = await runner._propose("t", [lone], spans, plan)
+            plans = await runner.drafting.propose([lone], spans, plan)
             assert plans["a"].proposal.tokens == [7]  # drafts this round
             assert lone.state.draft_start == 100 and not lone.draft_warming
             assert runner.stats.draft_warmups == 1
@@ -318,7 +318,7 @@ def test_a_lone_cold_session_warms_inside_its_round_a_batchs_where_devices_say(
             for x in (warm, cold):
                 runner.scheduler.join(x.sid, Placement("t", 0, endpoint))
             plan = plan_for(runner, [warm, cold])
-            plans = await runner._propose("t", [warm, cold], spans, plan)
+            plans = await runner.drafting.propose([warm, cold], spans, plan)
             assert "b" in plans
             if devices is Devices.SEPARATE:
                 assert "c" not in plans and plan.k["c"] == 0  # k = 0 while it warms ...

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 import grpc.aio
@@ -40,33 +40,46 @@ class Stalled(Exception):
 async def call_watched(replica: Replica, call: Awaitable[T], stall_s: float) -> T:
     """``await call``, cancelling it and raising :class:`Stalled` if ``replica`` hangs.
 
-    ``stall_s <= 0``: no watch (just ``await call``). The watch starts at the first
-    poll, a fifth of ``stall_s`` in: a call answered before then (every round's Verify
-    at accelerator speed) costs a timer, not a task.
+    ``stall_s <= 0``: no watch (just ``await call``). ``call`` is awaited in the
+    caller's own task, so a call that sends at once (a data-plane stream's) has sent
+    before the caller first yields, with no task or loop pass in between. The watch
+    starts at the first poll, a fifth of ``stall_s`` in: a call answered before then
+    (every round's Verify at accelerator speed) costs a timer, nothing more. On a
+    stall the watch cancels the caller's task and the cancellation comes out as
+    :class:`Stalled` (a cancellation of the caller's own stays one).
     """
     if stall_s <= 0:
         return await call
-    task: asyncio.Future[T] = asyncio.ensure_future(call)
+    caller = asyncio.current_task()
+    assert caller is not None, "call_watched runs inside a task"
     why: list[str] = []
+    waiting = True  # the caller is still inside ``await call``
     loop = asyncio.get_running_loop()
     poll_s = max(0.05, stall_s / 5)
     since = time.monotonic()
     watcher: asyncio.Task[None] | None = None
 
+    def stall(reason: str) -> None:
+        if waiting and not why:
+            why.append(reason)
+            caller.cancel()
+
     def watch() -> None:
         nonlocal watcher
-        if not task.done():
-            watcher = loop.create_task(_watch(replica, task, stall_s, poll_s, since, why))
+        if waiting:
+            watcher = loop.create_task(
+                _watch(replica, lambda: not waiting, stall, stall_s, poll_s, since)
+            )
 
     first_poll = loop.call_later(poll_s, watch)
     try:
-        return await task
+        return await call
     except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if why and (current is None or not current.cancelling()):
+        if why and caller.uncancel() == 0:  # the watch's cancel, and no one else's
             raise Stalled(why[0]) from None
         raise
     finally:
+        waiting = False
         first_poll.cancel()
         if watcher is not None:
             watcher.cancel()
@@ -74,27 +87,27 @@ async def call_watched(replica: Replica, call: Awaitable[T], stall_s: float) -> 
 
 async def _watch(
     replica: Replica,
-    task: asyncio.Future[Any],
+    answered: Callable[[], bool],
+    stall: Callable[[str], None],
     stall_s: float,
     poll_s: float,
     since: float,
-    why: list[str],
 ) -> None:
-    """Poll the replica's progress every ``poll_s`` from now on; ``since``: when the call
-    began (the counter is taken to have last moved then)."""
+    """Poll the replica's progress every ``poll_s`` from now on until the call is
+    ``answered``; ``stall(why)`` once it stood still ``stall_s``. ``since``: when the
+    call began (the counter is taken to have last moved then)."""
     last_steps: int | None = None
-    while not task.done():
+    while not answered():
         steps = await progress_steps(replica, poll_s)
         now = time.monotonic()
         if steps is not None and steps != last_steps:
             last_steps, since = steps, now
-        elif now - since >= stall_s and not task.done():
+        elif now - since >= stall_s and not answered():
             seen = "did not answer" if steps is None else f"stayed at step {steps}"
-            why.append(
+            stall(
                 f"{replica.endpoint} made no progress for {now - since:.1f} s "
                 f"(--target-stall-s {stall_s:g}): its model thread {seen}"
             )
-            task.cancel()
             return
         await asyncio.sleep(poll_s)
 

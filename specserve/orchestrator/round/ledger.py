@@ -51,7 +51,6 @@ import asyncio
 import collections
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -62,27 +61,17 @@ from specserve.orchestrator.errors import VersionConflict
 from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.fleet.scheduler import Scheduler
 from specserve.orchestrator.round.spans import RoundSpans
+from specserve.orchestrator.round.writes import KvOwners, RoundWrite
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
 from specserve.orchestrator.store import records
 from specserve.orchestrator.store.session_store import CommitStatus, SessionStore
 from specserve.orchestrator.types import SessionState
 from specserve.telemetry import attributes as attr
-from specserve.v1 import session_pb2
 
 log = logging.getLogger(__name__)
 
 Ending = tuple[LiveSession, FinishReason | None, BaseException | None]
-
-
-@dataclass(frozen=True)
-class RoundWrite:
-    """One session's share of a round's commit."""
-
-    session: LiveSession
-    tokens: list[int]  # the round's committed tokens, delivered once written
-    record: session_pb2.SessionRecord  # the record to write (its version: the one read)
-    after: session_pb2.SessionRecord  # the record as last written: the delta's base
 
 
 class Ledger:
@@ -132,39 +121,25 @@ class Ledger:
         """Wait for every :meth:`finish_later` started so far."""
         await asyncio.gather(*self._finishing, return_exceptions=True)
 
-    def ownership(self, s: LiveSession) -> tuple[session_pb2.KvOwnership, session_pb2.KvOwnership]:
-        placement = self.scheduler.placement(s.sid)
-        assert placement is not None
-        draft = session_pb2.KvOwnership()
-        if placement.draft is not None:
-            replica = self.drafts.get(placement.draft)
-            draft = session_pb2.KvOwnership(
-                replica_id=replica.replica_id if replica else "",
-                endpoint=placement.draft,
-                tokens=s.state.draft_start,
+    def capture(self, committed: Sequence[tuple[LiveSession, list[int]]]) -> list[RoundWrite]:
+        """The writes of a round's commit, captured now from each session's placement
+        (:mod:`~specserve.orchestrator.round.writes`: the records are built later)."""
+        writes = []
+        for s, tokens in committed:
+            placement = self.scheduler.placement(s.sid)
+            assert placement is not None
+            draft = self.drafts.get(placement.draft) if placement.draft is not None else None
+            target = self.targets.get(placement.target)
+            owners = KvOwners(
+                placement.draft,
+                draft.replica_id if draft else "",
+                s.state.draft_start,
+                placement.target,
+                target.replica_id if target else "",
+                s.state.target_start,
             )
-        replica = self.targets.get(placement.target)
-        target = session_pb2.KvOwnership(
-            replica_id=replica.replica_id if replica else "",
-            endpoint=placement.target,
-            tokens=s.state.target_start,
-        )
-        return draft, target
-
-    def prepare(self, committed: list[tuple[LiveSession, list[int]]]) -> list[RoundWrite]:
-        """The writes of a round's commit, built now from each session's state and placement.
-
-        Built before the commit is sent, so that the next round may change a session's
-        state (its draft start, its placement) while this round's commit is in flight.
-        """
-        return [
-            RoundWrite(s, tokens, s.record_after_round(*self.ownership(s)), s.record)
-            for s, tokens in committed
-        ]
-
-    async def commit(self, committed: list[tuple[LiveSession, list[int]]]) -> list[Ending]:
-        """Commit a round now (:meth:`prepare`, then :meth:`write`)."""
-        return await self.write(self.prepare(committed))
+            writes.append(RoundWrite(s, tokens, owners, s.kv_snapshot, s.record))
+        return writes
 
     async def write(self, writes: list[RoundWrite]) -> list[Ending]:
         """One pipelined versioned commit for a round's sessions, then their tokens go out.
@@ -181,7 +156,7 @@ class Ledger:
             # Deltas from each session's last written record: a round writes its new
             # tokens and a few small fields, never the turn's constant ones again.
             results = await self.store.commit_many(
-                [w.record for w in writes], after=[w.after for w in writes]
+                [w.record() for w in writes], after=[w.after for w in writes]
             )
         except EngineError as e:
             return [(w.session, None, e) for w in writes]
@@ -346,9 +321,7 @@ class Commits:
             if snapshots is not None:
                 snapshots.after_commit([(moved.get(s.sid, target), s) for s, _ in committed])
 
-        pending = PendingCommit(
-            self.ledger, self.ledger.prepare(list(committed)), spans, after_write
-        )
+        pending = PendingCommit(self.ledger, self.ledger.capture(committed), spans, after_write)
         self._pending.add(pending)
         return pending
 

@@ -29,8 +29,16 @@ A round of a lane (see :mod:`specserve.orchestrator.fleet.scheduler`) is the rou
    (:class:`~.ledger.PendingCommit`). A session whose record changed under it
    (another replica took it over) stops.
 
-Verify with failover and replay: :class:`~.failover.Failover`; commits and endings
-(releases, final records): :class:`~.ledger.Ledger`; spans: :class:`~.spans.RoundSpans`;
+**From an answer to the next call.** Once a round's ``Verify`` answers, its lane
+applies the verdicts, starts the commit (capturing only what the next round may
+change: :mod:`~.writes`), plans the next round and sends its first call on the
+replica's data-plane stream without yielding to the event loop in between. What
+decides nothing in that call runs after it is sent: building and writing the
+commit's records, the runner's counts, the debug log.
+
+Propose: :class:`~.drafting.Drafting`; verify with failover and replay:
+:class:`~.failover.Failover`; commits and endings (releases, final records):
+:class:`~.ledger.Ledger`; spans: :class:`~.spans.RoundSpans`;
 KV snapshots (after each commit, off the round's path; before a replay):
 :class:`~specserve.orchestrator.snapshots.kv_snapshots.KvSnapshots`.
 """
@@ -38,7 +46,6 @@ KV snapshots (after each commit, off the round's path; before a replay):
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 
@@ -47,9 +54,9 @@ from opentelemetry import context as otel_context
 from specserve.engine.decode_state import FinishReason
 from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.fleet.scheduler import LaneKey, Placement, Scheduler
-from specserve.orchestrator.policy import BatchPlan, Planner, RoundOutcome, WarmWhere
-from specserve.orchestrator.round import calls
-from specserve.orchestrator.round.calls import Plan, RoundTimeouts, batch_timeout
+from specserve.orchestrator.policy import BatchPlan, Planner, RoundOutcome
+from specserve.orchestrator.round.calls import Plan, RoundTimeouts
+from specserve.orchestrator.round.drafting import Drafting
 from specserve.orchestrator.round.failover import Failover
 from specserve.orchestrator.round.ledger import (
     Commits,
@@ -61,7 +68,6 @@ from specserve.orchestrator.round.ledger import (
 from specserve.orchestrator.round.spans import RoundSpans
 from specserve.orchestrator.round.stats import RunnerStats
 from specserve.orchestrator.round.views import session_view, target_backlog
-from specserve.orchestrator.round.warmups import DraftWarmups, move_off_draft
 from specserve.orchestrator.session import LiveSession, Phase
 from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
 from specserve.orchestrator.store.leases import LeaseKeeper
@@ -101,7 +107,7 @@ class RoundRunner:
         )
         self.commits = Commits(self.ledger, snapshots)  # rounds' commits in flight
         self.leases = LeaseKeeper(store, self.sessions.keys)
-        self.warmups = DraftWarmups(scheduler, drafts, self.timeouts, self.stats, self.ledger)
+        self.drafting = Drafting(scheduler, drafts, self.timeouts, self.stats, self.ledger)
         self.failover = Failover(
             scheduler,
             targets,
@@ -268,7 +274,7 @@ class RoundRunner:
         if any(s.state.drafter != "none" for s in live):
             self.stats.k_caps[cap] += 1
         with spans.phase(attr.SPAN_PROPOSE) as pspan:
-            plans = await self._propose(target, live, spans, batch_plan)
+            plans = await self.drafting.propose(live, spans, batch_plan)
             spans.proposed(pspan, plans, cap)
         last_commit = SettleOnce(self.commits, pending)
         with spans.phase(attr.SPAN_VERIFY) as vspan:
@@ -284,8 +290,8 @@ class RoundRunner:
             views = [v for v in views if v.sid not in ended]
             for sid in ended:
                 plans.pop(sid, None)
-        self.stats.rounds += 1
         if not live:
+            self.stats.rounds += 1
             return ending, None
         committed = []
         for s in live:
@@ -297,9 +303,7 @@ class RoundRunner:
                 ending.append((s, None, outcome.errors[s.sid]))
                 continue
             plan, verdict = plans[s.sid], outcome.verdicts[s.sid]
-            drafted = len(plan.proposal.tokens)
-            self.stats.note_verdict(drafted, verdict.accepted)
-            spans.verdict(s, drafted, verdict.accepted)
+            spans.verdict(s, len(plan.proposal.tokens), verdict.accepted)
             kept = s.state.commit(plan.proposal, verdict)
             s.logprobs.extend(outcome.logprobs.get(s.sid, ())[: len(kept)])
             committed.append((s, kept))
@@ -309,28 +313,50 @@ class RoundRunner:
             accepted={sid: v.accepted for sid, v in outcome.verdicts.items()},
             seconds=seconds,
             clean=not (
-                moved or outcome.errors or outcome.expired or ending or self.warmups.beside_now
+                moved
+                or outcome.errors
+                or outcome.expired
+                or ending
+                or self.drafting.warmups.beside_now
             ),
         )
         self.planner.observe(target, views, batch_plan, result)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "round on %s: %d sessions, k cap %d, drafts %s, accepted %s, %.3f s%s",
-                target,
-                len(live),
-                cap,
-                [len(plans[s.sid].proposal.tokens) for s in live],
-                [outcome.verdicts[s.sid].accepted for s in live if s.sid in outcome.verdicts],
-                seconds,
-                "" if result.clean and batch_plan.timeable else " (not timed)",
-            )
         pending = self.commits.start(target, committed, moved, spans)
+        # The lane's next round plans and sends its first call before it yields; what
+        # decides none of it is counted then, in the event loop's next pass.
+        asyncio.get_running_loop().call_soon(
+            self._tally, target, batch_plan, plans, committed, result
+        )
         if pending is not None and moved:
             # A moved session's next round runs on another lane, which does not wait for
             # this lane's commit: settle it now (failover is rare).
             ending += await self.commits.settle(pending)
             pending = None
         return ending, pending
+
+    def _tally(
+        self,
+        target: str,
+        plan: BatchPlan,
+        plans: dict[str, Plan],
+        committed: list[tuple[LiveSession, list[int]]],
+        result: RoundOutcome,
+    ) -> None:
+        """Count a round whose verdicts were applied: the runner's stats, the debug log."""
+        self.stats.rounds += 1
+        for s, _ in committed:
+            self.stats.note_verdict(len(plans[s.sid].proposal.tokens), result.accepted[s.sid])
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "round on %s: %d sessions, k cap %d, drafts %s, accepted %s, %.3f s%s",
+                target,
+                len(committed),
+                plan.cap,
+                [len(plans[s.sid].proposal.tokens) for s, _ in committed],
+                [result.accepted[s.sid] for s, _ in committed],
+                result.seconds,
+                "" if result.clean and plan.timeable else " (not timed)",
+            )
 
     def _move(self, old: str, moved: dict[str, str]) -> None:
         """Sessions replayed on another target live there from now on."""
@@ -340,49 +366,3 @@ class RoundRunner:
             group = self.scheduler.least_loaded_group(new_target)
             self._run_lane(self.scheduler.move(sid, Placement(new_target, group, placement.draft)))
         self.ledger.release_later(self.targets, old, list(moved))  # in case it was only slow
-
-    async def _propose(
-        self, target: str, live: list[LiveSession], spans: RoundSpans, plan: BatchPlan
-    ) -> dict[str, Plan]:
-        by_draft: dict[str, list[tuple[LiveSession, int]]] = collections.defaultdict(list)
-        inside: dict[str, list[tuple[LiveSession, int]]] = collections.defaultdict(list)
-        beside: dict[str, list[LiveSession]] = collections.defaultdict(list)
-        wanted: list[str] = []  # sessions that want drafts this round
-        plans: dict[str, Plan] = collections.defaultdict(Plan)
-        for s in live:
-            placement = self.scheduler.placement(s.sid)
-            assert placement is not None
-            if s.state.drafter == "none":
-                continue
-            if placement.draft is None and self.scheduler.drafts:  # a draft replica is back
-                placement.draft = self.scheduler.pick_draft()
-                s.state.draft_start = 0
-            k = plan.k.get(s.sid, 0)
-            spans.asked(s, k)
-            where = plan.warm.get(s.sid)
-            if where is not None and placement.draft is not None:
-                if where is WarmWhere.INSIDE:
-                    inside[placement.draft].append((s, k))
-                else:
-                    beside[placement.draft].append(s)
-                continue
-            if k > 0:
-                wanted.append(s.sid)
-            if placement.draft is not None and k > 0:
-                by_draft[placement.draft].append((s, k))
-        timeout = batch_timeout(self.timeouts.draft_s, live)
-        found = await asyncio.gather(
-            *(calls.propose(self.drafts, ep, items, timeout) for ep, items in by_draft.items())
-        )
-        for (ep, items), got in zip(by_draft.items(), found, strict=True):
-            plans.update(got)
-            if ep not in self.drafts.usable():  # the replica failed: move its sessions
-                move_off_draft(self.scheduler, [s for s, _ in items], ep)
-                self.ledger.release_later(self.drafts, ep, [s.sid for s, _ in items])
-        # No draft replica, a failed or slow one, or a refusal: these verify at k = 0.
-        self.stats.draft_fallbacks += sum(1 for sid in wanted if sid not in plans)
-        for ep, items in inside.items():  # after this round's Propose: never in its way
-            plans.update(await self.warmups.inside(ep, items, live))
-        for ep, sessions in beside.items():
-            self.warmups.beside(ep, sessions)
-        return plans
