@@ -75,6 +75,8 @@ class BlockAllocator:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: OrderedDict[str, list[int]] = OrderedDict()  # LRU order: oldest first
         self._lengths: dict[str, int] = {}
+        self._versions: dict[str, int] = {}  # per session: the stamp of its table's last change
+        self._stamp = 0  # bumped by every table change, so a version never repeats
 
     # -- queries ---------------------------------------------------------------
 
@@ -90,8 +92,16 @@ class BlockAllocator:
         return self._lengths[session_id]
 
     def block_table(self, session_id: str) -> list[int]:
+        """The session's blocks in position order; do not modify."""
         self._require(session_id)
         return self._tables[session_id]
+
+    def table_version(self, session_id: str) -> int:
+        """A number that changes whenever the session's block table does and never
+        repeats (not even for a released session's id reused): what cached slot
+        rows are checked against."""
+        self._require(session_id)
+        return self._versions[session_id]
 
     @property
     def free_blocks(self) -> int:
@@ -143,11 +153,16 @@ class BlockAllocator:
         for sid in victims:
             self.release(sid)
         for sid, n in needs.items():
-            table = self._tables.setdefault(sid, [])
-            self._lengths.setdefault(sid, 0)
+            if sid not in self._tables:
+                self._tables[sid] = []
+                self._lengths[sid] = 0
+                self._changed(sid)
+            table = self._tables[sid]
             target = self.blocks_needed(self._lengths[sid] + n)
-            while len(table) < target:
-                table.append(self._free.pop())
+            if len(table) < target:
+                while len(table) < target:
+                    table.append(self._free.pop())
+                self._changed(sid)
             self._tables.move_to_end(sid)
         return victims
 
@@ -168,8 +183,10 @@ class BlockAllocator:
             )
         table = self._tables[session_id]
         keep = self.blocks_needed(length)
-        while len(table) > keep:
-            self._free.append(table.pop())
+        if len(table) > keep:
+            while len(table) > keep:
+                self._free.append(table.pop())
+            self._changed(session_id)
         self._lengths[session_id] = length
 
     def release(self, session_id: str) -> bool:
@@ -179,11 +196,16 @@ class BlockAllocator:
             return False
         self._free.extend(reversed(table))
         del self._lengths[session_id]
+        del self._versions[session_id]
         return True
 
     def touch(self, session_id: str) -> None:
         self._require(session_id)
         self._tables.move_to_end(session_id)
+
+    def _changed(self, session_id: str) -> None:
+        self._stamp += 1
+        self._versions[session_id] = self._stamp
 
     def _require(self, session_id: str) -> None:
         if session_id not in self._tables:
@@ -193,10 +215,13 @@ class BlockAllocator:
 def slot_ids(table: Sequence[int], block_size: int, start: int, end: int) -> torch.Tensor:
     """Flat slot ids int64 [end - start], on the host, of positions ``[start, end)`` of a
     session whose blocks are ``table``."""
-    assert end <= len(table) * block_size, "positions past the reserved blocks"
-    blocks = torch.tensor(table, dtype=torch.long)
-    pos = torch.arange(start, end, dtype=torch.long)
-    return blocks[pos // block_size] * block_size + pos % block_size
+    assert 0 <= start <= end <= len(table) * block_size, "positions past the reserved blocks"
+    first, last = start // block_size, -(-end // block_size)
+    blocks = torch.tensor(table[first:last], dtype=torch.long)
+    # [blocks * block_size] every slot of those blocks, in position order
+    grid = (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).view(-1)
+    skip = first * block_size
+    return grid[start - skip : end - skip]
 
 
 class KVPool:
@@ -230,6 +255,8 @@ class KVPool:
         self.device = torch.device(device)
         self.dtype = dtype
         self._tokens: dict[str, array[int]] = {}  # token id per cached position, -1 unknown
+        # per session: (table version, [blocks * block_size] slot of every position it holds)
+        self._slot_rows: dict[str, tuple[int, torch.Tensor]] = {}
 
     @classmethod
     def for_model(
@@ -260,6 +287,7 @@ class KVPool:
         victims = self.alloc.reserve(needs, protect)
         for sid in victims:
             self._tokens.pop(sid, None)
+            self._slot_rows.pop(sid, None)
         return victims
 
     def slots(self, session_id: str, start: int, end: int) -> torch.Tensor:
@@ -268,9 +296,20 @@ class KVPool:
         return self.host_slots(session_id, start, end).to(self.device)
 
     def host_slots(self, session_id: str, start: int, end: int) -> torch.Tensor:
-        """:meth:`slots` on the host (a forward plans a whole batch there, then copies)."""
-        table = self.alloc.block_table(session_id)
-        return slot_ids(table, self.alloc.block_size, start, end)
+        """:meth:`slots` on the host (a forward plans a whole batch there, then copies):
+        a view of a row cached until the session's block table changes; do not modify.
+
+        A decode step reads every slot of its session; between two changes of the
+        table (a new block every ``block_size`` tokens) it costs a slice, not a
+        rebuild from the table."""
+        version = self.alloc.table_version(session_id)  # NotFound if absent
+        cached = self._slot_rows.get(session_id)
+        if cached is None or cached[0] != version:
+            table = self.alloc.block_table(session_id)
+            row = slot_ids(table, self.alloc.block_size, 0, len(table) * self.alloc.block_size)
+            cached = self._slot_rows[session_id] = (version, row)
+        assert 0 <= start <= end <= cached[1].shape[0], "positions past the reserved blocks"
+        return cached[1][start:end]
 
     def advance(self, session_id: str, n: int, token_ids: Sequence[int] | None = None) -> None:
         """Record that ``n`` more positions were written, holding ``token_ids`` (if known)."""
@@ -333,6 +372,7 @@ class KVPool:
 
     def release(self, session_id: str) -> bool:
         self._tokens.pop(session_id, None)
+        self._slot_rows.pop(session_id, None)
         return self.alloc.release(session_id)
 
     def stats(self) -> KVStats:

@@ -120,3 +120,39 @@ def test_pool_addresses_slots_through_block_tables() -> None:
 def test_budget_smaller_than_a_block_is_rejected() -> None:
     with pytest.raises(KVBudgetExceeded, match="raise the budget"):
         KVPool(num_layers=2, num_kv_heads=2, head_dim=8, budget_bytes=10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=ops, num_blocks=st.integers(2, 12), block_size=st.integers(1, 4))
+def test_cached_slot_rows_follow_every_table_change(
+    ops: list[tuple[str, str, int]], num_blocks: int, block_size: int
+) -> None:
+    """Whatever reserves, truncations, evictions and releases did (blocks freed and handed
+    out again, ids reused), a session's slots are those of its current block table."""
+    elem = 4  # float32, one head of one dimension, one layer: 2 * 4 bytes per token
+    pool = KVPool(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=1,
+        budget_bytes=num_blocks * block_size * 2 * elem,
+        block_size=block_size,
+    )
+    for op, sid, n in ops:
+        if op == "reserve":
+            try:
+                pool.reserve({sid: n})
+            except KVBudgetExceeded:
+                continue
+        elif op == "advance" and sid in pool:
+            room = len(pool.alloc.block_table(sid)) * block_size - pool.length(sid)
+            pool.advance(sid, min(n, room))
+        elif op == "truncate" and sid in pool and n <= pool.length(sid):
+            pool.truncate(sid, n)
+        elif op == "release":
+            pool.release(sid)
+        for held in pool.alloc.sessions():
+            table = pool.alloc.block_table(held)
+            end = len(table) * block_size
+            expected = [table[p // block_size] * block_size + p % block_size for p in range(end)]
+            assert pool.host_slots(held, 0, end).tolist() == expected
+            assert pool.host_slots(held, end // 2, end).tolist() == expected[end // 2 :]
