@@ -30,6 +30,7 @@ from torch import nn
 
 from specserve.engine.attention import BLOCKED_ABOVE_KEYS, blocked_attention
 from specserve.engine.config import ModelConfig
+from specserve.engine.forward_plan import ForwardPlan, plan_forward
 from specserve.engine.kv_cache import KVPool
 from specserve.engine.ops import gate_up_silu, linear, linears, rms_norm, rope_cache_attention
 from specserve.engine.rope import RotaryEmbedding
@@ -52,77 +53,6 @@ class SeqInput:
     def __post_init__(self) -> None:
         assert len(self.token_ids) > 0, "a forward needs at least one new token"
         assert 0 <= self.num_logits <= len(self.token_ids)
-
-
-@dataclass
-class _Plan:
-    """Index tensors shared by every layer of one forward, on the model's device.
-
-    Planned on the host and copied once per tensor: on a GPU a per-session copy or a
-    value read back per layer would each stall the stream.
-    """
-
-    positions: torch.Tensor  # [tokens] absolute position of each new token
-    max_position: int  # max(positions), known without reading the device
-    write_slots: torch.Tensor  # [tokens] pool slot each new K/V goes to
-    read_slots: torch.Tensor  # [batch, max_len] pool slots of each session's keys
-    mask: torch.Tensor | None  # [batch, 1, max_new, max_len] bool, True = attend
-    pad_index: torch.Tensor | None  # [tokens] row of each packed token in [batch * max_new]
-    batch: int
-    max_new: int
-    logit_rows: torch.Tensor  # [sum(num_logits)] packed rows whose logits are returned
-    token_session: torch.Tensor  # [tokens] row of read_slots (session) of each packed token
-    sliding_window: int | None
-
-
-def _plan(seqs: Sequence[SeqInput], kv: KVPool, sliding_window: int | None) -> _Plan:
-    device = kv.device
-    starts = [kv.length(s.session_id) for s in seqs]
-    news = [len(s.token_ids) for s in seqs]
-    ends = [a + n for a, n in zip(starts, news, strict=True)]
-    positions = torch.cat([torch.arange(a, e) for a, e in zip(starts, ends, strict=True)])
-    slots = [kv.host_slots(s.session_id, 0, e) for s, e in zip(seqs, ends, strict=True)]
-    write_slots = torch.cat([sl[a:] for sl, a in zip(slots, starts, strict=True)])
-    batch, max_new, max_len = len(seqs), max(news), max(ends)
-    read_slots = torch.zeros(batch, max_len, dtype=torch.long)
-    for i, sl in enumerate(slots):
-        read_slots[i, : len(sl)] = sl
-    mask = None
-    pad_index = None
-    if batch > 1 or max_new > 1 or sliding_window is not None:
-        # query i of session b sits at position starts[b] + i; it sees keys at <= that.
-        q_pos = torch.tensor(starts).unsqueeze(1) + torch.arange(max_new).unsqueeze(0)
-        k_pos = torch.arange(max_len).unsqueeze(0).unsqueeze(0)
-        allowed = k_pos <= q_pos.unsqueeze(2)  # [batch, max_new, max_len]
-        if sliding_window is not None:
-            allowed &= k_pos > q_pos.unsqueeze(2) - sliding_window
-        # Padding queries attend to key 0 only so that no softmax row is empty.
-        pad_q = torch.arange(max_new).unsqueeze(0) >= torch.tensor(news).unsqueeze(1)
-        allowed[pad_q] = False
-        allowed[..., 0] |= pad_q
-        mask = allowed.unsqueeze(1).to(device)
-    if batch > 1:
-        pad_index = torch.cat([torch.arange(n) + b * max_new for b, n in enumerate(news)]).to(
-            device
-        )
-    offsets = torch.tensor(news).cumsum(0)
-    logit_rows = torch.cat(
-        [torch.arange(int(o) - s.num_logits, int(o)) for o, s in zip(offsets, seqs, strict=True)]
-    )
-    token_session = torch.repeat_interleave(torch.arange(batch), torch.tensor(news))
-    return _Plan(
-        positions=positions.to(device),
-        max_position=max(ends) - 1,
-        write_slots=write_slots.to(device),
-        read_slots=read_slots.to(device),
-        mask=mask,
-        pad_index=pad_index,
-        batch=batch,
-        max_new=max_new,
-        logit_rows=logit_rows.to(device),
-        token_session=token_session.to(device),
-        sliding_window=sliding_window,
-    )
 
 
 class RMSNorm(nn.Module):
@@ -148,7 +78,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [tokens, hidden]
-        plan: _Plan,
+        plan: ForwardPlan,
         rope: RotaryEmbedding,
         k_cache: torch.Tensor,  # [slots, kv_heads, head_dim]
         v_cache: torch.Tensor,  # [slots, kv_heads, head_dim]
@@ -329,11 +259,8 @@ class CausalLM(nn.Module):
         return seq if done == 0 else SeqInput(seq.session_id, tokens[done:], seq.num_logits)
 
     def _forward(self, seqs: Sequence[SeqInput], kv: KVPool) -> torch.Tensor:
-        plan = _plan(seqs, kv, self.config.sliding_window)
-        ids = torch.tensor(
-            [t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device
-        )
-        h = self.model.embed_tokens(ids).to(self.activation_dtype)  # [tokens, hidden]
+        plan = plan_forward(seqs, kv, self.config.sliding_window)
+        h = self.model.embed_tokens(plan.token_ids).to(self.activation_dtype)  # [tokens, hidden]
         for i, layer in enumerate(self.model.layers):
             h = h + layer.self_attn(layer.input_layernorm(h), plan, self.rope, kv.k[i], kv.v[i])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
