@@ -23,7 +23,9 @@ the model thread. Per call, as for a unary call:
 * it runs in a SERVER span named after the unary method, child of the
   message's trace context (the stream itself has no span: the tracing
   interceptors leave the stream methods out, see
-  :mod:`specserve.telemetry.tracing`).
+  :mod:`specserve.telemetry.tracing`); a call whose trace the caller did not
+  sample runs in the caller's context instead, with no span of its own (the
+  parent-based sampler would drop it), so its log lines still name the trace.
 
 Bytes that do not parse as the request message (or exceed the method's byte
 limit) end the whole stream with ``INVALID_ARGUMENT``: without a request id
@@ -37,6 +39,7 @@ flight are cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
@@ -47,7 +50,15 @@ import grpc
 import grpc.aio
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+)
 
 from specserve.engine.errors import InvalidArgument
 from specserve.serving.errors import status_for
@@ -106,18 +117,52 @@ def _parent_context(header: common_pb2.StreamCallHeader) -> otel_context.Context
     return propagate.extract(carrier, context=otel_context.Context())
 
 
-async def _run_call(method: StreamMethod[Req, Resp], message: Any) -> Any:
-    """One call of the stream, answered: its response or its error, under its request id."""
-    header = message.header
-    request_id = header.request_id
-    with tracer.start_as_current_span(
+def _unsampled_caller(traceparent: str) -> SpanContext | None:
+    """The caller's span context if ``traceparent`` is a W3C version-00 header of a trace
+    the caller did not sample; None otherwise (absent, sampled, or for the propagator to
+    judge)."""
+    parts = traceparent.split("-")
+    if len(parts) != 4 or parts[0] != "00" or len(parts[3]) != 2:
+        return None
+    trace_hex, span_hex, flags_hex = parts[1], parts[2], parts[3]
+    if len(trace_hex) != 32 or len(span_hex) != 16:
+        return None
+    try:
+        trace_id, span_id, flags = int(trace_hex, 16), int(span_hex, 16), int(flags_hex, 16)
+    except ValueError:
+        return None
+    if flags & TraceFlags.SAMPLED or not trace_id or not span_id:
+        return None
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags))
+
+
+def _call_span(
+    method: StreamMethod[Req, Resp], header: common_pb2.StreamCallHeader
+) -> contextlib.AbstractContextManager[Span]:
+    """What a call runs in: its SERVER span, child of the caller's context; or, where the
+    caller did not sample its trace, the caller's span made current, no span made (every
+    process's sampler is parent-based, :mod:`specserve.telemetry.tracing`: it would drop
+    the call's span after parsing the header and making the span's ids)."""
+    unsampled = _unsampled_caller(header.traceparent) if header.traceparent else None
+    if unsampled is not None:
+        return trace.use_span(
+            NonRecordingSpan(unsampled), record_exception=False, set_status_on_exception=False
+        )
+    return tracer.start_as_current_span(
         method.unary_method,
         context=_parent_context(header),
         kind=SpanKind.SERVER,
         attributes=method.span_attributes,
         record_exception=False,
         set_status_on_exception=False,
-    ) as span:
+    )
+
+
+async def _run_call(method: StreamMethod[Req, Resp], message: Any) -> Any:
+    """One call of the stream, answered: its response or its error, under its request id."""
+    header = message.header
+    request_id = header.request_id
+    with _call_span(method, header) as span:
         timeout_s = header.timeout_ms / 1000 if header.timeout_ms else None
         deadline = asyncio.timeout(timeout_s)
         try:
