@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from specserve.engine.forward_plan import plan_forward
 from specserve.engine.kv_cache import KVPool
 from specserve.engine.model import SeqInput
@@ -29,7 +27,7 @@ def test_a_ragged_plan_indexes_every_token_of_every_session() -> None:
     assert plan.max_position == 6
     a_slots, b_slots = pool.slots("a", 0, 7).tolist(), pool.slots("b", 0, 5).tolist()
     assert plan.write_slots.tolist() == a_slots[5:] + b_slots[2:]
-    assert plan.read_slots.tolist() == [a_slots, b_slots + [0, 0]]
+    assert plan.read_slots.tolist() == [a_slots, [*b_slots, 0, 0]]
     assert (plan.batch, plan.max_new) == (2, 3)
     assert plan.pad_index is not None and plan.pad_index.tolist() == [0, 1, 3, 4, 5]
     mask = plan.mask
