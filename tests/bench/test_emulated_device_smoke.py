@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+import torch
 
 from bench import emulated_device
 from specserve.engine.sampling import SamplingParams
@@ -70,21 +71,52 @@ def test_a_draft_proposal_of_three_tokens_takes_three_forwards_device_time(
     assert response.compute_ns >= 3 * FORWARD_MS * 1e6
 
 
+class _FakeClock:
+    """``emulated_device.time`` in a test: every clock read is ``cpu_s`` later than the
+    last, so a forward's own CPU time reads as ``cpu_s``; sleeps are recorded, not slept."""
+
+    def __init__(self, cpu_s: float) -> None:
+        self.now, self.cpu_s, self.waits = 0.0, cpu_s, []  # type: ignore[var-annotated]
+
+    def perf_counter(self) -> float:
+        self.now += self.cpu_s
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.waits.append(round(seconds, 9))
+
+
 def test_the_local_loop_with_emulated_devices_waits_for_every_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What ``bench.emulated_gpu`` compares the stack with: every target round and every
-    drafted token of the local loop waits its device time (fixed k = 2, 6 tokens; the
-    waits are recorded, not slept)."""
-    waits: list[float] = []
-    monkeypatch.setattr(emulated_device.time, "sleep", waits.append)
+    drafted token of the local loop lasts its device time, its own CPU time included
+    (fixed k = 2, 6 tokens; each forward's CPU time reads as 0.5 ms)."""
+    clock = _FakeClock(cpu_s=0.0005)
+    monkeypatch.setattr(emulated_device, "time", clock)
     runner = LocalRunner(LocalConfig(target="tiny:3", draft="tiny:3:noise=0.3", threads=1))
     draft_ms, target_ms = 2.0, 12.0
     emulated_device.emulate_local(runner, draft_ms, target_ms)
     done = runner.generate(PROMPT, SamplingParams(), max_new_tokens=6, k=2, ignore_eos=True)
     assert done.stats.drafted > 0 and done.stats.rounds > 0
-    assert waits.count(target_ms / 1e3) >= done.stats.rounds  # one forward a round at least
-    assert waits.count(draft_ms / 1e3) >= done.stats.drafted  # one forward a drafted token
+    # What is left of a forward's device time after its 0.5 ms of CPU:
+    assert clock.waits.count(0.0115) >= done.stats.rounds  # one target forward a round at least
+    assert clock.waits.count(0.0015) >= done.stats.drafted  # one draft forward a drafted token
+    assert set(clock.waits) == {0.0115, 0.0015}
+
+
+def test_a_forward_whose_cpu_time_passes_the_device_time_does_not_sleep(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _FakeClock(cpu_s=0.003)  # 3 ms of CPU against a 2 ms device time
+    monkeypatch.setattr(emulated_device, "time", clock)
+    model = torch.nn.Linear(4, 4)
+    emulated_device.add_device_time(model, 2.0)
+    model(torch.zeros(1, 4))
+    assert clock.waits == []
+    emulated_device.add_device_time(torch_model := torch.nn.Linear(4, 4), 5.0)
+    torch_model(torch.zeros(1, 4))
+    assert clock.waits == [0.002]
 
 
 def test_a_local_loop_without_a_draft_model_is_refused() -> None:
