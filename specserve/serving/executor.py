@@ -10,6 +10,13 @@ only delays a batch whose first job has waited less than ``window_s``, and only
 while waiting has brought company (:mod:`specserve.serving.batch_window`: one
 caller alone does not wait, bar a probe now and then).
 
+Idle work: a backend with an ``idle_step()`` method (returning whether it did work; it
+is called again until it returns False) gets it called whenever no job is queued, one
+step at a time, the queue checked between steps, so a call that arrives during idle
+work waits for at most one step. Idle work starts again after each batch (a batch may
+give the backend new work) and never runs while jobs wait, nor once closing began. A
+draft replica drafts ahead this way (:mod:`specserve.engine.draft_ahead`).
+
 On :meth:`ModelExecutor.close` the queued jobs finish, then the backend's
 ``close()`` (if it has one) runs on the model thread: a tensor-parallel target
 stops its rank group there.
@@ -44,8 +51,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -54,6 +60,7 @@ from specserve.engine.errors import EngineError
 from specserve.serving.batch_stats import BatchStats
 from specserve.serving.batch_window import WindowGate
 from specserve.serving.errors import Unavailable
+from specserve.serving.executor_job import Done, Job
 from specserve.serving.progress import ModelProgress
 from specserve.telemetry import attributes as attr
 
@@ -75,41 +82,6 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
-@dataclass(frozen=True)
-class Done(Generic[R]):
-    """A job's result and the batch it ran in."""
-
-    value: R
-    compute_ns: int  # wall time of the batched call on the model thread
-    batch_sessions: int  # sessions of every job in that batch
-    batch_jobs: int
-    queue_s: float = 0.0  # this job's wait from submit to the start of its batch
-
-
-@dataclass
-class _Job:
-    op: Callable[[Any, list[Any]], list[Any]]
-    payload: Any
-    key: str | None
-    sessions: frozenset[str]
-    future: asyncio.Future[Done[Any]]
-    loop: asyncio.AbstractEventLoop
-    kind: str | None = None  # counted and traced under this name; None = neither
-    context: otel_context.Context | None = None  # the caller's, when it was in a trace
-    enqueued: float = field(default_factory=time.monotonic)
-
-    def resolve(self, value: Done[Any] | BaseException) -> None:
-        def _set() -> None:
-            if self.future.done():  # the caller went away
-                return
-            if isinstance(value, BaseException):
-                self.future.set_exception(value)
-            else:
-                self.future.set_result(value)
-
-        self.loop.call_soon_threadsafe(_set)
-
-
 class ModelExecutor(Generic[B]):
     """Loads a backend on its own thread, then runs batched jobs on it, one batch at a time."""
 
@@ -127,7 +99,7 @@ class ModelExecutor(Generic[B]):
         self.max_batch_sessions = max_batch_sessions
         self._on_state: Callable[[State], None] | None = None
         self._cv = threading.Condition()
-        self._queue: collections.deque[_Job] = collections.deque()
+        self._queue: collections.deque[Job] = collections.deque()
         self._state = State.LOADING
         self._closing = False
         self._error: BaseException | None = None
@@ -139,6 +111,9 @@ class ModelExecutor(Generic[B]):
         self.progress = ModelProgress()  # reported by GetLoad: a hung thread stops it
         self._running = False  # the model thread is inside a batch
         self._gates: dict[str, WindowGate] = {}  # per coalescing key (model thread only)
+        self._idle_step: Callable[[], bool] | None = None  # the backend's, if it has one
+        self._idle_pending = False  # the backend may have idle work (model thread sets it)
+        self.idle_steps = 0  # idle steps that did work
 
     # -- life cycle (event loop side) -------------------------------------------------
 
@@ -216,7 +191,7 @@ class ModelExecutor(Generic[B]):
         ctx = None
         if kind is not None and trace.get_current_span().get_span_context().is_valid:
             ctx = otel_context.get_current()
-        job = _Job(op, payload, key, frozenset(sessions), loop.create_future(), loop, kind, ctx)
+        job = Job(op, payload, key, frozenset(sessions), loop.create_future(), loop, kind, ctx)
         with self._cv:
             self._check_open()
             self._queue.append(job)
@@ -251,16 +226,41 @@ class ModelExecutor(Generic[B]):
             self._set_state(State.FAILED)
             self.ready.set()
             return
+        idle_step = getattr(self._backend, "idle_step", None)
+        self._idle_step = idle_step if callable(idle_step) else None
         self._set_state(State.READY)
         self.ready.set()
         while (batch := self._next_batch()) is not None:
+            if not batch:
+                self._run_idle_step()
+                continue
             self._running = True
             try:
                 self._execute(batch)
             finally:
                 self._running = False
                 self.progress.step()
+            self._idle_pending = self._idle_step is not None and self._state is State.READY
         self._close_backend()
+
+    def _run_idle_step(self) -> None:
+        """One step of the backend's idle work. A typed engine error ends idle work until
+        the next batch; any other exception is a device failure, as in a batch."""
+        assert self._idle_step is not None
+        try:
+            self._idle_pending = bool(self._idle_step())
+        except EngineError as e:
+            log.warning("the %s backend's idle work stopped: %s", self.name, e)
+            self._idle_pending = False
+            return
+        except BaseException as e:
+            log.exception("the %s model failed in idle work; turning NOT_SERVING", self.name)
+            self._idle_pending = False
+            self._error = e
+            self._set_state(State.FAILED)
+            return
+        if self._idle_pending:
+            self.idle_steps += 1
 
     def _close_backend(self) -> None:
         """After the last batch: the backend's ``close()``, if it has one, on this thread."""
@@ -272,9 +272,13 @@ class ModelExecutor(Generic[B]):
         except Exception:  # shutting down anyway: say so, do not hang or mask the exit
             log.exception("closing the %s backend failed", self.name)
 
-    def _next_batch(self) -> list[_Job] | None:
+    def _next_batch(self) -> list[Job] | None:
+        """The next batch; ``[]`` when the queue is empty and the backend has idle work
+        (one step of it runs, then the queue is looked at again); None once closing."""
         with self._cv:
             while not self._queue and not self._closing:
+                if self._idle_pending:
+                    return []
                 self._cv.wait()
             if not self._queue:
                 return None
@@ -300,14 +304,14 @@ class ModelExecutor(Generic[B]):
         full = len(sessions) >= self.max_batch_sessions
         return not full and not self._closing and time.monotonic() < deadline
 
-    def _take_matching(self, batch: list[_Job], sessions: set[str]) -> None:
+    def _take_matching(self, batch: list[Job], sessions: set[str]) -> None:
         """Move queued jobs that can join ``batch`` into it (caller holds the lock).
 
         A job never overtakes an earlier queued job that names one of its sessions,
         so calls about one session run in the order they arrived.
         """
         key = batch[0].key
-        kept: collections.deque[_Job] = collections.deque()
+        kept: collections.deque[Job] = collections.deque()
         passed: set[str] = set()  # sessions of the jobs left in the queue so far
         for job in self._queue:
             fits = len(sessions) + len(job.sessions) <= self.max_batch_sessions
@@ -320,7 +324,7 @@ class ModelExecutor(Generic[B]):
                 passed |= job.sessions
         self._queue = kept
 
-    def _execute(self, batch: list[_Job]) -> None:
+    def _execute(self, batch: list[Job]) -> None:
         if self._state is State.FAILED:
             for job in batch:
                 job.resolve(Unavailable(f"the {self.name} replica's model executor failed"))
@@ -353,7 +357,7 @@ class ModelExecutor(Generic[B]):
         for job, value, wait in zip(batch, results, waits, strict=True):
             job.resolve(Done(value, compute_ns, sessions, len(batch), wait))
 
-    def _batch_span(self, batch: list[_Job]) -> contextlib.AbstractContextManager[object]:
+    def _batch_span(self, batch: list[Job]) -> contextlib.AbstractContextManager[object]:
         """The batch's span, under the first traced caller, linking the others (if any)."""
         traced = [job.context for job in batch if job.context is not None]
         kind = batch[0].kind
