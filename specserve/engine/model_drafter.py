@@ -14,6 +14,11 @@ exact. Greedy drafting returns point masses, and so does coupled drafting
 (:mod:`specserve.engine.coupling`): it proposes argmax(log q + g) over the same
 truncated q with the noise g(seed, position) the target uses, and the target needs
 no q to judge it.
+
+With ``draft_ahead > 0`` the drafter also drafts ahead between calls
+(:meth:`ModelDrafter.idle_step`, :mod:`specserve.engine.draft_ahead`): the tokens it
+holds past a session's drafts are its guess of the bonus and the drafts after it,
+which the next call uses when the guess was right.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.engine import coupling, ops
+from specserve.engine.draft_ahead import MAX_DRAFT_AHEAD, Ahead, AheadCounts, Predrafted
 from specserve.engine.drafter import DrafterKind, DraftInput, DraftOutcome
 from specserve.engine.kv_cache import KVStats
 from specserve.engine.model import CausalLM, SeqInput
@@ -34,9 +40,10 @@ from specserve.engine.sampling import SamplingParams, probabilities
 
 @dataclass
 class _Session:
-    tokens: list[int] = field(default_factory=list)  # committed tokens, then drafts
+    tokens: list[int] = field(default_factory=list)  # committed tokens, drafts, ahead tokens
     committed: int = 0  # how many of ``tokens`` are committed
     in_kv: int = 0  # how many of ``tokens`` have K/V in the pool
+    ahead: Ahead | None = None  # drafting ahead past the last drafts (tokens[ahead.start:])
 
 
 @dataclass
@@ -47,7 +54,7 @@ class _Active:
     params: SamplingParams
     round_index: int
     feed: list[int]  # tokens to run in the next forward
-    drafts: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # ahead drafts first, if it took any
     q_ids: list[torch.Tensor] = field(default_factory=list)  # [m] per draft
     q_probs: list[torch.Tensor] = field(default_factory=list)  # [m] per draft
 
@@ -66,7 +73,12 @@ class ModelDrafter:
         min_confidence: float = 0.0,
         vocab_limit: int | None = None,
         bfloat16_prefill: bool | None = None,
+        draft_ahead: int = 0,
     ) -> None:
+        """``draft_ahead``: ahead tokens (the bonus guess included) an idle step may draft
+        per session past its last proposal; 0 = none."""
+        if not 0 <= draft_ahead <= MAX_DRAFT_AHEAD:
+            raise ValueError(f"draft_ahead must be in [0, {MAX_DRAFT_AHEAD}], got {draft_ahead}")
         self.model = model
         if bfloat16_prefill is None:  # where bfloat16 products are fast and the weights are
             bfloat16_prefill = (
@@ -80,6 +92,8 @@ class ModelDrafter:
         self.max_support = max_support
         self.min_confidence = min_confidence
         self.vocab_limit = vocab_limit
+        self.draft_ahead = draft_ahead
+        self.ahead_counts = AheadCounts()
         self._sessions: dict[str, _Session] = {}
 
     def sessions(self) -> int:
@@ -101,25 +115,35 @@ class ModelDrafter:
         outcomes: list[DraftOutcome | None] = [None] * len(inputs)
         active: list[_Active] = []
         for i, x in enumerate(inputs):
-            feed = self._sync(x)
-            if feed is None:
+            synced = self._sync(x)
+            if synced is None:
                 outcomes[i] = DraftOutcome.needs_history()
-            elif x.k == 0:
+                continue
+            feed, pre = synced
+            a = _Active(i, x.session_id, x.k, x.params, x.round_index, feed)
+            if pre is not None:
+                a.drafts, a.q_ids, a.q_probs = list(pre.tokens), list(pre.q_ids), list(pre.q_probs)
+            if x.k == 0:
                 outcomes[i] = DraftOutcome(Proposal(tokens=[]))
+            elif pre is not None and (pre.final or len(pre.tokens) == x.k):
+                outcomes[i] = DraftOutcome(self._proposal(a))  # no forward: all ahead
+                self._start_ahead(a)
             else:
-                active.append(_Active(i, x.session_id, x.k, x.params, x.round_index, feed))
+                active.append(a)
         if active:
             self._reserve(active)
             self._draft(active)
         for a in active:
             outcomes[a.index] = DraftOutcome(self._proposal(a))
+            self._start_ahead(a)
         assert all(o is not None for o in outcomes)
         return outcomes  # type: ignore[return-value]
 
     # -- bookkeeping -------------------------------------------------------------
 
-    def _sync(self, x: DraftInput) -> list[int] | None:
-        """Bring the session up to date; returns the tokens to feed, or None if stale."""
+    def _sync(self, x: DraftInput) -> tuple[list[int], Predrafted | None] | None:
+        """Bring the session up to date; returns the tokens to feed and the ahead drafts it
+        takes (if any), or None if stale."""
         s = self._sessions.get(x.session_id)
         if s is not None and x.session_id not in self.kv:
             s = None  # evicted since the last call
@@ -136,17 +160,22 @@ class ModelDrafter:
         held = s.tokens[x.start :]
         while same < min(len(held), len(new)) and held[same] == new[same]:
             same += 1
-        s.tokens = s.tokens[: x.start] + new
-        s.committed = len(s.tokens)
-        s.in_kv = min(s.in_kv, x.start + same)
+        ahead, s.ahead = s.ahead, None
+        pre = None
+        if ahead is not None and same == len(new) and ahead.matches(x):
+            pre = Predrafted.take(ahead, held[len(new) :], x.k)
+            self.ahead_counts.hit(len(pre.tokens))
+        s.tokens = s.tokens[: x.start] + new + (pre.tokens if pre is not None else [])
+        s.committed = x.committed_len
+        s.in_kv = min(s.in_kv, x.start + same + (len(pre.tokens) if pre is not None else 0))
         if s.in_kv == len(s.tokens):
             s.in_kv -= 1  # the next draft needs the last token's logits
         if x.session_id in self.kv:
             self.kv.truncate(x.session_id, s.in_kv)
-        return s.tokens[s.in_kv :]
+        return s.tokens[s.in_kv :], pre
 
     def _reserve(self, active: list[_Active]) -> None:
-        needs = {a.sid: len(a.feed) + a.k - 1 for a in active}
+        needs = {a.sid: len(a.feed) + a.k - len(a.drafts) - 1 for a in active}
         for victim in self.kv.reserve(needs):
             self._sessions.pop(victim, None)
 
@@ -185,23 +214,102 @@ class ModelDrafter:
 
     def _sample(self, a: _Active, logits: torch.Tensor) -> int:  # [vocab]
         """The draft token of a sampled session (coupled or the rejection rule's draw)."""
-        s = self._sessions[a.sid]
-        position = len(s.tokens)  # absolute position of the token being drafted
-        probs = probabilities(logits.unsqueeze(0), a.params)[0]  # [vocab]
+        position = len(self._sessions[a.sid].tokens)  # of the token being drafted
+        token, q = self._draw(a.params, a.round_index, position, logits)
+        if q is not None:
+            a.q_ids.append(q[0])
+            a.q_probs.append(q[1])
+        return token
+
+    def _draw(
+        self,
+        params: SamplingParams,
+        round_index: int,
+        position: int,  # absolute position of the token being drafted
+        logits: torch.Tensor,  # [vocab]
+    ) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None]:
+        """A sampled draft token and, under the rejection rule, its sparse q (ids, probs)."""
+        probs = probabilities(logits.unsqueeze(0), params)[0]  # [vocab]
         m = min(self.max_support, probs.shape[0])
         vals, ids = torch.topk(probs, m)
         vals = vals / vals.sum()
-        if a.params.coupled:
-            seeds = [a.params.seed]
-            return int(coupling.choose_among(vals[None], ids[None], seeds, [position])[0])
-        u = uniform(a.params.seed, a.round_index, position, Stream.DRAFT)
+        if params.coupled:
+            seeds = [params.seed]
+            return int(coupling.choose_among(vals[None], ids[None], seeds, [position])[0]), None
+        u = uniform(params.seed, round_index, position, Stream.DRAFT)
         cdf = torch.cumsum(vals.double(), 0)
         pick = min(int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True)), m - 1)
         while vals[pick] == 0:  # never emit a token outside the support
             pick -= 1
-        a.q_ids.append(ids)
-        a.q_probs.append(vals.float())
-        return int(ids[pick])
+        return int(ids[pick]), (ids, vals.float())
+
+    # -- drafting ahead ------------------------------------------------------------
+
+    def _start_ahead(self, a: _Active) -> None:
+        """After a proposal: the session may draft ahead from past its drafts, if its
+        last draft's logits are still to come (drafting did not stop for confidence)."""
+        s = self._sessions[a.sid]
+        if self.draft_ahead and a.k > 0 and s.in_kv == len(s.tokens) - 1:
+            s.ahead = Ahead(len(s.tokens), a.params, a.round_index + 1)
+
+    def _wants_ahead(self, sid: str, s: _Session) -> bool:
+        a = s.ahead
+        return (
+            a is not None
+            and not a.stopped
+            and len(s.tokens) - a.start < self.draft_ahead
+            and len(s.tokens) < self.context_tokens
+            and sid in self.kv
+        )
+
+    @torch.inference_mode()
+    def idle_step(self) -> bool:
+        """One forward of ahead drafting over every session with some left to draft;
+        returns whether it ran one. Takes only free KV blocks: never evicts a session."""
+        free = self.kv.alloc.free_blocks
+        rows: list[tuple[str, _Session]] = []
+        for sid, s in self._sessions.items():
+            if not self._wants_ahead(sid, s):
+                continue
+            alloc = self.kv.alloc
+            extra = alloc.blocks_needed(alloc.length(sid) + 1) - len(alloc.block_table(sid))
+            if extra <= free:
+                free -= extra
+                rows.append((sid, s))
+        if not rows:
+            return False
+        assert all(s.in_kv == len(s.tokens) - 1 for _, s in rows), "ahead needs the last logits"
+        assert not self.kv.reserve({sid: 1 for sid, _ in rows}), "ahead drafting evicted"
+        with ops.bfloat16_products(self.bfloat16_prefill):
+            logits = self.model([SeqInput(sid, [s.tokens[-1]]) for sid, s in rows], self.kv)
+        if self.vocab_limit is not None:
+            logits = logits[:, : self.vocab_limit]
+        argmax = logits.argmax(dim=-1).tolist()
+        top: list[float] = []
+        if self.min_confidence > 0:
+            top = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
+        drafted = 0
+        for row, (_, s) in enumerate(rows):
+            s.in_kv += 1
+            ahead = s.ahead
+            assert ahead is not None
+            if top and top[row] < self.min_confidence:
+                ahead.stopped = True  # drafting from this history stops here as well
+                continue
+            position = len(s.tokens)
+            token = argmax[row]
+            if position == ahead.start:  # the bonus guess: the target's likeliest token
+                if ahead.params.coupled:
+                    token = self._draw(ahead.params, ahead.round_index, position, logits[row])[0]
+            elif not ahead.params.greedy:  # a draft of the next round, drawn as it would be
+                token, q = self._draw(ahead.params, ahead.round_index, position, logits[row])
+                if q is not None:
+                    ahead.q_ids.append(q[0])
+                    ahead.q_probs.append(q[1])
+            s.tokens.append(token)
+            drafted += 1
+        self.ahead_counts.drafted_step(drafted)
+        return True
 
     def _proposal(self, a: _Active) -> Proposal:
         if a.params.greedy or a.params.coupled or not a.drafts:
