@@ -103,6 +103,17 @@ class DraftBackend:
             pos += len(call)
         return out
 
+    def idle_step(self) -> bool:
+        """One step of the draft model's ahead drafting (the executor calls it while no
+        call waits); whether it did work."""
+        if not getattr(self.model, "draft_ahead", 0):  # off, n-gram only, or a stub drafter
+            return False
+        assert self.model is not None
+        worked = self.model.idle_step()
+        if worked:
+            self._snapshot()
+        return worked
+
     def release(self, calls: Sequence[Sequence[str]]) -> list[int]:
         """Drop the named sessions from every drafter; per call, how many were held."""
         out = []

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from specserve.engine.devices import check_device_name
+from specserve.engine.draft_ahead import MAX_DRAFT_AHEAD
 from specserve.engine.dtypes import DTYPES
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
 from specserve.serving.cli_args import (
@@ -34,6 +35,9 @@ class DraftServerConfig:
     kv_budget_bytes: int = 1 << 30
     max_support: int = 64  # sparse q entries per sampled draft token
     min_confidence: float = 0.0  # stop drafting a session below this top probability
+    # Ahead tokens per session drafted while the model is idle (engine.draft_ahead); 0 = off.
+    # For a draft on its own device: on shared CPU cores it takes the target's CPU time.
+    draft_ahead: int = 0
     fail_after_forwards: int | None = None  # testing: simulated device failure
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # 0: a prompt in one forward
     server: ServerOptions = field(default_factory=ServerOptions)
@@ -52,6 +56,15 @@ class DraftServerConfig:
             raise ValueError(f"max_support must be >= 1, got {self.max_support}")
         if not 0 <= self.min_confidence < 1:
             raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
+        if not 0 <= self.draft_ahead <= MAX_DRAFT_AHEAD:
+            raise ValueError(
+                f"draft_ahead must be in [0, {MAX_DRAFT_AHEAD}] (0: off), got {self.draft_ahead}"
+            )
+        if self.draft_ahead and self.model is None:
+            raise ValueError(
+                "draft_ahead needs a draft model (--model): an n-gram-only replica "
+                "does not draft ahead"
+            )
 
 
 def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
@@ -73,6 +86,15 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         default=0.0,
         help="stop drafting a session when its top probability falls below this",
     )
+    parser.add_argument(
+        "--draft-ahead",
+        type=int,
+        default=env.get("SPECSERVE_DRAFT_AHEAD", "0"),
+        metavar="N",
+        help="while idle, draft up to N tokens per session past its last proposal "
+        "(the guess of the target's bonus token, then the next round's drafts); "
+        "0 = off. For a draft on its own device: on shared CPU cores it takes the target's CPU",
+    )
     add_server_arguments(parser, kv_budget=DEFAULT_KV_BUDGET, dtype=DEFAULT_DTYPE, env=env)
 
 
@@ -88,6 +110,7 @@ def from_args(args: argparse.Namespace) -> DraftServerConfig:
         kv_budget_bytes=args.kv_budget,
         max_support=args.max_support,
         min_confidence=args.min_confidence,
+        draft_ahead=args.draft_ahead,
         fail_after_forwards=args.fail_after_forwards,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         server=server_options(args),

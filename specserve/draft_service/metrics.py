@@ -1,14 +1,16 @@
-"""The draft replica's own counters: drafts and draft tokens (beside the shared replica set)."""
+"""The draft replica's own counters: drafts, draft tokens and drafting ahead (beside the
+shared replica set)."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from specserve.draft_service.backend import DraftCall
+from specserve.engine.draft_ahead import AheadCounts
 from specserve.engine.drafter import DraftOutcome
 
 
@@ -36,8 +38,14 @@ class DraftCounts:
 
 
 class DraftCollector(Collector):
-    def __init__(self, counts: DraftCounts) -> None:
+    """The servicer's counts, and the model drafter's ahead counts once it is loaded
+    (``ahead`` returns None until then, or on an n-gram-only replica: zeros)."""
+
+    def __init__(
+        self, counts: DraftCounts, ahead: Callable[[], AheadCounts | None] = lambda: None
+    ) -> None:
         self.counts = counts
+        self.ahead = ahead
 
     def collect(self) -> Iterator[Metric]:
         c = self.counts
@@ -49,4 +57,26 @@ class DraftCollector(Collector):
             "specserve_draft_needs_history",
             "Sessions answered NEEDS_HISTORY (no cache here, or a stale one)",
             c.needs_history,
+        )
+        ahead = self.ahead()
+        forwards, drafted, hits, used = ahead.snapshot() if ahead is not None else (0, 0, 0, 0)
+        yield CounterMetricFamily(
+            "specserve_draft_ahead_forwards",
+            "Forwards run while idle to draft ahead (--draft-ahead)",
+            forwards,
+        )
+        yield CounterMetricFamily(
+            "specserve_draft_ahead_tokens",
+            "Tokens drafted ahead while idle: bonus guesses and the drafts after them",
+            drafted,
+        )
+        yield CounterMetricFamily(
+            "specserve_draft_ahead_hits",
+            "Proposals that started from ahead tokens (the bonus guess was right)",
+            hits,
+        )
+        yield CounterMetricFamily(
+            "specserve_draft_ahead_used_tokens",
+            "Draft tokens proposed from ahead tokens (drafted before the call came)",
+            used,
         )

@@ -16,6 +16,7 @@ from specserve.draft_service.backend import DraftBackend
 from specserve.draft_service.config import DraftServerConfig
 from specserve.draft_service.metrics import DraftCollector
 from specserve.draft_service.servicer import DraftServicer
+from specserve.engine.draft_ahead import AheadCounts
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.serving.cli_args import parse_config
 from specserve.serving.metrics import serve_replica_metrics
@@ -43,6 +44,7 @@ def load_backend(config: DraftServerConfig) -> DraftBackend:
         max_support=config.max_support,
         min_confidence=config.min_confidence,
         vocab_limit=loaded.vocab,
+        draft_ahead=config.draft_ahead,
     )
     return DraftBackend(drafter, model_name=config.model, dtype=config.dtype, vocab=loaded.vocab)
 
@@ -65,7 +67,14 @@ async def start(
         register,
         [SERVICE_NAME],
     )
-    serve_replica_metrics(running, "draft", [DraftCollector(servicers[0].counts)])
+
+    def ahead_counts() -> AheadCounts | None:
+        backend = running.executor.loaded_backend
+        model = backend.model if backend is not None else None
+        return model.ahead_counts if isinstance(model, ModelDrafter) else None
+
+    collector = DraftCollector(servicers[0].counts, ahead_counts)
+    serve_replica_metrics(running, "draft", [collector])
     return running
 
 

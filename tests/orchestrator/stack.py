@@ -47,6 +47,7 @@ class Stack:
     orchestrator_args: Sequence[str] = ()
     target_args: Sequence[Sequence[str]] = ()  # extra flags of target i
     draft_model: str = DRAFT
+    draft_args: Sequence[str] = ()  # extra flags of the draft
     target_procs: list[ServerProcess] = field(default_factory=list)
     draft: ServerProcess | None = None
     orchestrator: OrchestratorProcess | None = None
@@ -58,7 +59,9 @@ class Stack:
             ServerProcess("target", ["--model", TARGET, *SERVER_ARGS, *more], env=ENV)
             for more in extra
         ]
-        self.draft = ServerProcess("draft", ["--model", self.draft_model, *SERVER_ARGS], env=ENV)
+        self.draft = ServerProcess(
+            "draft", ["--model", self.draft_model, *SERVER_ARGS, *self.draft_args], env=ENV
+        )
         for s in [*self.target_procs, self.draft]:
             s.start()
         self.metrics_port = free_port()
