@@ -133,19 +133,32 @@ class DecodeState:
             self.session_id, start, self.tokens[start:], k, self.params, self.round_index
         )
 
-    def verify_input(self, proposal: Proposal, *, full: bool = False) -> VerifyInput:
+    def verify_input(
+        self, proposal: Proposal, *, full: bool = False, steps: int = 1
+    ) -> VerifyInput:
+        """The target's input; ``steps`` > 1: a multi-step plain verify (no drafts)."""
         start = 0 if full else self.target_start
         return VerifyInput(
-            self.session_id, start, self.tokens[start:], proposal, self.params, self.round_index
+            self.session_id,
+            start,
+            self.tokens[start:],
+            proposal,
+            self.params,
+            self.round_index,
+            steps=steps,
         )
 
     def commit(self, proposal: Proposal, verdict: Verdict) -> list[int]:
-        """Apply a verdict; returns the tokens this round added to the completion."""
+        """Apply a verdict; returns the tokens this round added to the completion.
+
+        A multi-step verdict (``decoded``) counts as that many plain rounds: the
+        round index moves past each step's, as one-step rounds would have moved it."""
         assert not self.finished
         drafted = len(proposal.tokens)
         committed_before = len(self.tokens)
-        emitted = [*proposal.tokens[: verdict.accepted], verdict.next_token]
-        self.stats.rounds += 1
+        emitted = [*proposal.tokens[: verdict.accepted], *verdict.decoded, verdict.next_token]
+        steps = 1 + len(verdict.decoded)
+        self.stats.rounds += steps
         self.stats.drafted += drafted
         self.stats.accepted += verdict.accepted
         self.stats.rejections += verdict.accepted < drafted
@@ -154,8 +167,8 @@ class DecodeState:
         for i in range(verdict.accepted):
             per_pos[i] += 1
         self.k_policy.observe(drafted, verdict.accepted)
-        self.round_index += 1
-        self.target_start = committed_before + verdict.accepted
+        self.round_index += steps
+        self.target_start = committed_before + verdict.accepted + len(verdict.decoded)
         kept = self._apply_stops(emitted)
         self.tokens.extend(kept)
         return kept

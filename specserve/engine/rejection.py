@@ -48,12 +48,10 @@ from specserve.engine.sampling import SamplingParams, batched_probabilities, sam
 
 @dataclass(frozen=True)
 class Proposal:
-    """One session's draft for one round.
-
-    ``q`` comes in three forms: sparse (``q_ids`` and ``q_probs`` both [k, m], ids
-    padded with -1 and probability 0), dense (``q_probs`` [k, vocab], ``q_ids`` None),
-    or a point mass on each token (both None: greedy draft, n-gram drafter).
-    """
+    """One session's draft for one round. ``q`` comes in three forms: sparse (``q_ids``
+    and ``q_probs`` both [k, m], ids padded with -1 and probability 0), dense (``q_probs``
+    [k, vocab], ``q_ids`` None), or a point mass on each token (both None: greedy draft,
+    n-gram drafter)."""
 
     tokens: Sequence[int]  # [k], k may be 0
     q_ids: torch.Tensor | None = None  # [k, m] int64, pad -1
@@ -81,10 +79,12 @@ class Proposal:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome of one session's round."""
+    """The outcome of one session's round: accepted drafts, then ``decoded`` (tokens a
+    multi-step plain verify decoded before ``next_token``; none otherwise), then next."""
 
     accepted: int  # draft tokens kept
     next_token: int  # recovered (accepted < k) or bonus (accepted == k)
+    decoded: tuple[int, ...] = ()
 
 
 def verify(

@@ -21,6 +21,7 @@ from specserve.engine.errors import InvalidArgument
 from specserve.engine.kv_cache import KVStats
 from specserve.engine.logprobs import TokenLogprob, token_logprobs
 from specserve.engine.model import CausalLM, SeqInput
+from specserve.engine.plain_steps import MAX_STEPS
 from specserve.engine.rejection import Proposal, Verdict, verify
 from specserve.engine.sampling import SamplingParams
 
@@ -37,10 +38,20 @@ class VerifyInput:
     round_index: int
     want_logprobs: bool = False
     top_logprobs: int | None = None  # None = no TokenLogprobs; else alternatives per token
+    # Plain decoding steps: n > 1 decodes n tokens in one call, feeding each back in
+    # (no drafts then; run by the target backend, step j drawing as round + j would).
+    steps: int = 1
 
     def __post_init__(self) -> None:
         if self.start < 0:
             raise InvalidArgument(f"start must be >= 0, got {self.start}")
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise InvalidArgument(f"steps must be 1..{MAX_STEPS}, got {self.steps}")
+        if self.steps > 1 and self.proposal.tokens:
+            raise InvalidArgument(
+                f"session {self.session_id!r}: steps > 1 decodes without drafts; send "
+                f"either draft tokens or steps, not both"
+            )
         if not self.new_tokens:
             raise InvalidArgument(
                 "a verify needs at least one new committed token (the last round's "

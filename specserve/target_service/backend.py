@@ -27,6 +27,7 @@ from typing import Any
 from specserve.engine.errors import FailedPrecondition
 from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk, KvTransfer
 from specserve.engine.verifier import Verifier, VerifyInput, VerifyOutcome
+from specserve.target_service.multi_step import decode_steps
 from specserve.wire.common_wire import SessionLimit
 
 log = logging.getLogger(__name__)
@@ -83,11 +84,15 @@ class TargetBackend:
         return layers() if callable(layers) else []
 
     def verify(self, calls: Sequence[Sequence[VerifyInput]]) -> list[Verified]:
-        """Outcomes for several coalesced calls, from one batched forward."""
+        """Outcomes for several coalesced calls, from one batched forward (and, for
+        sessions that ask for several plain steps, one more per step:
+        :mod:`~specserve.target_service.multi_step`)."""
         flat = [x for call in calls for x in call]
         held = self.verifier.holding([x.session_id for x in flat])  # before verify adds any
         try:
             outcomes = self.verifier.verify(flat)
+            if any(x.steps > 1 for x in flat):
+                outcomes = decode_steps(self.verifier, flat, outcomes)
         finally:
             self._snapshot()
         out, pos = [], 0

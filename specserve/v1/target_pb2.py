@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/target.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\x9a\x02\n\rVerifySession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12 \n\x01q\x18\x0b \x01(\x0b\x32\x15.specserve.v1.SparseQ\x12.\n\x08sampling\x18\x08 \x01(\x0b\x32\x1c.specserve.v1.SamplingConfig\x12\x13\n\x0bround_index\x18\t \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\n \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x64 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_top_logprobsJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08\"N\n\rVerifyRequest\x12-\n\x08sessions\x18\x01 \x03(\x0b\x32\x1b.specserve.v1.VerifySession\x12\x0e\n\x06strict\x18\x02 \x01(\x08\"\xbe\x01\n\x0ePrefillSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingConfig\x12\x13\n\x0bround_index\x18\x04 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x64 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_top_logprobs\"@\n\x0ePrefillRequest\x12.\n\x08sessions\x18\x01 \x03(\x0b\x32\x1c.specserve.v1.PrefillSession\"\xbb\x01\n\x0cVerifyResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.specserve.v1.SessionStatus\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x12\n\nnext_token\x18\x04 \x01(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x32\n\x0etoken_logprobs\x18\x64 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"y\n\x0eVerifyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.VerifyResult\x12\x12\n\ncompute_ns\x18\x02 \x01(\x04\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x12\n\nreplica_id\x18\x04 \x01(\t\"s\n\x13VerifyStreamRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.specserve.v1.StreamCallHeader\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.specserve.v1.VerifyRequest\"\x97\x01\n\x14VerifyStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1c.specserve.v1.VerifyResponseH\x00\x12.\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.specserve.v1.StreamCallErrorH\x00\x42\t\n\x07outcome\"U\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\x80\x01\n\x07KvChunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.specserve.v1.KvLayout\x12\r\n\x05start\x18\x04 \x01(\r\x12\x0e\n\x06tokens\x18\x05 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"`\n\x0f\x45xportKvRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_chunk\x18\x04 \x01(\r\"a\n\x10\x45xportKvResponse\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.specserve.v1.KvChunk\x12\x12\n\ncompute_ns\x18\x02 \x01(\x04\x12\x12\n\nreplica_id\x18\x03 \x01(\t\"k\n\x0fImportKvRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\r\n\x05start\x18\x03 \x01(\r\x12%\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x15.specserve.v1.KvChunk\"J\n\x10ImportKvResponse\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x12\n\ncompute_ns\x18\x02 \x01(\x04\x12\x12\n\nreplica_id\x18\x03 \x01(\t2\x97\x04\n\rTargetService\x12\x45\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12Y\n\x0cVerifyStream\x12!.specserve.v1.VerifyStreamRequest\x1a\".specserve.v1.VerifyStreamResponse(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x41\n\x07GetLoad\x12\x1c.specserve.v1.GetLoadRequest\x1a\x18.specserve.v1.LoadReport\x12I\n\x08\x45xportKv\x12\x1d.specserve.v1.ExportKvRequest\x1a\x1e.specserve.v1.ExportKvResponse\x12I\n\x08ImportKv\x12\x1d.specserve.v1.ImportKvRequest\x1a\x1e.specserve.v1.ImportKvResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/target.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xa9\x02\n\rVerifySession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\x05\x12 \n\x01q\x18\x0b \x01(\x0b\x32\x15.specserve.v1.SparseQ\x12.\n\x08sampling\x18\x08 \x01(\x0b\x32\x1c.specserve.v1.SamplingConfig\x12\x13\n\x0bround_index\x18\t \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\n \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x64 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05steps\x18\x0c \x01(\rB\x0f\n\r_top_logprobsJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08\"N\n\rVerifyRequest\x12-\n\x08sessions\x18\x01 \x03(\x0b\x32\x1b.specserve.v1.VerifySession\x12\x0e\n\x06strict\x18\x02 \x01(\x08\"\xbe\x01\n\x0ePrefillSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specserve.v1.SamplingConfig\x12\x13\n\x0bround_index\x18\x04 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x64 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_top_logprobs\"@\n\x0ePrefillRequest\x12.\n\x08sessions\x18\x01 \x03(\x0b\x32\x1c.specserve.v1.PrefillSession\"\xcc\x01\n\x0cVerifyResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.specserve.v1.SessionStatus\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x12\n\nnext_token\x18\x04 \x01(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x0f\n\x07\x64\x65\x63oded\x18\x06 \x03(\x05\x12\x32\n\x0etoken_logprobs\x18\x64 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"y\n\x0eVerifyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.VerifyResult\x12\x12\n\ncompute_ns\x18\x02 \x01(\x04\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x12\n\nreplica_id\x18\x04 \x01(\t\"s\n\x13VerifyStreamRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.specserve.v1.StreamCallHeader\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.specserve.v1.VerifyRequest\"\x97\x01\n\x14VerifyStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x30\n\x08response\x18\x02 \x01(\x0b\x32\x1c.specserve.v1.VerifyResponseH\x00\x12.\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.specserve.v1.StreamCallErrorH\x00\x42\t\n\x07outcome\"U\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\x80\x01\n\x07KvChunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12&\n\x06layout\x18\x03 \x01(\x0b\x32\x16.specserve.v1.KvLayout\x12\r\n\x05start\x18\x04 \x01(\r\x12\x0e\n\x06tokens\x18\x05 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"`\n\x0f\x45xportKvRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63hunk_tokens\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_chunk\x18\x04 \x01(\r\"a\n\x10\x45xportKvResponse\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.specserve.v1.KvChunk\x12\x12\n\ncompute_ns\x18\x02 \x01(\x04\x12\x12\n\nreplica_id\x18\x03 \x01(\t\"k\n\x0fImportKvRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\r\n\x05start\x18\x03 \x01(\r\x12%\n\x06\x63hunks\x18\x04 \x03(\x0b\x32\x15.specserve.v1.KvChunk\"J\n\x10ImportKvResponse\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x12\n\ncompute_ns\x18\x02 \x01(\x04\x12\x12\n\nreplica_id\x18\x03 \x01(\t2\x97\x04\n\rTargetService\x12\x45\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12Y\n\x0cVerifyStream\x12!.specserve.v1.VerifyStreamRequest\x1a\".specserve.v1.VerifyStreamResponse(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x41\n\x07GetLoad\x12\x1c.specserve.v1.GetLoadRequest\x1a\x18.specserve.v1.LoadReport\x12I\n\x08\x45xportKv\x12\x1d.specserve.v1.ExportKvRequest\x1a\x1e.specserve.v1.ExportKvResponse\x12I\n\x08ImportKv\x12\x1d.specserve.v1.ImportKvRequest\x1a\x1e.specserve.v1.ImportKvResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.target_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYSESSION']._serialized_start=71
-  _globals['_VERIFYSESSION']._serialized_end=353
-  _globals['_VERIFYREQUEST']._serialized_start=355
-  _globals['_VERIFYREQUEST']._serialized_end=433
-  _globals['_PREFILLSESSION']._serialized_start=436
-  _globals['_PREFILLSESSION']._serialized_end=626
-  _globals['_PREFILLREQUEST']._serialized_start=628
-  _globals['_PREFILLREQUEST']._serialized_end=692
-  _globals['_VERIFYRESULT']._serialized_start=695
-  _globals['_VERIFYRESULT']._serialized_end=882
-  _globals['_VERIFYRESPONSE']._serialized_start=884
-  _globals['_VERIFYRESPONSE']._serialized_end=1005
-  _globals['_VERIFYSTREAMREQUEST']._serialized_start=1007
-  _globals['_VERIFYSTREAMREQUEST']._serialized_end=1122
-  _globals['_VERIFYSTREAMRESPONSE']._serialized_start=1125
-  _globals['_VERIFYSTREAMRESPONSE']._serialized_end=1276
-  _globals['_KVLAYOUT']._serialized_start=1278
-  _globals['_KVLAYOUT']._serialized_end=1363
-  _globals['_KVCHUNK']._serialized_start=1366
-  _globals['_KVCHUNK']._serialized_end=1494
-  _globals['_EXPORTKVREQUEST']._serialized_start=1496
-  _globals['_EXPORTKVREQUEST']._serialized_end=1592
-  _globals['_EXPORTKVRESPONSE']._serialized_start=1594
-  _globals['_EXPORTKVRESPONSE']._serialized_end=1691
-  _globals['_IMPORTKVREQUEST']._serialized_start=1693
-  _globals['_IMPORTKVREQUEST']._serialized_end=1800
-  _globals['_IMPORTKVRESPONSE']._serialized_start=1802
-  _globals['_IMPORTKVRESPONSE']._serialized_end=1876
-  _globals['_TARGETSERVICE']._serialized_start=1879
-  _globals['_TARGETSERVICE']._serialized_end=2414
+  _globals['_VERIFYSESSION']._serialized_end=368
+  _globals['_VERIFYREQUEST']._serialized_start=370
+  _globals['_VERIFYREQUEST']._serialized_end=448
+  _globals['_PREFILLSESSION']._serialized_start=451
+  _globals['_PREFILLSESSION']._serialized_end=641
+  _globals['_PREFILLREQUEST']._serialized_start=643
+  _globals['_PREFILLREQUEST']._serialized_end=707
+  _globals['_VERIFYRESULT']._serialized_start=710
+  _globals['_VERIFYRESULT']._serialized_end=914
+  _globals['_VERIFYRESPONSE']._serialized_start=916
+  _globals['_VERIFYRESPONSE']._serialized_end=1037
+  _globals['_VERIFYSTREAMREQUEST']._serialized_start=1039
+  _globals['_VERIFYSTREAMREQUEST']._serialized_end=1154
+  _globals['_VERIFYSTREAMRESPONSE']._serialized_start=1157
+  _globals['_VERIFYSTREAMRESPONSE']._serialized_end=1308
+  _globals['_KVLAYOUT']._serialized_start=1310
+  _globals['_KVLAYOUT']._serialized_end=1395
+  _globals['_KVCHUNK']._serialized_start=1398
+  _globals['_KVCHUNK']._serialized_end=1526
+  _globals['_EXPORTKVREQUEST']._serialized_start=1528
+  _globals['_EXPORTKVREQUEST']._serialized_end=1624
+  _globals['_EXPORTKVRESPONSE']._serialized_start=1626
+  _globals['_EXPORTKVRESPONSE']._serialized_end=1723
+  _globals['_IMPORTKVREQUEST']._serialized_start=1725
+  _globals['_IMPORTKVREQUEST']._serialized_end=1832
+  _globals['_IMPORTKVRESPONSE']._serialized_start=1834
+  _globals['_IMPORTKVRESPONSE']._serialized_end=1908
+  _globals['_TARGETSERVICE']._serialized_start=1911
+  _globals['_TARGETSERVICE']._serialized_end=2446
 # @@protoc_insertion_point(module_scope)

@@ -65,13 +65,15 @@ class SessionLimit:
     def tokens(self) -> int:
         return min(self.context, self.kv_tokens)
 
-    def check(self, sid: str, start: int, new: int, drafts: int = 0) -> None:
+    def check(self, sid: str, start: int, new: int, drafts: int = 0, steps: int = 1) -> None:
         """Before any work: InvalidArgument past the model's context (no replica of this
-        model can serve it), KVBudgetExceeded past what the KV pool can ever hold."""
-        total = start + new + drafts
+        model can serve it), KVBudgetExceeded past what the KV pool can ever hold. Each
+        plain step after the first caches one more token."""
+        total = start + new + drafts + steps - 1
         if total <= self.tokens:
             return
-        what = f"session {sid!r}: {total} tokens (start {start} + {new} new + {drafts} drafts)"
+        more = f"{drafts} drafts" if steps == 1 else f"{steps - 1} more steps"
+        what = f"session {sid!r}: {total} tokens (start {start} + {new} new + {more})"
         if total > self.context:
             raise InvalidArgument(
                 f"{what} exceed the model's context of {self.context} tokens; send a shorter prompt"

@@ -8,6 +8,7 @@ from specserve.engine.errors import InvalidArgument
 from specserve.engine.kv_chunks import KvLayout
 from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk
 from specserve.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from specserve.engine.plain_steps import MAX_STEPS
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.verifier import VerifyInput, VerifyOutcome
 from specserve.v1 import common_pb2, draft_pb2, target_pb2
@@ -32,7 +33,8 @@ def verify_inputs(
                 "committed token (the last round's recovered or bonus token, or the prompt)"
             )
         drafts = list(s.draft_tokens)
-        limit.check(sid, s.start, len(new), len(drafts))
+        steps = _steps(s, sid, drafts)
+        limit.check(sid, s.start, len(new), len(drafts), steps)
         common_wire.check_tokens(drafts, vocab, "draft_tokens", sid)
         wire.append(sparse_q.WireQ.of(sid, drafts, s.q if s.HasField("q") else None))
         news.append(new)
@@ -42,8 +44,28 @@ def verify_inputs(
         common_wire.check_tokens(new, vocab, "new_tokens", sid)
         params = common_wire.sampling_params(s.sampling, sid)
         top = _top_logprobs(s, sid)
-        out.append(VerifyInput(sid, s.start, new, p, params, s.round_index, s.return_logprobs, top))
+        out.append(
+            VerifyInput(
+                sid, s.start, new, p, params, s.round_index, s.return_logprobs, top, s.steps or 1
+            )
+        )
     return out
+
+
+def _steps(s: target_pb2.VerifySession, sid: str, drafts: list[int]) -> int:
+    """The session's plain decoding steps (0 reads as 1), checked."""
+    steps = s.steps or 1
+    if steps > MAX_STEPS:
+        raise InvalidArgument(
+            f"session {sid!r}: steps must be 0..{MAX_STEPS} (plain tokens decoded in one "
+            f"call), got {steps}"
+        )
+    if steps > 1 and drafts:
+        raise InvalidArgument(
+            f"session {sid!r}: steps > 1 decodes without drafts, and this session sends "
+            f"{len(drafts)} draft tokens; send either draft_tokens or steps"
+        )
+    return steps
 
 
 def prefill_inputs(
@@ -88,6 +110,7 @@ def verify_response(
         r.status = common_pb2.SESSION_STATUS_OK
         r.accepted = o.verdict.accepted
         r.next_token = o.verdict.next_token
+        r.decoded.extend(o.verdict.decoded)
         r.logprobs.extend(o.logprobs)
         for t in o.token_logprobs:
             r.token_logprobs.add(
@@ -172,6 +195,7 @@ def verify_session(
         round_index=x.round_index,
         return_logprobs=x.want_logprobs,
         top_logprobs=x.top_logprobs,
+        steps=x.steps if x.steps > 1 else 0,
     )
     if draft is not None and draft.HasField("q"):
         s.q.CopyFrom(draft.q)  # as it came: the target validates it
@@ -182,8 +206,9 @@ def verify_session(
     return s
 
 
-def verdict(result: target_pb2.VerifyResult, drafted: int) -> Verdict | None:
-    """A VerifyResult -> Verdict, or None when the replica needs the full history."""
+def verdict(result: target_pb2.VerifyResult, drafted: int, steps: int = 1) -> Verdict | None:
+    """A VerifyResult -> Verdict, or None when the replica needs the full history
+    (``drafted`` drafts or ``steps`` plain steps were asked for)."""
     sid = result.session_id
     if result.status == common_pb2.SESSION_STATUS_NEEDS_HISTORY:
         return None
@@ -193,7 +218,13 @@ def verdict(result: target_pb2.VerifyResult, drafted: int) -> Verdict | None:
         raise InvalidArgument(
             f"session {sid!r}: the target accepted {result.accepted} of {drafted} draft tokens"
         )
-    return Verdict(accepted=result.accepted, next_token=result.next_token)
+    decoded = tuple(result.decoded)
+    if len(decoded) > steps - 1 or (decoded and result.accepted):
+        raise InvalidArgument(
+            f"session {sid!r}: the target decoded {len(decoded)} tokens before the next one "
+            f"(and accepted {result.accepted} drafts) for a call of {steps} step(s)"
+        )
+    return Verdict(accepted=result.accepted, next_token=result.next_token, decoded=decoded)
 
 
 def token_logprobs(result: target_pb2.VerifyResult) -> list[TokenLogprob]:
