@@ -70,6 +70,9 @@ def http_stack(args: argparse.Namespace) -> Iterator[HttpStack]:
                 [
                     *("--target", target.address, "--draft", draft.address),
                     *("--tokenizer", tokenizer, "--served-model-name", MODEL_NAME),
+                    # One token per streamed message, as the HTTP benchmarks time them
+                    # (and as `specserve up` on shared cores decodes plain rounds).
+                    *("--plain-steps", "1"),
                 ]
             )
             procs.append(orchestrator.start())

@@ -92,6 +92,7 @@ def policy_config(args: argparse.Namespace) -> PolicyConfig:
         k_max=args.k_max,
         curve_full_below=args.k_full_below,
         curve_zero_at=args.k_zero_at,
+        plain_steps=args.plain_steps,
     )
     return with_overrides(base, args.policy or "")
 

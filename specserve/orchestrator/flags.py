@@ -43,7 +43,7 @@ the admission bounds (``--max-prompt-tokens``, ``--max-prompt-bytes``,
 :mod:`specserve.orchestrator.api.admission`), the scheduling knobs below (``--k-max``,
 ``--k-full-below``, ``--k-zero-at``,
 ``--pipeline-groups``, ``--max-batch``, ``--max-prefill-tokens``,
-``--admission-window-ms``, ``--devices``, ``--policy``,
+``--admission-window-ms``, ``--devices``, ``--plain-steps``, ``--policy``,
 ``--draft-timeout-s``, ...), the KV
 snapshot ones (``--kv-snapshot-chunk-tokens``, ``--kv-snapshot-every``,
 ``--kv-snapshot-ttl-s``; see :mod:`specserve.orchestrator.snapshots.kv_snapshots`), and the
@@ -178,6 +178,14 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         default=None if zero_at is None else int(str(zero_at)),
         help="target batch from which the load curve allows 0, linear in between (default "
         "2 with --devices shared; separate: no load curve unless set)",
+    )
+    plain_steps = e("PLAIN_STEPS")
+    g.add_argument(
+        "--plain-steps",
+        type=int,
+        default=None if plain_steps is None else int(str(plain_steps)),
+        help="tokens a round without drafts decodes in one Verify, 1..64 (multi-step "
+        "decoding; default 8 with --devices separate, 1 with shared)",
     )
     g.add_argument(
         "--pipeline-groups",

@@ -41,8 +41,14 @@ class RunnerCollector(Collector):
         yield GaugeMetricFamily(f"{P}_sessions", "Sessions decoding now", len(self.runner.sessions))
         yield CounterMetricFamily(f"{P}_rounds", "Batch rounds (one per lane batch)", stats.rounds)
         yield CounterMetricFamily(
+            f"{P}_multi_step_rounds",
+            "Batch rounds without drafts whose one Verify decoded several plain steps",
+            stats.multi_step_rounds,
+        )
+        yield CounterMetricFamily(
             f"{P}_session_rounds",
-            "Session rounds: one verdict per session per round (usage.rounds summed)",
+            "Session rounds: one verdict per session per round, a multi-step verdict as its "
+            "steps (usage.rounds summed)",
             stats.session_rounds,
         )
         batches = CounterMetricFamily(

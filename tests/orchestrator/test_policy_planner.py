@@ -175,3 +175,80 @@ def test_re_timing_drafting_never_pays_for_a_warm_up_that_stalls_the_round() -> 
     assert any(p.plan("t", 1, warm).exploring for _ in range(12))  # a warm draft re-times
     behind = [view(cache=Cache.COLD, turn_drafted=4)]  # drafted this turn, fell behind
     assert any(p.plan("t", 1, behind).exploring for _ in range(70))
+
+
+def test_a_round_without_drafts_decodes_several_steps_up_to_each_sessions_tokens_left() -> None:
+    """Plain rounds decode ``steps_of_plain`` tokens per Verify (8 on separate devices,
+    1 on shared cores), never past a session's max tokens; a drafting round runs one."""
+    plain = [view("0", drafter="none"), view("1", drafter="none", tokens_left=3)]
+    separate = Planner(PolicyConfig(devices=Devices.SEPARATE)).plan("t", 2, plain)
+    assert separate.steps == {"0": 8, "1": 3}
+    assert Planner(PolicyConfig(devices=Devices.SHARED)).plan("t", 2, plain).steps == {}
+    four = Planner(PolicyConfig(devices=Devices.SHARED, plain_steps=4)).plan("t", 2, plain)
+    assert four.steps == {"0": 4, "1": 3}
+    mixed = Planner(PolicyConfig(devices=Devices.SEPARATE)).plan("t", 2, [plain[0], view("2")])
+    assert mixed.k["2"] > 0 and mixed.steps == {}  # someone drafts: one step each
+
+
+def test_a_multi_step_plain_round_is_timed_per_step() -> None:
+    """The cost model's plain round is what one plain token costs: a round of 8 steps
+    taking 8 x 10 ms teaches the same plain round as one step of 10 ms."""
+    fits = []
+    for steps in (1, 8):
+        p = Planner(PolicyConfig(devices=Devices.SEPARATE, cost_min_rounds=2))
+        s = batch(2)
+        for i in range(12):
+            depth = 4 * (i % 2)
+            k = {v.sid: depth for v in s}
+            plan = BatchPlan(depth, k)
+            seconds = 0.010 + 0.002 * depth if depth else 0.010 * steps
+            outcome = RoundOutcome(k, k, seconds, True, steps=1 if depth else steps)
+            p.observe("t", s, plan, outcome)
+        fit = p.fit("t")
+        assert fit is not None
+        fits.append(fit.plain(2))
+    assert fits[0] == pytest.approx(0.010, rel=1e-6) and fits[1] == pytest.approx(0.010, rel=1e-6)
+
+
+def test_a_round_that_only_retimes_plain_decoding_runs_one_step() -> None:
+    """An exploration at cap 0 times a plain round; eight steps of it would cost a
+    drafting session eight tokens at the plain rate instead of one."""
+    p = Planner(PolicyConfig(devices=Devices.SEPARATE, explore_every=2, max_backoff=2))
+    s = [view("0", alpha=0.95, turn_drafted=40, turn_accepted=38, turn_rejections=2)]
+    seen = []
+    for _ in range(12):
+        plan = p.plan("t", 1, s)
+        seen.append((plan.exploring, plan.cap, dict(plan.steps)))
+        drafts = plan.k["0"]
+        outcome = RoundOutcome(plan.k, plan.k, 0.012 + 0.002 * drafts, True)
+        p.observe("t", s, plan, outcome)
+    retimed = [x for x in seen if x[0] and x[1] == 0]
+    assert retimed, seen  # plain decoding was re-timed
+    assert all(steps == {} for _, _, steps in retimed)
+
+
+def test_a_plain_round_runs_one_step_where_more_would_hold_something_up() -> None:
+    """Sessions waiting for admission (or in another lane), a prefill in the round and a
+    draft warming beside it each keep a plain round at one step."""
+    p = Planner(PolicyConfig(devices=Devices.SEPARATE))
+    plain = view("0", drafter="none")
+    assert p.plan("t", 1, [plain]).steps == {"0": 8}
+    assert p.plan("t", 4, [plain], waiting=3).steps == {}
+    assert p.plan("t", 1, [replace(plain, target_behind=40)]).steps == {}
+    warming = view("1", cache=Cache.WARMING)
+    assert p.plan("t", 2, [plain, warming]).steps == {}
+
+
+def test_multi_step_rounds_re_time_drafting_as_often_in_tokens() -> None:
+    """Exploration's interval counts one-step rounds: a session decoding plain in rounds
+    of 8 steps re-times drafting within about ``explore_every`` tokens, not 8 times as
+    many (a fresh stack's first request, whose first drafts were all rejected, would
+    otherwise decode its whole turn plain)."""
+    p = Planner(PolicyConfig(devices=Devices.SEPARATE, explore_every=8))
+    s = [view("0", alpha=0.05, turn_drafted=60, turn_accepted=0, turn_rejections=40)]
+    plain_rounds = 0
+    while not (plan := p.plan("t", 1, s)).exploring and plain_rounds < 8:
+        assert plan.cap == 0 and plan.steps == {"0": 8}
+        p.observe("t", s, plan, RoundOutcome(plan.k, plan.k, 0.1, True, steps=8))
+        plain_rounds += 1
+    assert plan.exploring and plan.k["0"] >= 1 and plain_rounds <= 2, plain_rounds

@@ -12,6 +12,7 @@ stored once, in order, and reaches the client.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -109,7 +110,11 @@ def expected_completion(k: int) -> list[int]:
 
 
 @pytest.mark.parametrize("k", [0, 2], ids=["plain", "drafting"])
-def test_the_next_call_is_sent_before_the_last_rounds_commit_and_counts(k: int) -> None:
+def test_the_next_call_is_sent_before_the_last_rounds_commit_and_counts(
+    k: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="specserve.orchestrator.round.runner")
+
     async def body() -> None:
         events: Events = []
         runner = fake_runner(events)
@@ -152,3 +157,5 @@ def test_the_next_call_is_sent_before_the_last_rounds_commit_and_counts(k: int) 
             assert events[first][1] == r, events
 
     asyncio.run(body())
+    counted = [r for r in caplog.records if r.getMessage().startswith("round on")]
+    assert len(counted) >= 2, caplog.text  # the runner's count logged each round

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from specserve.engine.k_policy import ALPHA0, CostModel
+from specserve.engine.plain_steps import MAX_STEPS
 
 
 class Devices(StrEnum):
@@ -45,6 +46,14 @@ CURVE_DEFAULTS: dict[Devices, tuple[int, int] | None] = {
 }
 
 
+# Tokens a round without drafts decodes in one Verify, by declared devices. On
+# accelerators a round trip costs 15-40% of a 6-25 ms step, so plain rounds decode 8
+# steps each (a new session joins the batch up to 8 steps later). On shared cores a
+# step takes 60-700 ms and the round trip about 2% of it: one step, so a new request
+# joins at the next step.
+PLAIN_STEPS = {Devices.SEPARATE: 8, Devices.SHARED: 1}
+
+
 @dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
     """The policy's switches and constants (docs/scheduling.md lists each)."""
@@ -63,6 +72,9 @@ class PolicyConfig:
     explore_every: int = 8
     max_backoff: int = 8
     warm_above_tokens: int = 32
+    # Tokens a round with no drafts decodes in one Verify (multi-step decoding); None:
+    # the declared devices' default (PLAIN_STEPS).
+    plain_steps: int | None = None
 
     def __post_init__(self) -> None:
         # devices given as a string (the override parser, tests) becomes the enum.
@@ -88,6 +100,10 @@ class PolicyConfig:
             (self.explore_every >= 2, "explore_every must be >= 2"),
             (self.max_backoff >= 1, "max_backoff must be >= 1"),
             (self.warm_above_tokens >= 1, "warm_above_tokens must be >= 1"),
+            (
+                self.plain_steps is None or 1 <= self.plain_steps <= MAX_STEPS,
+                f"plain_steps must be in 1..{MAX_STEPS} or none",
+            ),
         ]
         for ok, why in checks:
             if not ok:
@@ -122,12 +138,18 @@ class PolicyConfig:
         return self.k_max * (zero - load) // (zero - full)
 
     @property
+    def steps_of_plain(self) -> int:
+        """Tokens a round without drafts decodes in one Verify (``plain_steps``, or the
+        declared devices' default)."""
+        return PLAIN_STEPS[self.devices] if self.plain_steps is None else self.plain_steps
+
+    @property
     def prior_costs(self) -> CostModel:
         """What drafting costs before any round is timed, for the declared devices."""
         return PRIOR_COSTS[self.devices]
 
 
-_OPTIONAL_INTS = ("fixed_k", "curve_full_below", "curve_zero_at")
+_OPTIONAL_INTS = ("fixed_k", "curve_full_below", "curve_zero_at", "plain_steps")
 
 
 def with_overrides(config: PolicyConfig, spec: str) -> PolicyConfig:

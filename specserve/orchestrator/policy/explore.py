@@ -56,6 +56,12 @@ class Schedule:
             return self.pending
         return None
 
+    def more_steps(self, steps: int) -> None:
+        """The last round decoded ``steps`` plain steps: it counts as that many rounds
+        (the interval is in one-step rounds, so that multi-step rounds re-time drafting
+        as often in tokens)."""
+        self.rounds += max(0, steps - 1)
+
     def timed(self, drafting: bool) -> None:
         """A round of ``drafting`` (or plain) rounds was timed."""
         if self.pending is not None and self.pending == drafting:

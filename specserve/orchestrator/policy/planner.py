@@ -47,6 +47,14 @@ warm-up stalls the round (shared hardware, a lone session), re-timing drafting w
 for a session whose draft is warm or has drafted this turn: an exploration never pays
 for a new turn's first warm-up of its whole history.
 
+**Plain steps.** A round in which no session drafts decodes ``steps_of_plain``
+tokens per session in its one Verify (multi-step decoding,
+:mod:`~specserve.target_service.multi_step`; at most a session's tokens left), and
+is timed per step: the cost model's plain round is then a plain token's cost. One
+step only where more would hold something up: a round that re-times plain decoding
+(an exploration), prefills or warms a draft (the session drafts once warm), or
+leaves sessions of its target waiting (for admission, or in another lane).
+
 **Warm-ups.** A cold session (its draft replica lacks a long history) that would
 draft is warmed: inside the round when it is alone or draft and target share
 hardware (the round waits, then it drafts in it), beside the rounds otherwise (it
@@ -120,8 +128,11 @@ class Planner:
 
     # -- planning ----------------------------------------------------------------------
 
-    def plan(self, target: str, load: int, sessions: Sequence[SessionView]) -> BatchPlan:
-        """The round's plan for ``sessions`` on ``target``, which ``load`` sessions use."""
+    def plan(
+        self, target: str, load: int, sessions: Sequence[SessionView], waiting: int = 0
+    ) -> BatchPlan:
+        """The round's plan for ``sessions`` on ``target``, which ``load`` sessions use
+        (``waiting`` of them still to decode, outside this round)."""
         c = self.config
         bound = c.curve_cap(load)
         cost = self.cost_model(target, len(sessions))
@@ -154,7 +165,14 @@ class Planner:
                 k[s.view.sid] = max(1, k[s.view.sid])  # re-time drafting, win it back
         warm = self._warm_ups(each, k)
         timeable = not untimed and not any(s.view.sid in warm for s in each)
-        return BatchPlan(cap, k, warm, timeable, exploring is not None)
+        steps: dict[str, int] = {}
+        # A plain round decodes several steps, unless it only re-times plain decoding
+        # (an exploration: one step tells the time, more would cost drafting's tokens),
+        # prefills, warms a draft (its session drafts once warm) or keeps sessions waiting.
+        several = c.steps_of_plain > 1 and exploring is None and timeable and not waiting
+        if several and not any(k.values()):
+            steps = {v.sid: max(1, min(c.steps_of_plain, v.tokens_left)) for v in sessions}
+        return BatchPlan(cap, k, warm, timeable, exploring is not None, steps)
 
     def _session(self, v: SessionView, bound: int, cost: CostModel, pooled: float) -> _Session:
         """``v``'s k under each cap up to ``bound``; ``pooled``: the target's acceptance."""
@@ -207,6 +225,9 @@ class Planner:
         """What a round planned by :meth:`plan` did: its acceptance and, where it is
         clean and timeable, its time."""
         self._pools.setdefault(target, _Pool()).add(outcome, self.config.acceptance_decay)
+        schedule = self._schedules.get((target, bucket_of(len(sessions))))
+        if schedule is not None:
+            schedule.more_steps(outcome.steps)
         if not (outcome.clean and plan.timeable):
             return
         c = self.config
@@ -216,8 +237,9 @@ class Planner:
             costs = self._costs[target] = RoundCosts(
                 min_rounds=c.cost_min_rounds, decay=c.cost_decay, steps_first=steps_first
             )
-        costs.observe(len(sessions), outcome.depth, outcome.drafts, outcome.seconds)
-        schedule = self._schedules.get((target, bucket_of(len(sessions))))
+        # A multi-step plain round is timed per step: the plain token it costs.
+        seconds = outcome.seconds / outcome.steps if outcome.depth == 0 else outcome.seconds
+        costs.observe(len(sessions), outcome.depth, outcome.drafts, seconds)
         if schedule is not None:
             schedule.timed(outcome.depth > 0)
 

@@ -46,6 +46,9 @@ class BatchPlan:
     warm: Mapping[str, WarmWhere] = field(default_factory=dict)  # cold sessions to warm now
     timeable: bool = True  # its wall time says something about its drafts (no prefill in it)
     exploring: bool = False  # the round times the choice the predictions did not make
+    # A round with no drafts at all: plain steps per session (multi-step decoding in one
+    # Verify); empty: one step each.
+    steps: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class RoundOutcome:
     accepted: Mapping[str, int]
     seconds: float  # propose and verify
     clean: bool  # no failure, replay or warm-up beside it: its time may be learnt from
+    steps: int = 1  # plain steps of its Verify (its most; > 1 only without drafts)
 
     @property
     def depth(self) -> int:

@@ -97,10 +97,11 @@ def batch_timeout(base: float, sessions: Sequence[LiveSession]) -> float:
 
 @dataclass
 class Plan:
-    """One session's draft for this round (empty = k 0)."""
+    """One session's draft for this round (empty = k 0), or its plain steps."""
 
     proposal: Proposal = field(default_factory=lambda: Proposal(tokens=[]))
     draft: draft_pb2.DraftResult | None = None  # q travels on to the target as it came
+    steps: int = 1  # > 1 (no drafts): tokens the target decodes in this round's Verify
 
 
 @dataclass
@@ -283,8 +284,9 @@ async def verify(
     def request(which: list[LiveSession], full: bool) -> target_pb2.VerifyRequest:
         sessions = []
         for s in which:
+            plan = plans[s.sid]
             pb = target_wire.verify_session(
-                s.state.verify_input(plans[s.sid].proposal, full=full), plans[s.sid].draft
+                s.state.verify_input(plan.proposal, full=full, steps=plan.steps), plan.draft
             )
             if s.top_logprobs is not None:
                 pb.top_logprobs = s.top_logprobs
@@ -342,7 +344,8 @@ async def verify(
     pool.mark_ok(endpoint, response.replica_id)
     for s in sessions:
         try:
-            verdict = target_wire.verdict(results[s.sid], len(plans[s.sid].proposal.tokens))
+            plan = plans[s.sid]
+            verdict = target_wire.verdict(results[s.sid], len(plan.proposal.tokens), plan.steps)
         except InvalidArgument as e:
             out.errors[s.sid] = EngineError(f"the target replica answered wrongly: {e}")
             continue

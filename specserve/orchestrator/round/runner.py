@@ -269,13 +269,18 @@ class RoundRunner:
         store)."""
         started = time.perf_counter()
         views = [session_view(s, self.planner.config.warm_above_tokens) for s in live]
-        batch_plan = self.planner.plan(target, self.scheduler.target_load(target), views)
+        batch_plan = self.planner.plan(
+            target, self.scheduler.target_load(target), views, self._waiting(target, live)
+        )
         cap = batch_plan.cap
         if any(s.state.drafter != "none" for s in live):
             self.stats.k_caps[cap] += 1
         with spans.phase(attr.SPAN_PROPOSE) as pspan:
             plans = await self.drafting.propose(live, spans, batch_plan)
             spans.proposed(pspan, plans, cap)
+        if batch_plan.steps and not any(p.proposal.tokens for p in plans.values()):
+            for s in live:  # a plain round: several steps in its Verify
+                plans[s.sid].steps = batch_plan.steps.get(s.sid, 1)
         last_commit = SettleOnce(self.commits, pending)
         with spans.phase(attr.SPAN_VERIFY) as vspan:
             outcome, moved = await self.failover.verify(
@@ -312,6 +317,7 @@ class RoundRunner:
             drafted={sid: len(p.proposal.tokens) for sid, p in plans.items()},
             accepted={sid: v.accepted for sid, v in outcome.verdicts.items()},
             seconds=seconds,
+            steps=max((p.steps for p in plans.values()), default=1),
             clean=not (
                 moved
                 or outcome.errors
@@ -334,6 +340,17 @@ class RoundRunner:
             pending = None
         return ending, pending
 
+    def _waiting(self, target: str, live: list[LiveSession]) -> int:
+        """Sessions on ``target`` still to decode that are not in this round (waiting for
+        admission, or in another lane of it)."""
+        here = {s.sid for s in live}
+        waiting = 0
+        for sid, s in self.sessions.items():
+            placement = self.scheduler.placement(sid)
+            on_target = placement is not None and placement.target == target
+            waiting += on_target and sid not in here and not s.state.finished
+        return waiting
+
     def _tally(
         self,
         target: str,
@@ -344,14 +361,17 @@ class RoundRunner:
     ) -> None:
         """Count a round whose verdicts were applied: the runner's stats, the debug log."""
         self.stats.rounds += 1
+        self.stats.multi_step_rounds += result.steps > 1
         for s, _ in committed:
-            self.stats.note_verdict(len(plans[s.sid].proposal.tokens), result.accepted[s.sid])
+            mine = plans[s.sid]
+            self.stats.note_verdict(len(mine.proposal.tokens), result.accepted[s.sid], mine.steps)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "round on %s: %d sessions, k cap %d, drafts %s, accepted %s, %.3f s%s",
+                "round on %s: %d sessions, k cap %d, steps %d, drafts %s, accepted %s, %.3f s%s",
                 target,
                 len(committed),
                 plan.cap,
+                result.steps,
                 [len(plans[s.sid].proposal.tokens) for s, _ in committed],
                 [result.accepted[s.sid] for s, _ in committed],
                 result.seconds,

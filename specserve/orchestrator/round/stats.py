@@ -32,9 +32,11 @@ class RunnerStats:
     replayed_rounds: int = 0  # Verify batches replayed on another target after a loss
     slow_verifies: int = 0  # Verify batches past the target timeout on a SERVING target
     target_history_resends: int = 0  # sessions a target asked for the whole history
+    multi_step_rounds: int = 0  # batch rounds whose Verify decoded several plain steps
 
-    def note_verdict(self, drafted: int, accepted: int) -> None:
-        self.session_rounds += 1
+    def note_verdict(self, drafted: int, accepted: int, steps: int = 1) -> None:
+        """A committed verdict; a multi-step one counts as its ``steps`` plain rounds."""
+        self.session_rounds += steps
         self.drafts += drafted > 0
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
