@@ -34,7 +34,7 @@ same prompt (stack against stack, local against local and against the stack's
 single session); a difference is reported as wrong.
 
     .venv/bin/python -m bench.emulated_gpu [--settings 2/12,1/6] [--sessions 1,8,32] \\
-        [--reps 3] [--new-tokens 64]
+        [--reps 3] [--new-tokens 64] [--draft-ahead N]
 
 Writes ``bench/results/emulated_gpu.{md,json,png}``; the JSON's ``headline`` has
 ``stack_over_local`` (setting -> plain / adaptive, one session) and
@@ -174,6 +174,7 @@ def stack_namespace(args: argparse.Namespace, setting: Setting) -> argparse.Name
         target_timeout_s=args.target_timeout_s,
         logs=None,
         store=args.store,
+        draft_flags=("--draft-ahead", str(args.draft_ahead)) if args.draft_ahead else (),
     )
 
 
@@ -229,6 +230,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per server and local")
     p.add_argument("--target-timeout-s", type=float, default=600.0)
     add_deployment_flags(p)
+    p.add_argument(
+        "--draft-ahead",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the draft server drafts up to N tokens ahead while idle (its --draft-ahead; "
+        "the local loop has no idle time to draft in)",
+    )
     p.add_argument("--no-write", action="store_true", help="print, do not write results")
     args = p.parse_args(argv)
     try:

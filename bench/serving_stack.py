@@ -118,6 +118,25 @@ def orchestrator_env(
     return env
 
 
+def server_flags(args: argparse.Namespace) -> tuple[dict[str, list[str]], str | None]:
+    """The target's and the draft's command lines (role -> flags) and the module that runs
+    them (None: the servers themselves; ``bench.emulated_device`` with emulated devices).
+    ``args.draft_flags``, where present, are more flags of the draft server."""
+    threads = ["--threads", str(args.threads)]
+    flags = {
+        "target": ["--model", args.target, "--dtype", args.target_dtype, *threads],
+        "draft": ["--model", args.draft, "--dtype", args.draft_dtype, *threads],
+    }
+    flags["draft"] += list(getattr(args, "draft_flags", ()))
+    module = None
+    if args.emulate_devices:
+        module = "bench.emulated_device"
+        draft_ms, target_ms = args.emulate_devices
+        flags["target"] = ["target", "--forward-ms", str(target_ms), *flags["target"]]
+        flags["draft"] = ["draft", "--forward-ms", str(draft_ms), *flags["draft"]]
+    return flags, module
+
+
 @contextmanager
 def serving_stack(
     args: argparse.Namespace, settings: Mapping[str, OrchestratorSetting]
@@ -126,21 +145,11 @@ def serving_stack(
 
     ``args`` carries the models and how they run: ``target``, ``draft``,
     ``target_dtype``, ``draft_dtype``, ``threads``, ``emulate_devices`` (None or
-    (draft ms, target ms) per forward), ``target_timeout_s``, ``logs`` (None or a
-    folder for every process's output when the stack stops) and ``store``
+    (draft ms, target ms) per forward), optionally ``draft_flags``, ``target_timeout_s``,
+    ``logs`` (None or a folder for every process's output when the stack stops) and ``store``
     (``embedded``, the default where absent, or ``redis``: see the module docstring).
     """
-    threads = ["--threads", str(args.threads)]
-    flags = {
-        "target": ["--model", args.target, "--dtype", args.target_dtype, *threads],
-        "draft": ["--model", args.draft, "--dtype", args.draft_dtype, *threads],
-    }
-    module = None
-    if args.emulate_devices:
-        module = "bench.emulated_device"
-        draft_ms, target_ms = args.emulate_devices
-        flags["target"] = ["target", "--forward-ms", str(target_ms), *flags["target"]]
-        flags["draft"] = ["draft", "--forward-ms", str(draft_ms), *flags["draft"]]
+    flags, module = server_flags(args)
     servers = [ServerProcess(role, flags[role], module=module) for role in ("target", "draft")]
     orchestrators: dict[str, OrchestratorProcess] = {}
     ports = {name: free_port() for name in settings}

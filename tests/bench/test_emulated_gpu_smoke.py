@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import emulated_gpu, emulated_gpu_report
+from bench import emulated_gpu, emulated_gpu_report, serving_stack
 
 
 @pytest.mark.timeout(1800)  # three processes and a local loop start; minutes on a busy machine
@@ -50,3 +50,15 @@ def test_a_setting_is_draft_ms_slash_target_ms() -> None:
     assert emulated_gpu.Setting.parse("1/6").label == "1/6"
     with pytest.raises(ValueError, match="DRAFT_MS/TARGET_MS"):
         emulated_gpu.Setting.parse("2,12")
+
+
+def test_draft_ahead_reaches_the_draft_server_only() -> None:
+    setting = emulated_gpu.Setting(2.0, 12.0)
+    on = emulated_gpu.stack_namespace(emulated_gpu.parse_args(["--draft-ahead", "5"]), setting)
+    flags, module = serving_stack.server_flags(on)
+    assert module == "bench.emulated_device"
+    assert flags["draft"][:3] == ["draft", "--forward-ms", "2.0"]
+    assert flags["draft"][-2:] == ["--draft-ahead", "5"]
+    assert "--draft-ahead" not in flags["target"]
+    off = emulated_gpu.stack_namespace(emulated_gpu.parse_args([]), setting)
+    assert "--draft-ahead" not in serving_stack.server_flags(off)[0]["draft"]
