@@ -3,7 +3,8 @@
 On separate devices the draft device idles while the target verifies. A model
 drafter (:class:`~specserve.engine.model_drafter.ModelDrafter` with ``draft_ahead
 > 0``) spends that time, one batched forward per idle step, continuing each session
-it just drafted for as if the target accepts every draft: first its own next token,
+it just drafted for (in a batch of at most :data:`AHEAD_MAX_SESSIONS`) as if the
+target accepts every draft: first its own next token,
 its guess of the target's **bonus** token, then drafts after it, by the rules the
 next round's drafting will use (greedy; coupled; or sampled, drawn for the next
 round's index and keeping q), stopping where ``min_confidence`` would stop drafting.
@@ -30,6 +31,13 @@ from specserve.engine.sampling import SamplingParams
 
 # Ahead tokens one session may hold: the bonus guess and up to MAX_K drafts after it.
 MAX_DRAFT_AHEAD = 17
+# Draft ahead only after a Propose batch of at most this many drafting sessions. A batch
+# skips a draft forward only when every session in it has that draft ahead, i.e. when
+# every guess was right and every draft accepted: at most about a quarter of a lone
+# session's rounds at 85% acceptance and k = 8 (0.85**8), 2% of a batch of three. A miss
+# costs the next Propose up to one forward (the idle step it arrives in): past two
+# sessions that wait is nearly all ahead drafting would bring.
+AHEAD_MAX_SESSIONS = 2
 
 
 @dataclass

@@ -16,7 +16,8 @@ truncated q with the noise g(seed, position) the target uses, and the target nee
 no q to judge it.
 
 With ``draft_ahead > 0`` the drafter also drafts ahead between calls
-(:meth:`ModelDrafter.idle_step`, :mod:`specserve.engine.draft_ahead`): the tokens it
+(:meth:`ModelDrafter.idle_step`, :mod:`specserve.engine.draft_ahead`) for the
+sessions of a call that drafted for at most ``AHEAD_MAX_SESSIONS``: the tokens it
 holds past a session's drafts are its guess of the bonus and the drafts after it,
 which the next call uses when the guess was right.
 """
@@ -29,7 +30,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.engine import coupling, ops
-from specserve.engine.draft_ahead import MAX_DRAFT_AHEAD, Ahead, AheadCounts, Predrafted
+from specserve.engine.draft_ahead import (
+    AHEAD_MAX_SESSIONS,
+    MAX_DRAFT_AHEAD,
+    Ahead,
+    AheadCounts,
+    Predrafted,
+)
 from specserve.engine.drafter import DrafterKind, DraftInput, DraftOutcome
 from specserve.engine.kv_cache import KVStats
 from specserve.engine.model import CausalLM, SeqInput
@@ -113,7 +120,8 @@ class ModelDrafter:
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[DraftOutcome]:
         outcomes: list[DraftOutcome | None] = [None] * len(inputs)
-        active: list[_Active] = []
+        drafting: list[_Active] = []  # sessions with k > 0
+        active: list[_Active] = []  # those of them that need forwards
         for i, x in enumerate(inputs):
             synced = self._sync(x)
             if synced is None:
@@ -125,9 +133,10 @@ class ModelDrafter:
                 a.drafts, a.q_ids, a.q_probs = list(pre.tokens), list(pre.q_ids), list(pre.q_probs)
             if x.k == 0:
                 outcomes[i] = DraftOutcome(Proposal(tokens=[]))
-            elif pre is not None and (pre.final or len(pre.tokens) == x.k):
+                continue
+            drafting.append(a)
+            if pre is not None and (pre.final or len(pre.tokens) == x.k):
                 outcomes[i] = DraftOutcome(self._proposal(a))  # no forward: all ahead
-                self._start_ahead(a)
             else:
                 active.append(a)
         if active:
@@ -135,7 +144,9 @@ class ModelDrafter:
             self._draft(active)
         for a in active:
             outcomes[a.index] = DraftOutcome(self._proposal(a))
-            self._start_ahead(a)
+        if len(drafting) <= AHEAD_MAX_SESSIONS:
+            for a in drafting:
+                self._start_ahead(a)
         assert all(o is not None for o in outcomes)
         return outcomes  # type: ignore[return-value]
 

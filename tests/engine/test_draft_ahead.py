@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from specserve.engine.draft_ahead import AHEAD_MAX_SESSIONS
 from specserve.engine.drafter import DraftInput
 from specserve.engine.model import CausalLM
 from specserve.engine.model_drafter import ModelDrafter
@@ -197,3 +198,15 @@ def test_release_drops_ahead_work_and_off_means_none(model: CausalLM) -> None:
     assert not off.idle_step()
     with pytest.raises(ValueError, match="draft_ahead"):
         ModelDrafter(model, BUDGET, draft_ahead=-1)
+
+
+def test_only_a_batch_of_few_sessions_drafts_ahead(model: CausalLM) -> None:
+    """A wider batch skips a forward only if every session's guess was right: it does not
+    draft ahead (AHEAD_MAX_SESSIONS)."""
+    for sessions, ahead in ((AHEAD_MAX_SESSIONS, True), (AHEAD_MAX_SESSIONS + 1, False)):
+        d = ModelDrafter(model, BUDGET, draft_ahead=K + 1)
+        batch = [
+            DraftInput(f"s{i}", 0, prompt(10 + i), K, PARAMS["greedy"], 0) for i in range(sessions)
+        ]
+        assert all(o.proposal is not None for o in d.propose(batch))
+        assert d.idle_step() is ahead
