@@ -34,7 +34,7 @@ same prompt (stack against stack, local against local and against the stack's
 single session); a difference is reported as wrong.
 
     .venv/bin/python -m bench.emulated_gpu [--settings 2/12,1/6] [--sessions 1,8,32] \\
-        [--reps 3] [--new-tokens 64] [--draft-ahead N]
+        [--reps 3] [--new-tokens 64] [--draft-ahead 9]
 
 Writes ``bench/results/emulated_gpu.{md,json,png}``; the JSON's ``headline`` has
 ``stack_over_local`` (setting -> plain / adaptive, one session) and
@@ -233,10 +233,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--draft-ahead",
         type=int,
-        default=0,
+        default=9,
         metavar="N",
-        help="the draft server drafts up to N tokens ahead while idle (its --draft-ahead; "
-        "the local loop has no idle time to draft in)",
+        help="the draft server drafts up to N tokens ahead while idle (its --draft-ahead, "
+        "as the gpu overlay deploys it; 0: off; the local loop has no idle time to draft in)",
     )
     p.add_argument("--no-write", action="store_true", help="print, do not write results")
     args = p.parse_args(argv)

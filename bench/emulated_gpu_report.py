@@ -197,6 +197,17 @@ def _store(args: dict[str, Any]) -> str:
     return "embedded in the orchestrator (its Lua runs in the orchestrator's process)"
 
 
+def _ahead(args: dict[str, Any]) -> str:
+    n = args.get("draft_ahead", 0)
+    if not n:
+        return "the draft server does not draft ahead"
+    return (
+        f"the draft server drafts up to {n} tokens ahead while idle (`--draft-ahead {n}`, "
+        "as the gpu overlay deploys it; the local loop, one process, has no idle device to "
+        "draft on)"
+    )
+
+
 def markdown(data: dict[str, Any], argv: list[str]) -> str:
     args, env, h = data["args"], data["environment"], data["headline"]
     lines = [
@@ -208,7 +219,8 @@ def markdown(data: dict[str, Any], argv: list[str]) -> str:
         "one orchestrator declared `--devices separate` with a prefill budget of "
         f"{args.get('max_prefill_tokens', 512)} tokens a round (a forward costs the same at "
         "any width here), separate processes on loopback, "
-        f"{args['threads']} torch thread(s) each; session store: {_store(args)}. Greedy, EOS "
+        f"{args['threads']} torch thread(s) each; session store: {_store(args)}; "
+        f"{_ahead(args)}. Greedy, EOS "
         f"ignored, {args['new_tokens']} tokens per stream, HumanEval prompts as bytes, "
         f"{args['reps']} repetitions; plain "
         "(k = 0) and adaptive (the orchestrator's defaults) interleaved at every session "

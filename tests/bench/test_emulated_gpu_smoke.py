@@ -60,5 +60,7 @@ def test_draft_ahead_reaches_the_draft_server_only() -> None:
     assert flags["draft"][:3] == ["draft", "--forward-ms", "2.0"]
     assert flags["draft"][-2:] == ["--draft-ahead", "5"]
     assert "--draft-ahead" not in flags["target"]
-    off = emulated_gpu.stack_namespace(emulated_gpu.parse_args([]), setting)
+    default = emulated_gpu.stack_namespace(emulated_gpu.parse_args([]), setting)
+    assert serving_stack.server_flags(default)[0]["draft"][-2:] == ["--draft-ahead", "9"]
+    off = emulated_gpu.stack_namespace(emulated_gpu.parse_args(["--draft-ahead", "0"]), setting)
     assert "--draft-ahead" not in serving_stack.server_flags(off)[0]["draft"]
