@@ -252,3 +252,28 @@ def test_multi_step_rounds_re_time_drafting_as_often_in_tokens() -> None:
         p.observe("t", s, plan, RoundOutcome(plan.k, plan.k, 0.1, True, steps=8))
         plain_rounds += 1
     assert plan.exploring and plan.k["0"] >= 1 and plain_rounds <= 2, plain_rounds
+
+
+def test_a_one_step_plain_round_is_timed_as_a_token_of_a_multi_step_round() -> None:
+    """Where plain rounds decode 8 steps, a one-step plain round (an exploration, a round
+    that kept sessions waiting) of 18 ms with 6 ms of target compute says a plain token
+    costs (18 + 7 x 6) / 8 = 7.5 ms: its call's cost spread over the 8 steps a plain
+    round runs. Timed as 18 ms, drafting looked worth its rounds where it was not."""
+    p = Planner(PolicyConfig(devices=Devices.SEPARATE, cost_min_rounds=2))
+    s = batch(3)
+    for i in range(12):
+        depth = 4 * (i % 2)
+        k = {v.sid: depth for v in s}
+        seconds = 0.030 if depth else 0.018
+        p.observe("t", s, BatchPlan(depth, k), RoundOutcome(k, k, seconds, True, compute_s=0.006))
+    fit = p.fit("t")
+    assert fit is not None and fit.plain(3) == pytest.approx(0.0075, rel=1e-6)
+    shared = Planner(PolicyConfig(devices=Devices.SHARED, cost_min_rounds=2))  # one step
+    for i in range(12):
+        depth = 4 * (i % 2)
+        k = {v.sid: depth for v in s}
+        seconds = 0.030 if depth else 0.018
+        outcome = RoundOutcome(k, k, seconds, True, compute_s=0.006)
+        shared.observe("t", s, BatchPlan(depth, k), outcome)
+    fit = shared.fit("t")
+    assert fit is not None and fit.plain(3) == pytest.approx(0.018, rel=1e-6)

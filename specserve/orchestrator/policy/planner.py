@@ -50,7 +50,9 @@ for a new turn's first warm-up of its whole history.
 **Plain steps.** A round in which no session drafts decodes ``steps_of_plain``
 tokens per session in its one Verify (multi-step decoding,
 :mod:`~specserve.target_service.multi_step`; at most a session's tokens left), and
-is timed per step: the cost model's plain round is then a plain token's cost. One
+is timed per token: the cost model's plain round is then a plain token's cost (a
+round of fewer steps, e.g. an exploration, counts the steps it did not run at its
+target's compute per step, so one call's cost is spread as it would be). One
 step only where more would hold something up: a round that re-times plain decoding
 (an exploration), prefills or warms a draft (the session drafts once warm), or
 leaves sessions of its target waiting (for admission, or in another lane).
@@ -237,8 +239,9 @@ class Planner:
             costs = self._costs[target] = RoundCosts(
                 min_rounds=c.cost_min_rounds, decay=c.cost_decay, steps_first=steps_first
             )
-        # A multi-step plain round is timed per step: the plain token it costs.
-        seconds = outcome.seconds / outcome.steps if outcome.depth == 0 else outcome.seconds
+        seconds = outcome.seconds
+        if outcome.depth == 0:
+            seconds = _plain_token_seconds(outcome, c.steps_of_plain)
         costs.observe(len(sessions), outcome.depth, outcome.drafts, seconds)
         if schedule is not None:
             schedule.timed(outcome.depth > 0)
@@ -264,6 +267,17 @@ class _Pool:
     def rate(self, default: float) -> float:
         """The pooled acceptance; ``default`` until a trial is in it."""
         return self.accepted / self.judged if self.judged >= 1 else default
+
+
+def _plain_token_seconds(outcome: RoundOutcome, steps: int) -> float:
+    """What one plain token costs when plain rounds decode ``steps`` steps: a round of n
+    steps costs its call once and its compute n times, so a round of fewer steps (an
+    exploration, a round that kept sessions waiting) counts the steps it did not run at
+    its compute per step (without the compute reported, its time per step)."""
+    if outcome.steps >= steps or outcome.compute_s <= 0:
+        return outcome.seconds / outcome.steps
+    per_step = min(outcome.compute_s, outcome.seconds) / outcome.steps
+    return (outcome.seconds + (steps - outcome.steps) * per_step) / steps
 
 
 def _goodput(each: list[_Session], cap: int, cost: CostModel) -> float:

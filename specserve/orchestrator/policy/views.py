@@ -60,6 +60,7 @@ class RoundOutcome:
     seconds: float  # propose and verify
     clean: bool  # no failure, replay or warm-up beside it: its time may be learnt from
     steps: int = 1  # plain steps of its Verify (its most; > 1 only without drafts)
+    compute_s: float = 0.0  # the target's compute for its Verify (0: not reported)
 
     @property
     def depth(self) -> int:

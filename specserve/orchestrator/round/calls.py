@@ -114,6 +114,7 @@ class VerifyOutcome:
     slow: bool = False  # past the target timeout, the replica still SERVING: nothing verified
     why: str = ""  # how it failed, when lost or slow
     batch_sizes: list[int] = field(default_factory=list)  # as the target reported them
+    compute_s: float = 0.0  # the target's compute for the calls, as it reported it
     resent: int = 0  # sessions the target answered NEEDS_HISTORY, resent whole
     expired: bool = False  # the clients' deadlines passed first: nothing was verified
 
@@ -306,6 +307,7 @@ async def verify(
     try:
         results, responses, out.resent = await send_resending_history(sessions, call)
         out.batch_sizes.extend(r.batch_size for r in responses)
+        out.compute_s = sum(r.compute_ns for r in responses) / 1e9
         response = responses[0]
     except Stalled as e:  # hung: as good as lost, without waiting for the timeout
         out.lost, out.why = True, f"Verify on {endpoint}: {e}"
@@ -339,6 +341,7 @@ async def verify(
             out.lost |= part.lost
             out.why = out.why or part.why
             out.batch_sizes.extend(part.batch_sizes)
+            out.compute_s += part.compute_s
             out.resent += part.resent
         return out
     pool.mark_ok(endpoint, response.replica_id)

@@ -137,6 +137,7 @@ class Failover:
         total.logprobs.update(out.logprobs)
         total.errors.update(out.errors)
         total.batch_sizes.extend(out.batch_sizes)
+        total.compute_s += out.compute_s
         for size in out.batch_sizes:
             self.stats.verify_batch_sizes[size] += 1
         self.stats.target_history_resends += out.resent

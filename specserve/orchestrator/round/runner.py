@@ -318,6 +318,7 @@ class RoundRunner:
             accepted={sid: v.accepted for sid, v in outcome.verdicts.items()},
             seconds=seconds,
             steps=max((p.steps for p in plans.values()), default=1),
+            compute_s=outcome.compute_s,
             clean=not (
                 moved
                 or outcome.errors
