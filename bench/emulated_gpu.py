@@ -160,6 +160,14 @@ def add_deployment_flags(p: argparse.ArgumentParser) -> None:
         help="the orchestrator's session store: a redis-server on loopback (as deployed), "
         "or the embedded one (its Lua runs in the orchestrator's process)",
     )
+    p.add_argument(
+        "--draft-ahead",
+        type=int,
+        default=9,
+        metavar="N",
+        help="the draft server drafts up to N tokens ahead while idle (its --draft-ahead, "
+        "as the gpu overlay deploys it; 0: off; the local loop has no idle time to draft in)",
+    )
 
 
 def stack_namespace(args: argparse.Namespace, setting: Setting) -> argparse.Namespace:
@@ -230,14 +238,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per server and local")
     p.add_argument("--target-timeout-s", type=float, default=600.0)
     add_deployment_flags(p)
-    p.add_argument(
-        "--draft-ahead",
-        type=int,
-        default=9,
-        metavar="N",
-        help="the draft server drafts up to N tokens ahead while idle (its --draft-ahead, "
-        "as the gpu overlay deploys it; 0: off; the local loop has no idle time to draft in)",
-    )
     p.add_argument("--no-write", action="store_true", help="print, do not write results")
     args = p.parse_args(argv)
     try:
