@@ -97,6 +97,21 @@ def policy_config(args: argparse.Namespace) -> PolicyConfig:
     return with_overrides(base, args.policy or "")
 
 
+# How long an idle lane waits for company before its first round, by declared devices,
+# in ms. On shared CPU cores a prefill round takes about a second, and a request that
+# misses it waits that long; on accelerators a round takes 6-25 ms, so a lone request
+# would pay a 10 ms wait every time for what at most one round saves.
+ADMISSION_WINDOW_MS = {"shared": 10.0, "separate": 2.0}
+
+
+def admission_window_s(args: argparse.Namespace) -> float:
+    """``--admission-window-ms``, or the declared devices' default, in seconds."""
+    ms = args.admission_window_ms
+    if ms is None:  # an unknown --devices is refused with the policy's sentence
+        ms = ADMISSION_WINDOW_MS.get(args.devices, ADMISSION_WINDOW_MS["shared"])
+    return ms / 1000
+
+
 @flag_values("orchestrator")
 def from_args(args: argparse.Namespace) -> OrchestratorConfig:
     """The config the parsed flags describe."""
@@ -148,7 +163,7 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
             pipeline_groups=args.pipeline_groups,
             max_batch=args.max_batch,
             max_prefill_tokens=args.max_prefill_tokens,
-            admission_window_s=args.admission_window_ms / 1000,
+            admission_window_s=admission_window_s(args),
         ),
         policy=policy_config(args),
         admission=AdmissionConfig(

@@ -206,12 +206,14 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         help="new history a round prefills on its target (at least one session's); "
         "sessions whose prompt does not fit wait for the next round",
     )
+    window = e("ADMISSION_WINDOW_MS")
     g.add_argument(
         "--admission-window-ms",
         type=float,
-        default=float(str(e("ADMISSION_WINDOW_MS", 10.0))),
+        default=None if window is None else float(str(window)),
         help="an idle lane waits this long before its first round, so requests that "
-        "arrive together are prefilled together (0: start at once)",
+        "arrive together are prefilled together (0: start at once; default 10 with "
+        "--devices shared, 2 with separate)",
     )
     g.add_argument(
         "--devices",

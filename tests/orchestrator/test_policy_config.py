@@ -86,3 +86,20 @@ def test_the_orchestrators_flags_and_env_build_the_policy() -> None:
         parse({"SPECSERVE_DEVICES": "both"})
     with pytest.raises(InvalidArgument, match="SPECSERVE_POLICY"):
         parse({"SPECSERVE_POLICY": "k_maxx=4"})
+
+
+def test_the_admission_window_and_plain_steps_follow_the_declared_devices() -> None:
+    """An idle lane waits 10 ms for company on shared cores (a prefill round there takes
+    about a second), 2 ms on accelerators (a round takes 6-25 ms); a round without
+    drafts decodes 8 steps there, 1 on shared cores. The flags and env win."""
+    separate, shared = parse({}), parse({}, "--devices", "shared")
+    assert separate.scheduler.admission_window_s == pytest.approx(0.002)
+    assert shared.scheduler.admission_window_s == pytest.approx(0.010)
+    assert separate.policy.steps_of_plain == 8 and shared.policy.steps_of_plain == 1
+    assert parse({}, "--admission-window-ms", "0").scheduler.admission_window_s == 0
+    env = {"SPECSERVE_ADMISSION_WINDOW_MS": "5", "SPECSERVE_PLAIN_STEPS": "4"}
+    both = parse(env, "--devices", "shared")
+    assert both.scheduler.admission_window_s == pytest.approx(0.005)
+    assert both.policy.steps_of_plain == 4
+    with pytest.raises(InvalidArgument, match="plain_steps"):
+        parse({}, "--plain-steps", "65")
