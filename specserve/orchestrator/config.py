@@ -16,7 +16,7 @@ from specserve.orchestrator.api.api_keys import ApiKeys
 from specserve.orchestrator.flags import DEFAULT_PORT, ROUND_TRANSPORTS, add_arguments
 from specserve.orchestrator.fleet.replicas import EndpointSpec
 from specserve.orchestrator.fleet.scheduler import SchedulerConfig
-from specserve.orchestrator.policy import PolicyConfig, with_overrides
+from specserve.orchestrator.policy import Devices, PolicyConfig, with_overrides
 from specserve.orchestrator.round.calls import RoundTimeouts
 from specserve.orchestrator.snapshots.kv_snapshots import SnapshotConfig
 from specserve.orchestrator.store.redis_settings import RedisSettings, password_from, url_warning
@@ -101,15 +101,7 @@ def policy_config(args: argparse.Namespace) -> PolicyConfig:
 # in ms. On shared CPU cores a prefill round takes about a second, and a request that
 # misses it waits that long; on accelerators a round takes 6-25 ms, so a lone request
 # would pay a 10 ms wait every time for what at most one round saves.
-ADMISSION_WINDOW_MS = {"shared": 10.0, "separate": 2.0}
-
-
-def admission_window_s(args: argparse.Namespace) -> float:
-    """``--admission-window-ms``, or the declared devices' default, in seconds."""
-    ms = args.admission_window_ms
-    if ms is None:  # an unknown --devices is refused with the policy's sentence
-        ms = ADMISSION_WINDOW_MS.get(args.devices, ADMISSION_WINDOW_MS["shared"])
-    return ms / 1000
+ADMISSION_WINDOW_MS = {Devices.SHARED: 10.0, Devices.SEPARATE: 2.0}
 
 
 @flag_values("orchestrator")
@@ -154,6 +146,7 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
         )
     if args.api_keys_file:
         ApiKeys.load(args.api_keys_file)  # a bad file is a flag error now, not at the first call
+    policy = policy_config(args)
     return OrchestratorConfig(
         targets=EndpointSpec.parse(args.target or "", "target"),
         drafts=EndpointSpec.parse(args.draft or "", "draft"),
@@ -163,9 +156,14 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
             pipeline_groups=args.pipeline_groups,
             max_batch=args.max_batch,
             max_prefill_tokens=args.max_prefill_tokens,
-            admission_window_s=admission_window_s(args),
+            admission_window_s=(
+                ADMISSION_WINDOW_MS[policy.devices]
+                if args.admission_window_ms is None
+                else args.admission_window_ms
+            )
+            / 1000,
         ),
-        policy=policy_config(args),
+        policy=policy,
         admission=AdmissionConfig(
             max_prompt_tokens=args.max_prompt_tokens,
             max_prompt_bytes=args.max_prompt_bytes,
