@@ -53,6 +53,13 @@ CURVE_DEFAULTS: dict[Devices, tuple[int, int] | None] = {
 # joins at the next step.
 PLAIN_STEPS = {Devices.SEPARATE: 8, Devices.SHARED: 1}
 
+# How far re-timing drafting backs off while plain decoding wins, by declared devices.
+# Acceptance moves with the text (prose, then code), plain decoding's time does not: on
+# accelerators a drafting round of one draft per session costs about a plain step, so
+# drafting is re-tried every ``explore_every`` tokens, as the local loop probes. On
+# shared cores every drafted token slows the verify: it backs off as plain does.
+DRAFTING_BACKOFF = {Devices.SEPARATE: 1, Devices.SHARED: 8}
+
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
@@ -71,6 +78,8 @@ class PolicyConfig:
     cost_min_rounds: int = 4
     explore_every: int = 8
     max_backoff: int = 8
+    # max_backoff of re-timing drafting (None: the declared devices' DRAFTING_BACKOFF)
+    max_backoff_drafting: int | None = None
     warm_above_tokens: int = 32
     # Tokens a round with no drafts decodes in one Verify (multi-step decoding); None:
     # the declared devices' default (PLAIN_STEPS).
@@ -99,6 +108,10 @@ class PolicyConfig:
             (self.cost_min_rounds >= 2, "cost_min_rounds must be >= 2"),
             (self.explore_every >= 2, "explore_every must be >= 2"),
             (self.max_backoff >= 1, "max_backoff must be >= 1"),
+            (
+                self.max_backoff_drafting is None or self.max_backoff_drafting >= 1,
+                "max_backoff_drafting must be >= 1 or none",
+            ),
             (self.warm_above_tokens >= 1, "warm_above_tokens must be >= 1"),
             (
                 self.plain_steps is None or 1 <= self.plain_steps <= MAX_STEPS,
@@ -142,6 +155,15 @@ class PolicyConfig:
         """Tokens a round without drafts decodes in one Verify (``plain_steps``, or the
         declared devices' default)."""
         return PLAIN_STEPS[self.devices] if self.plain_steps is None else self.plain_steps
+
+    def backoff_of(self, drafting: bool) -> int:
+        """The most an exploration of ``drafting`` (or plain) rounds backs off, in
+        multiples of ``explore_every``."""
+        if not drafting:
+            return self.max_backoff
+        if self.max_backoff_drafting is None:
+            return DRAFTING_BACKOFF[self.devices]
+        return self.max_backoff_drafting
 
     @property
     def prior_costs(self) -> CostModel:

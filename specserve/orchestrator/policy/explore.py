@@ -3,13 +3,14 @@
 Per (target, batch-size bucket) two things can be run: plain rounds (no session
 drafts) and drafting rounds. The predictions choose one; the other is re-timed
 every ``explore_every`` rounds once due, and each time it is re-timed and still
-loses, twice as long (up to ``explore_every * max_backoff``), so a settled choice
-costs fewer and fewer rounds. The planner consults (and counts) only rounds that can
-be timed: none while the target prefills a session or a draft warms beside the
-rounds, which follow the predictions. An exploration stays the choice until a round
-of it is timed (one that warms a draft inside is not), for at most
-``4 * explore_every`` such rounds. Exploring drafting also makes every adaptive session
-draft at least one token: how a session whose acceptance fell wins speculation back.
+loses, twice as long (up to ``explore_every`` times the arm's backoff,
+``PolicyConfig.backoff_of``), so a settled choice costs fewer and fewer rounds. The
+planner consults (and counts) only rounds that can be timed: none while the target
+prefills a session or a draft warms beside the rounds, which follow the predictions.
+An exploration stays the choice until a round of it is timed (one that warms a draft
+inside is not), for at most ``4 * explore_every`` such rounds. Exploring drafting
+also makes every adaptive session draft at least one token: how a session whose
+acceptance fell wins speculation back.
 Pure Python.
 """
 
@@ -39,22 +40,23 @@ class Schedule:
         self.rounds += 1
         if self.judge is not None:  # the explored arm was timed: did it win this time?
             won = self.judge == best
-            self.interval = (
-                config.explore_every
-                if won
-                else min(2 * self.interval, config.explore_every * config.max_backoff)
-            )
+            self.interval = config.explore_every if won else self._longer(config, self.judge)
             self.due_at, self.judge = self.rounds + self.interval, None
         if self.pending is not None:
             if self.rounds - self.pending_since < 4 * config.explore_every:
                 return self.pending  # not timed yet: keep it
-            self.interval = min(2 * self.interval, config.explore_every * config.max_backoff)
+            self.interval = self._longer(config, self.pending)
             self.due_at, self.pending = self.rounds + self.interval, None
             return None
         if self.rounds >= self.due_at:
             self.pending, self.pending_since = not best, self.rounds
             return self.pending
         return None
+
+    def _longer(self, config: PolicyConfig, drafting: bool) -> int:
+        """The interval after an exploration of ``drafting`` that lost: doubled, up to
+        that arm's backoff."""
+        return min(2 * self.interval, config.explore_every * config.backoff_of(drafting))
 
     def more_steps(self, steps: int) -> None:
         """The last round decoded ``steps`` plain steps: it counts as that many rounds

@@ -151,9 +151,11 @@ class Planner:
         if adaptive and bound > 0 and c.fixed_k is None and not untimed:
             best = any(s.ks[cap] > 0 for s in adaptive)
             # Re-timing drafting never pays for a new turn's first warm-up (its whole
-            # history) where it stalls the round: it needs a session whose draft is warm
-            # or has drafted this turn, or warm-ups that run beside the rounds.
-            stalls = self._warm_where(each) is WarmWhere.INSIDE
+            # history) where it stalls the round on shared hardware: it needs a session
+            # whose draft is warm or has drafted this turn, or warm-ups that run beside
+            # the rounds. On separate devices a lone session's warm-up inside its round
+            # is a prefill on the draft's own device, and re-times drafting.
+            stalls = c.devices is Devices.SHARED
             started = any(s.view.cache is Cache.WARM or s.view.turn_drafted for s in adaptive)
             if best or not stalls or started:
                 key = (target, bucket_of(len(sessions)))
@@ -207,7 +209,10 @@ class Planner:
         alone = len(each) == 1
         where = self._warm_where(each)
         cold = [s for s in each if s.view.cache is Cache.COLD and k[s.view.sid] > 0]
-        ready = [s for s in cold if alone or s.view.target_behind <= c.warm_above_tokens]
+        # On shared hardware a batch's session warms once its target has prefilled it;
+        # on separate devices its draft prefills while the target does.
+        overlap = alone or c.devices is Devices.SEPARATE
+        ready = [s for s in cold if overlap or s.view.target_behind <= c.warm_above_tokens]
         for s in cold:
             k[s.view.sid] = 0 if where is WarmWhere.BESIDE or s not in ready else k[s.view.sid]
         return {s.view.sid: where for s in ready}
