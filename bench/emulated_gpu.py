@@ -21,6 +21,10 @@ For each setting:
    through the three processes (:mod:`bench.emulated_gpu_phases`), split into
    device, transport, servers, orchestrator and store.
 
+Before the settings, :mod:`bench.emulated_fidelity` times the tiny models' own CPU per
+forward at each session count: where it passes a setting's device time, the figures
+there are the CPU's (the report lists them).
+
 The default draft, ``tiny:3:noise=0.05``, is the target with noise of 0.05 on its
 weights: on these prompts at draft 2 ms / target 12 ms it had 82-93% of its drafts
 accepted at 8 and 32 sessions and 71-75% for the lone session's prompt (two runs, 64
@@ -54,6 +58,7 @@ from typing import Any
 from bench import emulated_gpu_report as report
 from bench.common import LoadProbe, environment, in_child, model_settings, write_results
 from bench.concurrency import LocalRun, prompt_ids, prompts
+from bench.emulated_fidelity import cpu_bound, forward_cpu_ms
 from bench.emulated_gpu_phases import round_phases, traced_environment
 from bench.serving_stack import (
     REDIS,
@@ -71,6 +76,7 @@ ORCHESTRATOR = "separate"
 # GPU's does for a few prompts of the tiny models, so 32 prompts of 300-600 byte tokens
 # are admitted in a few rounds rather than the 30 that the CPU default (512) would take.
 MAX_PREFILL_TOKENS = 4096
+K_MAX = 8  # the orchestrator's k_max: the widest verify the fidelity check times
 # variant -> (drafter, k): k None = adaptive
 VARIANTS = {"plain": ("none", 0), "adaptive": ("model", None)}
 
@@ -259,6 +265,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     env = environment()
     probe = LoadProbe(children=True)  # the servers and the local child are ours
     started = time.monotonic()
+    cpu_ms = in_child(
+        forward_cpu_ms, model_settings(args), prompt_list[:widest], args.sessions, K_MAX
+    )
     per_setting = {}
     for setting in args.settings:
         singles = [prompt_list[i * widest] for i in range(args.reps)]
@@ -271,6 +280,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     data = {
         "headline": report.headline(per_setting),
         "settings": per_setting,
+        "fidelity": {
+            "cpu_ms": cpu_ms,
+            "cpu_bound": {
+                s.label: cpu_bound(cpu_ms, s.draft_ms, s.target_ms) for s in args.settings
+            },
+        },
         "args": {**vars(args), "settings": [s.label for s in args.settings]},
         "environment": env,
     }

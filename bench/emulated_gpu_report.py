@@ -208,6 +208,38 @@ def _ahead(args: dict[str, Any]) -> str:
     )
 
 
+def fidelity_section(fidelity: dict[str, Any] | None) -> list[str]:
+    """The tiny models' own CPU time per forward, and where it passes the device time."""
+    if not fidelity:
+        return []
+    cpu = fidelity["cpu_ms"]
+    widths = sorted({int(n) for kind in cpu.values() for n in kind})
+    lines = [
+        "## Emulation fidelity",
+        "",
+        "A forward lasts the longer of its device time and the tiny model's own CPU time. "
+        "The CPU time alone, measured in a child process on the same prompts (median ms per "
+        "forward):",
+        "",
+        "| forward | " + " | ".join(f"{n} sessions" for n in widths) + " |",
+        "|---|" + "---:|" * len(widths),
+    ]
+    for kind, by_width in cpu.items():
+        cells = " | ".join(f"{by_width[n]:.2f}" for n in widths)
+        lines.append(f"| {kind.replace('_', ' ')} | {cells} |")
+    lines.append("")
+    for label, bound in fidelity["cpu_bound"].items():
+        if bound:
+            lines.append(
+                f"- {label}: the CPU, not the emulated device, sets these forwards' time: "
+                + "; ".join(bound)
+                + "."
+            )
+        else:
+            lines.append(f"- {label}: every forward's CPU time stays under its device time.")
+    return [*lines, ""]
+
+
 def markdown(data: dict[str, Any], argv: list[str]) -> str:
     args, env, h = data["args"], data["environment"], data["headline"]
     lines = [
@@ -238,6 +270,7 @@ def markdown(data: dict[str, Any], argv: list[str]) -> str:
     lines += [f"- Greedy equality: {equal}.", "", "![where a round goes](emulated_gpu.png)", ""]
     for label, s in data["settings"].items():
         lines += setting_section(label, s)
+    lines += fidelity_section(data.get("fidelity"))
     others = env.get("other_processes_cpu_share")
     lines += [
         f"Other processes used {_pct(others)} of the CPUs during the run; it took "

@@ -29,6 +29,10 @@ def test_a_short_run_measures_every_ratio_and_where_a_round_goes() -> None:
         assert ms["device"] >= 12.0  # at least the target's forward, every round
         assert ms["transport"] > 0 and ms["servers"] > 0
         assert sum(ms[p] for p in emulated_gpu_report.PARTS) == pytest.approx(ms["round"])
+    cpu = data["fidelity"]["cpu_ms"]
+    assert set(cpu) == {"draft_step", "target_verify", "target_step"}
+    assert all(set(widths) == {1, 2} and min(widths.values()) > 0 for widths in cpu.values())
+    assert "2/12" in data["fidelity"]["cpu_bound"]
 
 
 def test_targets_are_judged_from_the_figures() -> None:

@@ -1,0 +1,119 @@
+"""How faithful the emulated devices are: the tiny models' own CPU time per forward.
+
+An emulated forward (:mod:`bench.emulated_device`) lasts the longer of its device
+time and the tiny model's CPU time. Where the CPU time passes the device time the
+emulation runs slower than the accelerator it stands for, and the figures there are
+the CPU's, not the device's. :func:`forward_cpu_ms` measures that CPU time alone (no
+device time added), on the benchmark's own prompts, for each batch width the benchmark
+runs: a draft step (one token per session), a target verify of ``k + 1`` tokens per
+session (a drafting round) and a target step of one token per session (plain
+decoding). :func:`cpu_bound` says which of them pass a setting's device times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+KV_BUDGET_BYTES = 1 << 30
+TIMED_CALLS = 8  # timed calls per width and kind (after one untimed call)
+
+
+def _timed_forwards(model: Any) -> list[float]:
+    """Wrap ``model.forward`` so each call appends its seconds to the returned list."""
+    seconds: list[float] = []
+    forward = model.forward
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        out = forward(*args, **kwargs)
+        seconds.append(time.perf_counter() - started)
+        return out
+
+    model.forward = timed
+    return seconds
+
+
+def _median_ms(run: Callable[[], None], seconds: list[float]) -> float:
+    """Median ms of the forwards ``run`` makes, over :data:`TIMED_CALLS` calls after one."""
+    run()
+    seconds.clear()
+    for _ in range(TIMED_CALLS):
+        run()
+    return 1e3 * statistics.median(seconds)
+
+
+def forward_cpu_ms(
+    models: dict[str, Any], prompt_list: Sequence[Sequence[int]], sessions: Sequence[int], k: int
+) -> dict[str, dict[int, float]]:
+    """Median CPU ms of one forward of each kind at each width in ``sessions``, every
+    session holding one of ``prompt_list`` (run it in a child process: it loads both
+    models). Kinds: ``draft_step``, ``target_verify`` (``k + 1`` tokens a session),
+    ``target_step``."""
+    from specserve.serving.models import load_model
+
+    if models["threads"]:
+        torch.set_num_threads(models["threads"])
+    target = load_model(models["target"], models["target_dtype"]).model
+    draft = load_model(models["draft"], models["draft_dtype"]).model
+    out: dict[str, dict[int, float]] = {"draft_step": {}, "target_verify": {}, "target_step": {}}
+    for n in sessions:
+        held = [list(prompt_list[i % len(prompt_list)]) for i in range(n)]
+        for kind, ms in _width_cpu_ms(draft, target, held, k).items():
+            out[kind][n] = ms
+    return out
+
+
+def _width_cpu_ms(draft: Any, target: Any, held: list[list[int]], k: int) -> dict[str, float]:
+    """:func:`forward_cpu_ms` for one batch: a session per history in ``held``."""
+    from specserve.engine.drafter import DraftInput
+    from specserve.engine.model_drafter import ModelDrafter
+    from specserve.engine.rejection import Proposal
+    from specserve.engine.sampling import SamplingParams
+    from specserve.engine.verifier import TargetVerifier, VerifyInput
+
+    greedy = SamplingParams()
+    drafter = ModelDrafter(draft, KV_BUDGET_BYTES)
+    verifier = TargetVerifier(target, KV_BUDGET_BYTES)
+    ids = [f"s{i}" for i in range(len(held))]
+    drafter.propose([DraftInput(s, 0, t, 1, greedy, 0) for s, t in zip(ids, held, strict=True)])
+    verifier.verify(
+        [VerifyInput(s, 0, t[:-1], Proposal([]), greedy, 0) for s, t in zip(ids, held, strict=True)]
+    )
+    # every call below feeds each session's last token again from the same position
+    last = [(s, len(t) - 1, [t[-1]]) for s, t in zip(ids, held, strict=True)]
+
+    def draft_round() -> None:
+        drafter.propose([DraftInput(s, at, tok, k, greedy, 0) for s, at, tok in last])
+
+    def target_round(drafts: int) -> None:
+        verifier.verify(
+            [VerifyInput(s, at, tok, Proposal([0] * drafts), greedy, 0) for s, at, tok in last]
+        )
+
+    draft_seconds = _timed_forwards(drafter.model)
+    target_seconds = _timed_forwards(verifier.model)
+    try:
+        return {
+            "draft_step": _median_ms(draft_round, draft_seconds),
+            "target_verify": _median_ms(lambda: target_round(k), target_seconds),
+            "target_step": _median_ms(lambda: target_round(0), target_seconds),
+        }
+    finally:
+        del drafter.model.forward, verifier.model.forward  # back to the class's forward
+
+
+def cpu_bound(cpu_ms: dict[str, dict[int, float]], draft_ms: float, target_ms: float) -> list[str]:
+    """The (kind, width) whose CPU time passes the device time of its model, as
+    sentences: where the emulation runs at the CPU's speed, not the device's."""
+    device = {"draft_step": draft_ms, "target_verify": target_ms, "target_step": target_ms}
+    return [
+        f"{kind.replace('_', ' ')} at {n} sessions: {ms:.2f} ms of CPU > {device[kind]:g} ms"
+        for kind, widths in cpu_ms.items()
+        for n, ms in widths.items()
+        if ms > device[kind]
+    ]
