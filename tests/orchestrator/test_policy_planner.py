@@ -178,17 +178,24 @@ def test_an_exploration_waits_for_a_round_that_can_time_it() -> None:
     assert all(round_of(warm).cap > 0 for _ in range(3))
 
 
-def test_re_timing_drafting_never_pays_for_a_warm_up_that_stalls_the_round() -> None:
-    """Once measured rounds say a lone session on shared cores decodes faster plain, a
-    new turn's cold draft is never warmed just to re-time drafting: the warm-up of its
-    whole history would stall the round. A session whose draft is warm, or that has
-    drafted this turn, still re-times it now and then."""
-    p = Planner(PolicyConfig(devices=Devices.SHARED, explore_every=4, max_backoff=2))
+def lone_sessions_measured_plain(devices: Devices) -> tuple[Planner, list[SessionView]]:
+    """A planner whose timed lone-session rounds say plain decoding is faster (drafting
+    costs more than it brings), and the warm lone session it timed them on."""
+    p = Planner(PolicyConfig(devices=devices, explore_every=4, max_backoff=2))
     warm = batch(1)
     for _ in range(30):  # drafting here costs more than it brings
         plan = p.plan("t", 1, warm)
         drafts = sum(plan.k.values())
         p.observe("t", warm, plan, RoundOutcome(plan.k, plan.k, 0.1 * (1 + drafts), clean=True))
+    return p, warm
+
+
+def test_re_timing_drafting_never_pays_for_a_warm_up_that_stalls_the_round() -> None:
+    """Once measured rounds say a lone session on shared cores decodes faster plain, a
+    new turn's cold draft is never warmed just to re-time drafting: the warm-up of its
+    whole history would stall the round. A session whose draft is warm, or that has
+    drafted this turn, still re-times it now and then."""
+    p, warm = lone_sessions_measured_plain(Devices.SHARED)
     cold = [view(cache=Cache.COLD, turn_drafted=0, alpha=0.7)]
     plans = [p.plan("t", 1, cold) for _ in range(40)]
     assert all(plan.cap == 0 and not plan.warm and not plan.exploring for plan in plans)
@@ -202,12 +209,7 @@ def test_a_lone_new_turn_on_separate_devices_still_re_times_drafting() -> None:
     the draft's own device: once measured rounds say plain decoding is faster, a new
     turn's cold draft is still warmed now and then to re-time drafting, so a lone
     session whose first timings went wrong does not decode plain for good."""
-    p = Planner(PolicyConfig(devices=Devices.SEPARATE, explore_every=4, max_backoff=2))
-    warm = batch(1)
-    for _ in range(30):  # drafting here costs more than it brings
-        plan = p.plan("t", 1, warm)
-        drafts = sum(plan.k.values())
-        p.observe("t", warm, plan, RoundOutcome(plan.k, plan.k, 0.1 * (1 + drafts), clean=True))
+    p, _ = lone_sessions_measured_plain(Devices.SEPARATE)
     cold = [view(cache=Cache.COLD, turn_drafted=0, alpha=0.7)]
     plans = [p.plan("t", 1, cold) for _ in range(12)]
     explored = [plan for plan in plans if plan.exploring]
