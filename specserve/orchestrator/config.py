@@ -153,7 +153,6 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
         redis=redis,
         tokenizer=args.tokenizer or None,
         scheduler=SchedulerConfig(
-            pipeline_groups=args.pipeline_groups,
             max_batch=args.max_batch,
             max_prefill_tokens=args.max_prefill_tokens,
             admission_window_s=(

@@ -42,7 +42,7 @@ the admission bounds (``--max-prompt-tokens``, ``--max-prompt-bytes``,
 ``--max-stop-strings``, ``--max-stop-bytes``, ``--max-stop-total-bytes``; see
 :mod:`specserve.orchestrator.api.admission`), the scheduling knobs below (``--k-max``,
 ``--k-full-below``, ``--k-zero-at``,
-``--pipeline-groups``, ``--max-batch``, ``--max-prefill-tokens``,
+``--max-batch``, ``--max-prefill-tokens``,
 ``--admission-window-ms``, ``--devices``, ``--plain-steps``, ``--policy``,
 ``--draft-timeout-s``, ...), the KV
 snapshot ones (``--kv-snapshot-chunk-tokens``, ``--kv-snapshot-every``,
@@ -186,12 +186,6 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         default=None if plain_steps is None else int(str(plain_steps)),
         help="tokens a round without drafts decodes in one Verify, 1..64 (multi-step "
         "decoding; default 8 with --devices separate, 1 with shared)",
-    )
-    g.add_argument(
-        "--pipeline-groups",
-        type=int,
-        default=int(str(e("PIPELINE_GROUPS", 1))),
-        help="session groups per target whose draft and verify overlap",
     )
     g.add_argument(
         "--max-batch",

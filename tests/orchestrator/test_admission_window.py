@@ -51,7 +51,7 @@ def first_round(window_s: float, gaps_s: list[float]) -> list[str]:
             runner.sessions[sid] = WaitingSession(  # type: ignore[assignment]
                 sid=sid, state=state, trace_context=None
             )
-            runner._run_lane(runner.scheduler.join(sid, Placement("t", 0, None)))
+            runner._run_lane(runner.scheduler.join(sid, Placement("t", None)))
         await asyncio.wait_for(asyncio.gather(*runner._lanes.values()), timeout=5)
         return rounds[0]
 

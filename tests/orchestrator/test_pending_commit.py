@@ -42,7 +42,7 @@ class HeldCommits:
 
 
 async def decoding(runner: RoundRunner, sid: str, max_new: int = 8) -> LiveSession:
-    """A session whose turn is stored (version 1) and placed on lane ("t", 0)."""
+    """A session whose turn is stored (version 1) and placed on lane "t"."""
     record = session_pb2.SessionRecord(
         session_id=sid, tokens=[1, 2, 3], state=generate_pb2.SESSION_STATE_ACTIVE
     )
@@ -52,7 +52,7 @@ async def decoding(runner: RoundRunner, sid: str, max_new: int = 8) -> LiveSessi
         written, state, prompt_tokens=3, base_usage=Usage(), pre_turn=None, deadline=None
     )
     runner.sessions[sid] = s
-    runner.scheduler.join(sid, Placement("t", 0, None))
+    runner.scheduler.join(sid, Placement("t", None))
     return s
 
 

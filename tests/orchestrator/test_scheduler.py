@@ -16,7 +16,7 @@ def test_target_load_counts_the_sessions_placed_on_it() -> None:
     s = Scheduler()
     s.set_usable(["t1", "t2"], ["d1"])
     for i in range(4):
-        s.join(f"s{i}", Placement("t1", 0, "d1"))
+        s.join(f"s{i}", Placement("t1", "d1"))
     assert s.target_load("t1") == 4 and s.target_load("t2") == 0
     s.leave("s0")
     s.leave("s1")
@@ -43,18 +43,16 @@ def test_placement_balances_and_prefers_warm_replicas() -> None:
         s.place("e", avoid_targets=["t2"])
 
 
-def test_sessions_of_a_target_split_into_pipeline_groups() -> None:
-    s = Scheduler(SchedulerConfig(pipeline_groups=2))
+def test_a_targets_sessions_share_one_lane() -> None:
+    s = Scheduler()
     s.set_usable(["t"], ["d"])
     for i in range(5):
         s.join(f"s{i}", s.place(f"s{i}"))
-    groups = sorted(len(s.begin_round(("t", g))) for g in (0, 1))
-    assert groups == [2, 3]
-    assert sorted(s.lanes()) == [("t", 0), ("t", 1)]
+    assert s.lanes() == ["t"] and len(s.begin_round("t")) == 5
 
 
 def test_continuous_batching_joins_and_leaves_at_round_boundaries() -> None:
-    s = Scheduler(SchedulerConfig(pipeline_groups=1))
+    s = Scheduler()
     s.set_usable(["t"], ["d"])
     lane = s.join("a", s.place("a"))
     assert s.begin_round(lane) == ["a"]
@@ -68,25 +66,25 @@ def test_continuous_batching_joins_and_leaves_at_round_boundaries() -> None:
 
 
 def test_batches_rotate_when_a_lane_exceeds_max_batch() -> None:
-    s = Scheduler(SchedulerConfig(pipeline_groups=1, max_batch=2))
+    s = Scheduler(SchedulerConfig(max_batch=2))
     s.set_usable(["t"], [])
     for sid in "abc":
         s.join(sid, s.place(sid))
-    seen = [s.begin_round(("t", 0)) for _ in range(3)]
+    seen = [s.begin_round("t") for _ in range(3)]
     assert all(len(b) == 2 for b in seen)
     counts = {sid: sum(sid in b for b in seen) for sid in "abc"}
     assert counts == {"a": 2, "b": 2, "c": 2}
 
 
 def test_move_and_set_draft() -> None:
-    s = Scheduler(SchedulerConfig(pipeline_groups=1))
+    s = Scheduler()
     s.set_usable(["t1", "t2"], ["d1"])
-    s.join("a", Placement("t1", 0, "d1"))
-    s.begin_round(("t1", 0))
+    s.join("a", Placement("t1", "d1"))
+    s.begin_round("t1")
     new = s.place("a", avoid_targets=["t1"])
     assert new.target == "t2"
     s.move("a", new)
-    assert s.begin_round(("t1", 0)) == [] and s.begin_round(("t2", 0)) == ["a"]
+    assert s.begin_round("t1") == [] and s.begin_round("t2") == ["a"]
     s.set_draft("a", None)
     placement = s.placement("a")
     assert placement is not None and placement.draft is None
@@ -95,10 +93,10 @@ def test_move_and_set_draft() -> None:
 
 def test_long_prompts_are_prefilled_over_several_rounds() -> None:
     s = Scheduler(SchedulerConfig(max_prefill_tokens=300))
-    lane = ("t1", 0)
+    lane = "t1"
     behind = {"d1": 1, "p1": 200, "p2": 200, "d2": 5, "p3": 90, "huge": 5000}
     for sid in behind:
-        s.join(sid, Placement("t1", 0, "d1"))
+        s.join(sid, Placement("t1", "d1"))
 
     def prefill(sid: str) -> int:
         return behind[sid]

@@ -303,7 +303,7 @@ def test_a_lone_cold_session_warms_inside_its_round_a_batchs_where_devices_say(
         try:
             lone = live("a", list(range(100)))
             assert lone.state.target_start == 0  # the target prefills it in this round
-            runner.scheduler.join("a", Placement("t", 0, endpoint))
+            runner.scheduler.join("a", Placement("t", endpoint))
             plan = plan_for(runner, [lone])
             assert plan.k["a"] > 0 and plan.warm == {"a": WarmWhere.INSIDE}
             plans = await runner.drafting.propose([lone], spans, plan)
@@ -316,7 +316,7 @@ def test_a_lone_cold_session_warms_inside_its_round_a_batchs_where_devices_say(
             warm.state.target_start = warm.state.draft_start = 2
             cold.state.target_start = 99
             for x in (warm, cold):
-                runner.scheduler.join(x.sid, Placement("t", 0, endpoint))
+                runner.scheduler.join(x.sid, Placement("t", endpoint))
             plan = plan_for(runner, [warm, cold])
             plans = await runner.drafting.propose([warm, cold], spans, plan)
             assert "b" in plans

@@ -2,17 +2,14 @@
 
 No grpc, no redis, no asyncio: the round runner asks, the scheduler answers.
 
-**Lanes.** A lane is ``(target endpoint, group)``. Every session lives in one lane;
-one round of a lane is one batched ``Verify`` on its target (and one ``Propose``
-per draft replica its sessions use). Each target has ``pipeline_groups`` lanes
-and a runner drives each lane in its own loop, so while the target verifies
-group A the draft replicas propose for group B: neither pool waits for the
-other. A new session joins its target's smallest group. The default is one lane:
-pipelining pays only where draft and target run on their own devices, and it
-costs batching (two lanes verify half the sessions each, one after the other;
-plain decoding of 4 and 8 sessions on one shared CPU ran 1.45x faster with one
-lane, ``bench/results/concurrency_one_lane.md``). The gpu deployment overlay
-sets two.
+**Lanes.** A lane is a target endpoint: every session placed on a target lives in
+its lane, one round of a lane is one batched ``Verify`` on that target (and one
+``Propose`` per draft replica its sessions use), and a runner drives each lane in
+its own loop. One lane per target: two, proposing for one half while the target
+verifies the other, cost batching and did not pay (plain decoding 1.45x faster with
+one lane on shared cores, ``bench/results/concurrency_one_lane.md``; at emulated
+accelerator round times plain 409 against 262 tok/s at 8 sessions, speculation
+alike; docs/benchmarks.md).
 
 **Continuous batching.** Sessions join and leave at round boundaries:
 :meth:`Scheduler.join` parks a session as pending, :meth:`Scheduler.begin_round`
@@ -44,7 +41,7 @@ from specserve.engine.errors import EngineError
 # a round commits at most k + 1 tokens, and k stays well under this.
 DECODING_TOKENS = 32
 
-LaneKey = tuple[str, int]  # (target endpoint, pipeline group)
+LaneKey = str  # a lane is its target's endpoint
 
 
 class NoReplica(EngineError):
@@ -53,14 +50,11 @@ class NoReplica(EngineError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    pipeline_groups: int = 1  # lanes per target; 1 = no draft/verify pipelining
     max_batch: int = 64  # sessions per Verify call
     max_prefill_tokens: int = 512  # new history a round prefills on its target (>= one session)
     admission_window_s: float = 0.01  # an idle lane waits this long for company
 
     def __post_init__(self) -> None:
-        if not 1 <= self.pipeline_groups <= 8:
-            raise ValueError(f"pipeline_groups must be in 1..8, got {self.pipeline_groups}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_prefill_tokens < 1:
@@ -74,12 +68,11 @@ class Placement:
     """Where a session runs now."""
 
     target: str
-    group: int
     draft: str | None  # None = no draft replica usable: decode at k = 0
 
     @property
     def lane(self) -> LaneKey:
-        return (self.target, self.group)
+        return self.target
 
 
 @dataclass
@@ -110,7 +103,8 @@ class Scheduler:
 
     def target_load(self, target: str) -> int:
         """Sessions placed on ``target`` (its Verify batch if they all run together)."""
-        return sum(len(lane) for key, lane in self._lanes.items() if key[0] == target)
+        lane = self._lanes.get(target)
+        return 0 if lane is None else len(lane)
 
     def draft_load(self, draft: str) -> int:
         return sum(1 for p in self._placement.values() if p.draft == draft)
@@ -125,7 +119,7 @@ class Scheduler:
         prefer_draft: str | None = None,
         avoid_targets: Iterable[str] = (),
     ) -> Placement:
-        """Choose replicas and a group for a session (not yet joined)."""
+        """Choose replicas for a session (not yet joined)."""
         avoid = set(avoid_targets)
         targets = [t for t in self.targets if t not in avoid]
         if not targets:
@@ -134,11 +128,7 @@ class Scheduler:
             target = prefer_target
         else:
             target = min(targets, key=lambda t: (self.target_load(t), targets.index(t)))
-        return Placement(target, self.least_loaded_group(target), self.pick_draft(prefer_draft))
-
-    def least_loaded_group(self, target: str) -> int:
-        groups = range(self.config.pipeline_groups)
-        return min(groups, key=lambda g: len(self._lanes.get((target, g), ())))
+        return Placement(target, self.pick_draft(prefer_draft))
 
     def pick_draft(self, prefer: str | None = None, avoid: Iterable[str] = ()) -> str | None:
         """The preferred draft replica if usable, else the least loaded, else None."""

@@ -205,11 +205,11 @@ class RoundRunner:
             # the first session's trace rather than to whichever request started the lane.
             token = otel_context.attach(batch[0].trace_context or otel_context.Context())
             try:
-                pending = await self._round(lane[0], batch, pending)
+                pending = await self._round(lane, batch, pending)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a bug: fail this batch, keep the lane alive
-                log.exception("a round on %s failed", lane[0])
+                log.exception("a round on %s failed", lane)
                 ending = await self.commits.settle(pending) if pending is not None else []
                 pending = None
                 ended = {s.sid for s, _, _ in ending}
@@ -384,6 +384,5 @@ class RoundRunner:
         for sid, new_target in moved.items():
             placement = self.scheduler.placement(sid)
             assert placement is not None
-            group = self.scheduler.least_loaded_group(new_target)
-            self._run_lane(self.scheduler.move(sid, Placement(new_target, group, placement.draft)))
+            self._run_lane(self.scheduler.move(sid, Placement(new_target, placement.draft)))
         self.ledger.release_later(self.targets, old, list(moved))  # in case it was only slow
