@@ -42,10 +42,12 @@ tokens per unit of the batch's round time (its goodput)::
 under any cap and pays the batch's longer round; the others' tokens outweigh it,
 as they would not under a rule that waits for the batch's slowest turn. One owner of
 exploration (:mod:`~specserve.orchestrator.policy.explore`) re-times the choice not
-made, in rounds that can be timed (no prefill, no warm-up beside them). Where a
-warm-up stalls the round (shared hardware, a lone session), re-timing drafting waits
-for a session whose draft is warm or has drafted this turn: an exploration never pays
-for a new turn's first warm-up of its whole history.
+made, in rounds that can be timed (no prefill, no warm-up beside them). On shared
+hardware, where a warm-up inside the round stalls it, re-timing drafting waits for a
+session whose draft is warm or has drafted this turn: an exploration never pays for a
+new turn's first warm-up of its whole history there. On separate devices a lone
+session's exploration warms its draft inside its round (a prefill on the draft's
+device) and drafts.
 
 **Plain steps.** A round in which no session drafts decodes ``steps_of_plain``
 tokens per session in its one Verify (multi-step decoding,
@@ -55,13 +57,13 @@ round of fewer steps, e.g. an exploration, counts the steps it did not run at it
 target's compute per step, so one call's cost is spread as it would be). One
 step only where more would hold something up: a round that re-times plain decoding
 (an exploration), prefills or warms a draft (the session drafts once warm), or
-leaves sessions of its target waiting (for admission, or in another lane).
+leaves sessions of its target waiting (for admission, or past ``max_batch``).
 
 **Warm-ups.** A cold session (its draft replica lacks a long history) that would
 draft is warmed: inside the round when it is alone or draft and target share
 hardware (the round waits, then it drafts in it), beside the rounds otherwise (it
-verifies at k = 0 until warm). Not while its target still prefills a long history
-of it unless it is alone.
+verifies at k = 0 until warm), from the round its target starts prefilling it. On
+shared hardware a batch's session waits until its target has prefilled it.
 """
 
 from __future__ import annotations

@@ -343,7 +343,7 @@ class RoundRunner:
 
     def _waiting(self, target: str, live: list[LiveSession]) -> int:
         """Sessions on ``target`` still to decode that are not in this round (waiting for
-        admission, or in another lane of it)."""
+        admission, or rotated out of a batch past ``max_batch``)."""
         here = {s.sid for s in live}
         waiting = 0
         for sid, s in self.sessions.items():
