@@ -293,10 +293,11 @@ class ModelExecutor(Generic[B]):
             if gate is None:
                 gate = self._gates[first.key] = self._new_gate()
             if self._wants_company(sessions, deadline) and gate.should_wait():
+                before = len(batch)
                 while self._wants_company(sessions, deadline):
                     self._cv.wait(max(0.0, deadline - time.monotonic()))
                     self._take_matching(batch, sessions)
-            gate.saw(len(batch) > 1)
+                gate.waited(len(batch) > before)
             return batch
 
     def _wants_company(self, sessions: set[str], deadline: float) -> bool:
