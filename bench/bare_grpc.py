@@ -4,7 +4,10 @@ The server has no interceptors and no specserve code: the standard health servic
 and an echo service of raw bytes with two methods,
 
 * ``/bench.Echo/Unary``: one unary call per message;
-* ``/bench.Echo/Stream``: a bidirectional stream, one answer per message.
+* ``/bench.Echo/Stream``: a bidirectional stream, one answer per message;
+* ``/bench.Echo/SocketPort``: the port of a plain TCP echo beside it (asyncio
+  streams, each message a 4-byte little-endian length and its bytes, as on the
+  replicas' data-plane sockets), the floor of the socket transport.
 
 An echo request names the size of its answer (its first four bytes, little-endian),
 so a reference call carries exactly the bytes of the call it stands beside, both
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +53,24 @@ async def _unary(request: bytes, context: Any) -> bytes:
     return echo_answer(request)
 
 
+_socket_port = 0  # the plain TCP echo's port, once listening
+
+
+async def _socket_port_of(request: bytes, context: Any) -> bytes:
+    return _socket_port.to_bytes(4, "little")
+
+
+async def _echo_frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        while True:
+            size = int.from_bytes(await reader.readexactly(4), "little")
+            answer = echo_answer(await reader.readexactly(size))
+            writer.write(len(answer).to_bytes(4, "little") + answer)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+
+
 async def _stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
     async for request in requests:
         yield echo_answer(request)
@@ -61,22 +83,38 @@ def echo_handler() -> grpc.GenericRpcHandler:
         {
             "Unary": grpc.unary_unary_rpc_method_handler(_unary),
             "Stream": grpc.stream_stream_rpc_method_handler(_stream),
+            "SocketPort": grpc.unary_unary_rpc_method_handler(_socket_port_of),
         },
     )
 
 
 class EchoClient:
-    """Calls to the echo service over one channel: unary, or on one open stream.
+    """Calls to the echo service over one channel: unary, on one open stream, or on one
+    open connection to the plain TCP echo (``host``: where the channel's server is).
 
-    :meth:`stream_call` writes one message and waits for its answer, as a caller
-    with one call in flight on a long-lived stream does; the stream opens on the
-    first such call and stays open until :meth:`close`.
+    :meth:`stream_call` and :meth:`socket_call` write one message and wait for its
+    answer, as a caller with one call in flight on a long-lived stream does; the stream
+    (connection) opens on the first such call and stays open until :meth:`close`.
     """
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, host: str = "127.0.0.1") -> None:
         self._unary = channel.unary_unary(ECHO_UNARY)
         self._open_stream = channel.stream_stream(ECHO_STREAM)
+        self._port = channel.unary_unary(f"/{ECHO_SERVICE}/SocketPort")
+        self._host = host
         self._stream: grpc.aio.StreamStreamCall | None = None
+        self._socket: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def socket_call(self, request: bytes) -> bytes:
+        if self._socket is None:
+            port = int.from_bytes(await self._port(b""), "little")
+            reader, writer = await asyncio.open_connection(self._host, port)
+            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._socket = reader, writer
+        reader, writer = self._socket
+        writer.write(len(request).to_bytes(4, "little") + request)
+        size = int.from_bytes(await reader.readexactly(4), "little")
+        return await reader.readexactly(size)
 
     async def unary_call(self, request: bytes) -> bytes:
         answer: bytes = await self._unary(request)
@@ -94,9 +132,15 @@ class EchoClient:
         if self._stream is not None:
             await self._stream.done_writing()
             self._stream = None
+        if self._socket is not None:
+            self._socket[1].close()
+            self._socket = None
 
 
 async def serve(host: str, port: int, port_file: Path | None) -> None:
+    global _socket_port
+    echo = await asyncio.start_server(_echo_frames, host, 0)
+    _socket_port = int(echo.sockets[0].getsockname()[1])
     server = grpc.aio.server()
     health = health_aio.HealthServicer()
     await health.set("", health_pb2.HealthCheckResponse.SERVING)

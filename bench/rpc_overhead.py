@@ -10,15 +10,17 @@ of 64 entries) and a 150k vocabulary. For every RPC the overhead is
 i.e. serialisation, transport, deserialisation, validation, conversion and the
 hop to the model thread and back. A round's overhead is that of its Propose plus
 its Verify. The round runs over every transport this code has
-(:mod:`bench.round_transport`: unary calls, and one bidirectional stream per
-replica where the servers offer it); the headline is the transport the
-orchestrator uses. Batch sizes and transports are interleaved round by round so
-the noise of a shared machine falls on all alike, and so are the references:
+(:mod:`bench.round_transport`: unary calls, one gRPC bidirectional stream per
+replica, one connection to each replica's data-plane socket, where the servers
+offer them); the headline is the transport the orchestrator uses. Batch sizes
+and transports are interleaved round by round so the noise of a shared machine
+falls on all alike, and so are the references:
 
 * the same round's two messages, byte for byte, echoed by a bare grpc.aio server
-  (:mod:`bench.bare_grpc`: no interceptors, no specserve code) as two unary calls
-  and as one message on each of two open bidirectional streams: the floor each
-  transport sets;
+  (:mod:`bench.bare_grpc`: no interceptors, no specserve code) as two unary calls,
+  as one message on each of two open bidirectional streams, and as one frame on
+  each of two connections to a plain TCP echo beside it: the floor each transport
+  sets;
 * a health ``Check`` on that server, an empty unary RPC of ours (GetLoad) and a
   round trip through the model thread (Release of an unknown id).
 
@@ -63,7 +65,7 @@ from bench.round_transport import (
     close_stubs,
     orchestrator_transport,
     round_stubs,
-    stream_unavailable,
+    unavailable,
 )
 from bench.rpc_stub import handler_cost
 from specserve.engine.decode_state import DecodeState, StopCriteria
@@ -139,13 +141,21 @@ async def _timed(call: Callable[[], Awaitable[object]]) -> int:
     return time.perf_counter_ns() - t0
 
 
-async def bare_round(echo: tuple[EchoClient, EchoClient], stream: bool, sizes: RoundSizes) -> int:
+BARE = ("unary", "stream", "socket")  # the bare echo's transports
+
+
+async def bare_round(echo: tuple[EchoClient, EchoClient], kind: str, sizes: RoundSizes) -> int:
     """One round's two messages, byte for byte, on the bare echo server (ns): the draft's
-    on the first client, the target's on the second, as unary calls or stream messages."""
+    on the first client, the target's on the second, as unary calls, stream messages or
+    frames on the plain TCP echo (``kind``)."""
     total = 0
     for client, (request, response) in zip(echo, sizes, strict=True):
         payload = echo_request(request, response)
-        call = client.stream_call if stream else client.unary_call
+        call = {
+            "unary": client.unary_call,
+            "stream": client.stream_call,
+            "socket": client.socket_call,
+        }[kind]
         t0 = time.perf_counter_ns()
         await call(payload)
         total += time.perf_counter_ns() - t0
@@ -161,17 +171,14 @@ async def measure(
     work); and per batch the bare unary and stream rounds of the same bytes (ns)."""
     out = {(t, b): Series() for t in transports for b in BATCHES}
     floor: dict[str, list[int]] = {"bare": [], "empty": [], "hop": []}
-    bare_rounds: dict[str, dict[int, list[int]]] = {
-        "unary": {b: [] for b in BATCHES},
-        "stream": {b: [] for b in BATCHES},
-    }
+    bare_rounds: dict[str, dict[int, list[int]]] = {k: {b: [] for b in BATCHES} for k in BARE}
     async with (
         grpc.aio.insecure_channel(target) as tc,
         grpc.aio.insecure_channel(draft) as dc,
         grpc.aio.insecure_channel(bare) as bc,
     ):
         calls: list[RpcTiming] = []
-        stubs = {t: round_stubs(t, tc, dc) for t in transports}
+        stubs = {t: round_stubs(t, tc, dc, (target, draft)) for t in transports}
         clients = {
             t: RoundClient(target_stub, draft_stub, on_rpc=calls.append)
             for t, (target_stub, draft_stub) in stubs.items()
@@ -202,8 +209,8 @@ async def measure(
                     if measured:
                         out[(t, b)].add(calls)
                 sizes = round_sizes(calls)
-                for kind in ("unary", "stream"):
-                    elapsed = await bare_round(echo, kind == "stream", sizes)
+                for kind in BARE:
+                    elapsed = await bare_round(echo, kind, sizes)
                     if measured:
                         bare_rounds[kind][b].append(elapsed)
         for (t, _), states in batches.items():
@@ -243,8 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = environment()
     headline_transport = orchestrator_transport()
-    unavailable = {"unary": None, "stream": stream_unavailable()}
-    transports = [t for t in TRANSPORTS if unavailable[t] is None]
+    unmeasurable = unavailable()
+    transports = [t for t in TRANSPORTS if unmeasurable[t] is None]
     results: dict[str, dict[str, Any]] = {}
     for name in args.models.split(","):
         rounds = args.rounds if name == "stub" else args.tiny_rounds
@@ -274,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections.append(report.handling_section(BATCHES, cost))
     setup = {"k": K, "support": SUPPORT, "vocab": VOCAB, "transport": headline_transport}
     argv_list = list(argv) if argv is not None else sys.argv[1:]
-    md = report.markdown(sections, unavailable, setup, env, argv_list)
+    md = report.markdown(sections, unmeasurable, setup, env, argv_list)
     print(md)
     if not args.no_write:
         first = results.get("stub") or next(iter(results.values()))
@@ -282,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "headline": report.headline(first["rows"], headline_transport),
             "environment": env,
             **setup,
-            "transports_unavailable": {t: why for t, why in unavailable.items() if why},
+            "transports_unavailable": {t: why for t, why in unmeasurable.items() if why},
             **results,
             "server_handling_p50_ms": cost,
         }

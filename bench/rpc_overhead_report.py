@@ -34,7 +34,7 @@ def spread(values: Sequence[int]) -> dict[str, float]:
 
 def summarize(series: Mapping[tuple[str, int], Any], bare: Mapping[str, Any]) -> list[dict]:
     """One row per (transport, batch): the round's overhead and its two calls', compute,
-    message sizes, and the bare unary / stream round of the same bytes."""
+    message sizes, and the bare unary / stream / socket round of the same bytes."""
     rows = []
     for (transport, b), s in series.items():
         rows.append(
@@ -50,6 +50,7 @@ def summarize(series: Mapping[tuple[str, int], Any], bare: Mapping[str, Any]) ->
                 "verify_kib": statistics.median(s.verify_bytes) / 1024,
                 "bare_unary_round_ms": spread(bare["unary"][b]),
                 "bare_stream_round_ms": spread(bare["stream"][b]),
+                "bare_socket_round_ms": spread(bare["socket"][b]),
             }
         )
     return rows
@@ -65,6 +66,7 @@ def headline(rows: list[dict], transport: str) -> dict[str, Any]:
         "round_overhead_p90_ms": {b: r["round_ms"]["p90"] for b, r in mine.items()},
         "bare_unary_round_p50_ms": {b: r["bare_unary_round_ms"]["p50"] for b, r in mine.items()},
         "bare_stream_round_p50_ms": {b: r["bare_stream_round_ms"]["p50"] for b, r in mine.items()},
+        "bare_socket_round_p50_ms": {b: r["bare_socket_round_ms"]["p50"] for b, r in mine.items()},
         "target_p50_ms": {str(b): t for b, t in TARGET_P50_MS.items()},
         "target_met": {
             b: r["round_ms"]["p50"] <= TARGET_P50_MS[int(b)]
@@ -78,8 +80,8 @@ def table(rows: list[dict]) -> str:
     head = (
         "| sessions | transport | round p50 | round p90 | round p99 | Propose p50 / p90 "
         "| Verify p50 / p90 | bare unary round p50 / p90 | bare stream round p50 / p90 "
-        "| compute p50 | Propose msgs | Verify msgs |\n"
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| bare socket round p50 / p90 | compute p50 | Propose msgs | Verify msgs |\n"
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     lines = [
         f"| {r['batch']} | {r['transport']} | **{r['round_ms']['p50']:.3f}** "
@@ -88,6 +90,7 @@ def table(rows: list[dict]) -> str:
         f"| {r['verify_ms']['p50']:.3f} / {r['verify_ms']['p90']:.3f} "
         f"| {r['bare_unary_round_ms']['p50']:.3f} / {r['bare_unary_round_ms']['p90']:.3f} "
         f"| {r['bare_stream_round_ms']['p50']:.3f} / {r['bare_stream_round_ms']['p90']:.3f} "
+        f"| {r['bare_socket_round_ms']['p50']:.3f} / {r['bare_socket_round_ms']['p90']:.3f} "
         f"| {r['compute_p50_ms']:.2f} | {r['propose_kib']:.1f} KiB | {r['verify_kib']:.1f} KiB |"
         for r in rows
     ]
@@ -160,16 +163,19 @@ round by round.
 
 Setup: draft and target servers as separate processes on loopback, driven by
 `RoundClient` (`bench/round_client.py`: the orchestrator's Propose and Verify
-messages) over each transport: `unary` (one call per Propose / Verify) and `stream`
-(one long-lived bidirectional stream per replica, the orchestrator's data plane);
+messages) over each transport: `unary` (one call per Propose / Verify), `stream`
+(one long-lived gRPC bidirectional stream per replica) and `socket` (one connection
+to each replica's data-plane socket, length-prefixed frames of the same messages);
 k = {setup["k"]}, sampled drafting, so each draft position carries a sparse q of
 {setup["support"]} ids + probabilities (`SparseQ`, packed little-endian); vocabulary
 {setup["vocab"]:,}; servers with `--batch-window-ms 0 --threads 1` (the coalescing window,
 2 ms by default, is a deliberate wait for other callers and would add up to its length to
 a lone call). "Msgs" is request + response size per RPC. The bare rounds send the same
 round's Propose and Verify bytes, both ways, to an echo service on a bare grpc.aio server
-(`bench/bare_grpc.py`): as two unary calls, and as one message on each of two open
-bidirectional streams; the floor each transport sets before any specserve code runs.
+(`bench/bare_grpc.py`): as two unary calls, as one message on each of two open
+bidirectional streams, and as one frame on each of two connections to a plain TCP
+echo beside it (asyncio streams); the floor each transport sets before any specserve
+code runs.
 The headline is the round over the transport the orchestrator uses:
 **{setup["transport"]}**.{skipped}
 

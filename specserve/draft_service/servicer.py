@@ -119,4 +119,5 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             progress_steps=self.executor.progress.steps,
             busy=self.executor.busy(),
             limit=backend.limit,
+            data_port=self.running.data_port,
         )

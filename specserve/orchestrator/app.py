@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc.aio
 
@@ -20,7 +22,7 @@ from specserve.orchestrator.api.generation import Orchestrator
 from specserve.orchestrator.api.service import GenerationServicer
 from specserve.orchestrator.api.text import Tokenization
 from specserve.orchestrator.config import OrchestratorConfig
-from specserve.orchestrator.fleet.replicas import ReplicaPool
+from specserve.orchestrator.fleet.replicas import ReplicaPool, StreamFactory
 from specserve.orchestrator.fleet.scheduler import Scheduler
 from specserve.orchestrator.metrics import serve_metrics
 from specserve.orchestrator.policy import Planner
@@ -82,6 +84,17 @@ class App:
         await self.store.close()
 
 
+def stream_factory(
+    open_stream: Callable[..., ReplicaStream[Any, Any]], transport: str
+) -> StreamFactory | None:
+    """How the pool opens a replica's round calls over ``transport`` (None: unary)."""
+    if transport == "unary":
+        return None
+    if transport == "stream":
+        return lambda channel, dial: open_stream(channel)
+    return lambda channel, dial: open_stream(channel, dial)
+
+
 async def start(config: OrchestratorConfig) -> App:
     """Start an orchestrator in this event loop."""
     tracing = config.server.telemetry.tracing
@@ -96,7 +109,7 @@ async def start(config: OrchestratorConfig) -> App:
         )
     instrument_redis(store.redis, tracing)
     interceptors = client_interceptors(tracing)
-    streams = config.round_transport == "stream"
+    transport = config.round_transport
     drafts = ReplicaPool(
         "draft",
         config.drafts,
@@ -104,7 +117,7 @@ async def start(config: OrchestratorConfig) -> App:
         refresh_s=config.dns_refresh_s,
         interceptors=interceptors,
         tls=config.replica_tls,
-        stream_factory=ReplicaStream.propose if streams else None,
+        stream_factory=stream_factory(ReplicaStream.propose, transport),
     )
     targets = ReplicaPool(
         "target",
@@ -113,7 +126,7 @@ async def start(config: OrchestratorConfig) -> App:
         refresh_s=config.dns_refresh_s,
         interceptors=interceptors,
         tls=config.replica_tls,
-        stream_factory=ReplicaStream.verify if streams else None,
+        stream_factory=stream_factory(ReplicaStream.verify, transport),
     )
     await drafts.start()
     await targets.start()

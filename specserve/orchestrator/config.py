@@ -50,11 +50,14 @@ class OrchestratorConfig:
     ttls: StoreTtls = field(default_factory=StoreTtls)
     redis_retry_s: float = DEFAULT_REDIS_RETRY_S  # transient Redis errors retried this long
     dns_refresh_s: float = 10.0
-    round_transport: str = "stream"  # "stream": one stream per replica; "unary": a call each
+    # "socket": one data-plane connection per replica; "stream": one gRPC stream; "unary"
+    round_transport: str = "socket"
     served_model_name: str | None = None  # gen_ai.request.model; None = the tokenizer's spec
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
     snapshot_redis: RedisSettings | None = None  # None = the session store's Redis
-    server: ServerOptions = field(default_factory=lambda: ServerOptions(port=DEFAULT_PORT))
+    server: ServerOptions = field(
+        default_factory=lambda: ServerOptions(port=DEFAULT_PORT, data_port=None)
+    )
     replica_tls: ClientTls | None = None  # None = plaintext channels to the replicas
     api_keys_file: str | None = None  # None = the public API takes calls without a key
     warnings: tuple[str, ...] = ()  # about unsafe settings, logged once logging is set up
@@ -197,6 +200,7 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
             replica_id=args.replica_id,
             tls=tls,
             health_port=args.health_port,
+            data_port=None,  # the orchestrator has no data plane of its own
             telemetry=telemetry_config(args),
         ),
         replica_tls=replica_tls,

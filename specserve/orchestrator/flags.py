@@ -18,7 +18,7 @@ flag                            environment                      default
 ``--redis-retry-s``             ``SPECSERVE_REDIS_RETRY_S``      10 (transient errors)
 ``--session-lease-s``           ``SPECSERVE_SESSION_LEASE_S``    5
 ``--target-stall-s``            ``SPECSERVE_TARGET_STALL_S``     5 (a hung target)
-``--round-transport``           ``SPECSERVE_ROUND_TRANSPORT``     stream (or unary)
+``--round-transport``           ``SPECSERVE_ROUND_TRANSPORT``     socket (or stream, unary)
 ``--tokenizer``                 ``SPECSERVE_TOKENIZER``          none (token ids only)
 ``--host`` / ``--port``         ``SPECSERVE_HOST`` / ``_PORT``   127.0.0.1 / 50051
 ``--served-model-name``         ``SPECSERVE_SERVED_MODEL_NAME``  the tokenizer's model
@@ -66,7 +66,7 @@ from specserve.serving.tls import add_tls_arguments
 from specserve.telemetry.config import add_telemetry_arguments
 
 DEFAULT_PORT = 50051
-ROUND_TRANSPORTS = ("stream", "unary")
+ROUND_TRANSPORTS = ("socket", "stream", "unary")
 
 
 def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
@@ -92,8 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     g.add_argument(
         "--round-transport",
         choices=ROUND_TRANSPORTS,
-        default=str(e("ROUND_TRANSPORT", "stream")),
-        help="how Propose and Verify reach a replica: one long-lived stream per replica "
+        default=str(e("ROUND_TRANSPORT", "socket")),
+        help="how Propose and Verify reach a replica: one connection to its data-plane "
+        "socket (socket; its gRPC stream where it has none), one long-lived gRPC stream "
         "(stream), or a unary call each (unary, to compare)",
     )
     g.add_argument(

@@ -86,15 +86,19 @@ class StreamMethod(Generic[Req, Resp]):
     handle: Callable[[Req], Awaitable[Resp]]  # the unary method's own path
     answer_type: Callable[..., Any]  # the stream's response message class
     max_in_flight: int = MAX_IN_FLIGHT
-    span_attributes: dict[str, str] = field(init=False, repr=False, compare=False)
+    # per transport ("stream": the gRPC stream method; "socket": the data-plane socket)
+    span_attributes: dict[str, dict[str, str]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         service, _, name = self.unary_method.lstrip("/").rpartition("/")
         attributes = {
-            "rpc.system": "grpc",
-            "rpc.service": service,
-            "rpc.method": name,
-            "specserve.transport": "stream",
+            transport: {
+                "rpc.system": "grpc",
+                "rpc.service": service,
+                "rpc.method": name,
+                "specserve.transport": transport,
+            }
+            for transport in ("stream", "socket")
         }
         object.__setattr__(self, "span_attributes", attributes)  # built once, not per call
 
@@ -137,7 +141,7 @@ def _unsampled_caller(traceparent: str) -> SpanContext | None:
 
 
 def _call_span(
-    method: StreamMethod[Req, Resp], header: common_pb2.StreamCallHeader
+    method: StreamMethod[Req, Resp], header: common_pb2.StreamCallHeader, transport: str
 ) -> contextlib.AbstractContextManager[Span]:
     """What a call runs in: its SERVER span, child of the caller's context; or, where the
     caller did not sample its trace, the caller's span made current, no span made (every
@@ -152,17 +156,19 @@ def _call_span(
         method.unary_method,
         context=_parent_context(header),
         kind=SpanKind.SERVER,
-        attributes=method.span_attributes,
+        attributes=method.span_attributes[transport],
         record_exception=False,
         set_status_on_exception=False,
     )
 
 
-async def _run_call(method: StreamMethod[Req, Resp], message: Any) -> Any:
+async def _run_call(
+    method: StreamMethod[Req, Resp], message: Any, transport: str = "stream"
+) -> Any:
     """One call of the stream, answered: its response or its error, under its request id."""
     header = message.header
     request_id = header.request_id
-    with _call_span(method, header) as span:
+    with _call_span(method, header, transport) as span:
         timeout_s = header.timeout_ms / 1000 if header.timeout_ms else None
         deadline = asyncio.timeout(timeout_s)
         try:
@@ -197,33 +203,60 @@ async def serve_call_stream(
     context: grpc.aio.ServicerContext,
     draining: asyncio.Event | None = None,
 ) -> None:
-    """Serve one stream until the client half-closes it, or ``draining`` is set (the
+    """Serve one gRPC stream until the client half-closes it, or ``draining`` is set (the
     server is shutting down): then read no more, answer the calls in flight and end the
     stream OK. If it ends otherwise (the client cancels, the stream breaks), cancel the
     calls in flight. See the module docstring."""
+
+    async def read() -> Any:
+        message = await context.read()
+        return None if message is grpc.aio.EOF else message
+
+    async def refuse_stream(bad: Malformed | Oversized) -> None:
+        await refuse(method.unary_method + "Stream", bad, context)  # raises: ends the stream
+
+    await serve_calls(method, read, context.write, refuse_stream, draining)
+
+
+async def serve_calls(
+    method: StreamMethod[Req, Resp],
+    read: Callable[[], Awaitable[Any]],
+    write: Callable[[Any], Awaitable[None]],
+    refuse_stream: Callable[[Malformed | Oversized], Awaitable[None]],
+    draining: asyncio.Event | None = None,
+    transport: str = "stream",
+) -> None:
+    """The calls of one stream, whatever carries it: ``read()`` gives the next call
+    message (None at the client's end of the stream, :class:`Malformed` /
+    :class:`Oversized` for bytes that are not one), ``write(answer)`` sends an answer
+    (bytes or message; one write at a time is made), ``refuse_stream(bad)`` ends the
+    stream over bytes that are not a call (it may raise; after it no more is read);
+    ``transport`` names the carrier in the calls' spans (``specserve.transport``).
+    Returns once the stream ended as :func:`serve_call_stream` describes."""
     in_flight: dict[int, asyncio.Task[None]] = {}
     write_lock = asyncio.Lock()  # one write at a time on the stream
 
-    async def write(answer: Any) -> None:
+    async def answer(message: Any) -> None:
         async with write_lock:
-            await context.write(answer)
+            await write(message)
 
     async def call(message: Any) -> None:
         try:
-            await write(await _run_call(method, message))
+            await answer(await _run_call(method, message, transport))
         finally:
             in_flight.pop(message.header.request_id, None)
 
     async def read_calls() -> None:
         while True:
-            message = await context.read()
-            if message is grpc.aio.EOF:
+            message = await read()
+            if message is None:
                 return
             if isinstance(message, Malformed | Oversized):
-                await refuse(method.unary_method + "Stream", message, context)  # ends it
+                await refuse_stream(message)
+                return
             request_id = message.header.request_id
             if request_id in in_flight:
-                await write(
+                await answer(
                     method.refusal(
                         request_id,
                         grpc.StatusCode.INVALID_ARGUMENT,
@@ -232,7 +265,7 @@ async def serve_call_stream(
                     )
                 )
             elif len(in_flight) >= method.max_in_flight:
-                await write(
+                await answer(
                     method.refusal(
                         request_id,
                         grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -21,6 +21,7 @@ flag                      environment                     default
 ``--tls-cert/-key``       ``SPECSERVE_TLS_CERT/KEY``      none (plaintext)
 ``--tls-ca``              ``SPECSERVE_TLS_CA``            none (any client)
 ``--health-port``         ``SPECSERVE_HEALTH_PORT``       none
+``--data-port``           ``SPECSERVE_DATA_PORT``         0 (ephemeral; ``off``: none)
 ``--prefill-chunk-tokens`` ``SPECSERVE_PREFILL_CHUNK_TOKENS`` 512 (0: no chunking)
 ========================  ==============================  =========================
 
@@ -181,7 +182,26 @@ def add_server_arguments(
     )
     add_tls_arguments(parser, env, role="replica")
     add_health_port_argument(parser, env)
+    parser.add_argument(
+        "--data-port",
+        type=data_port,
+        default=data_port(str(_env(env, "DATA_PORT", "0"))),
+        help="port of the data-plane socket (the orchestrator's Propose / Verify calls; "
+        "GetLoad reports it); 0 picks a free one, off serves none (default 0)",
+    )
     add_telemetry_arguments(parser, env)
+
+
+def data_port(text: str) -> int | None:
+    """``--data-port``: a port number, or ``off`` (None)."""
+    if text.strip().lower() == "off":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--data-port takes a port number or off, got {text!r}"
+        ) from None
 
 
 def add_health_port_argument(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
@@ -265,6 +285,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         threads=args.threads,
         tls=server_tls(args, check_clients=True),
         health_port=args.health_port,
+        data_port=args.data_port,
         telemetry=telemetry_config(args),
     )
 

@@ -40,6 +40,7 @@ import grpc.aio
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from specserve.serving.socket_call import STATUS_CODES, SocketCall, SocketDial, rpc_error
 from specserve.serving.stream_frames import call_bytes
 from specserve.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -48,13 +49,6 @@ tracer = trace.get_tracer(__name__)
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """The error a unary call that ended with ``code`` and ``details`` raises."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 class ReplicaStream(Generic[Req, Resp]):
@@ -93,27 +87,55 @@ class ReplicaStream(Generic[Req, Resp]):
 
     @classmethod
     def propose(
-        cls, channel: grpc.aio.Channel, **backoff: float
+        cls, channel: grpc.aio.Channel, socket: SocketDial | None = None, **backoff: float
     ) -> ReplicaStream[draft_pb2.ProposeRequest, draft_pb2.ProposeResponse]:
-        """Propose calls over ``DraftService.ProposeStream`` on ``channel``."""
-        open_stream = channel.stream_stream(
-            "/specserve.v1.DraftService/ProposeStream",
-            request_serializer=None,  # calls are written as framed bytes
-            response_deserializer=draft_pb2.ProposeStreamResponse.FromString,
+        """Propose calls over the draft replica's data-plane socket when ``socket`` says
+        how to reach it (and the replica has one), else over ``DraftService.ProposeStream``
+        on ``channel``."""
+        return cls._over(
+            channel,
+            socket,
+            "/specserve.v1.DraftService/Propose",
+            draft_pb2.ProposeStreamResponse,
+            **backoff,
         )
-        return ReplicaStream(open_stream, "/specserve.v1.DraftService/Propose", **backoff)
 
     @classmethod
     def verify(
-        cls, channel: grpc.aio.Channel, **backoff: float
+        cls, channel: grpc.aio.Channel, socket: SocketDial | None = None, **backoff: float
     ) -> ReplicaStream[target_pb2.VerifyRequest, target_pb2.VerifyResponse]:
-        """Verify calls over ``TargetService.VerifyStream`` on ``channel``."""
-        open_stream = channel.stream_stream(
-            "/specserve.v1.TargetService/VerifyStream",
-            request_serializer=None,  # calls are written as framed bytes
-            response_deserializer=target_pb2.VerifyStreamResponse.FromString,
+        """Verify calls over the target replica's data-plane socket when ``socket`` says
+        how to reach it (and the replica has one), else over ``TargetService.VerifyStream``
+        on ``channel``."""
+        return cls._over(
+            channel,
+            socket,
+            "/specserve.v1.TargetService/Verify",
+            target_pb2.VerifyStreamResponse,
+            **backoff,
         )
-        return ReplicaStream(open_stream, "/specserve.v1.TargetService/Verify", **backoff)
+
+    @classmethod
+    def _over(
+        cls,
+        channel: grpc.aio.Channel,
+        socket: SocketDial | None,
+        unary_method: str,
+        answer_type: Any,
+        **backoff: float,
+    ) -> ReplicaStream[Any, Any]:
+        grpc_stream = channel.stream_stream(
+            unary_method + "Stream",
+            request_serializer=None,  # calls are written as framed bytes
+            response_deserializer=answer_type.FromString,
+        )
+        if socket is None:
+            return ReplicaStream(grpc_stream, unary_method, **backoff)
+
+        def open_socket() -> Any:
+            return SocketCall(channel, socket, unary_method, answer_type, grpc_stream)
+
+        return ReplicaStream(open_socket, unary_method, **backoff)
 
     @property
     def in_flight(self) -> int:
@@ -199,7 +221,7 @@ class ReplicaStream(Generic[Req, Resp]):
                 f"the replica answered {self.unary_method} call {message.request_id} with "
                 "neither a response nor an error",
             )
-        code = _CODES.get(message.error.code, grpc.StatusCode.UNKNOWN)
+        code = STATUS_CODES.get(message.error.code, grpc.StatusCode.UNKNOWN)
         raise rpc_error(code, message.error.message)
 
     async def _open(self, end: float | None) -> grpc.aio.StreamStreamCall:

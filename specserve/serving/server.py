@@ -33,6 +33,8 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specserve.serving.call_stream import StreamMethod
+from specserve.serving.data_socket import DataSocketServer
 from specserve.serving.errors import ErrorInterceptor
 from specserve.serving.executor import ModelExecutor, State
 from specserve.serving.reflection import enable_reflection
@@ -65,6 +67,7 @@ class ServerOptions:
     threads: int | None = None  # torch intra-op threads; None = torch's default
     tls: ServerTls | None = None  # None = plaintext (see specserve.serving.tls)
     health_port: int | None = None  # a plaintext port serving health alone (probes); 0 = any
+    data_port: int | None = 0  # the data-plane socket's port; 0 = any free one; None = none
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
@@ -80,6 +83,8 @@ class ServerOptions:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.health_port is not None and not 0 <= self.health_port <= 65535:
             raise ValueError(f"health_port must be in 0..65535, got {self.health_port}")
+        if self.data_port is not None and not 0 <= self.data_port <= 65535:
+            raise ValueError(f"data_port must be in 0..65535, got {self.data_port}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
@@ -106,6 +111,8 @@ class RunningServer(Generic[B]):
         self.metrics_port: int | None = None  # set once a metrics endpoint serves
         self.health_server: grpc.aio.Server | None = None  # --health-port's plaintext server
         self.health_port: int | None = None
+        self.data_socket: DataSocketServer | None = None  # the data-plane socket, once serving
+        self.data_port = 0  # its bound port (0: none), which GetLoad reports
         # Set when a graceful shutdown begins: the data-plane streams answer what they
         # hold and end (specserve.serving.call_stream), so the grace is not waited out.
         self.draining = asyncio.Event()
@@ -124,6 +131,22 @@ class RunningServer(Generic[B]):
         status = SERVING if serving else NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
+
+    async def serve_data_plane(self, method: StreamMethod[Any, Any], request_type: Any) -> None:
+        """Serve ``method`` on the data-plane socket (:mod:`specserve.serving.data_socket`)
+        at ``options.data_port``, with the gRPC port's TLS; nothing when that is None."""
+        if self.options.data_port is None:
+            return
+        socket = DataSocketServer(
+            method,
+            request_type,
+            max_bytes=self.options.max_message_bytes,
+            draining=self.draining,
+        )
+        self.data_port = await socket.start(
+            self.options.host, self.options.data_port, self.options.tls
+        )
+        self.data_socket = socket
 
     def watch(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` alongside the server until it stops (e.g. a health watch that may
@@ -147,6 +170,8 @@ class RunningServer(Generic[B]):
         if self.health_server is not None:
             await self.health_server.stop(0)
         self.draining.set()
+        if self.data_socket is not None:
+            await self.data_socket.close()
         await self.server.stop(grace)
         await self.executor.close()
 
@@ -168,6 +193,11 @@ class RunningServer(Generic[B]):
             print(
                 f"{self.executor.name} health (plaintext) on {self.options.host}:"
                 f"{self.health_port}",
+                flush=True,
+            )
+        if self.data_port:
+            print(
+                f"{self.executor.name} data-plane socket on {self.options.host}:{self.data_port}",
                 flush=True,
             )
 

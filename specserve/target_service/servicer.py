@@ -165,4 +165,5 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             kv_fingerprint=kv.fingerprint if kv is not None else b"",
             kv_bytes_per_token=kv.bytes_per_token if kv is not None else 0,
             limit=backend.limit,
+            data_port=self.running.data_port,
         )

@@ -175,8 +175,10 @@ def load_report(
     progress_steps: int = 0,
     busy: bool = False,
     limit: SessionLimit | None = None,
+    data_port: int = 0,
 ) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
+        data_port=data_port,
         replica_id=replica_id,
         role=role,
         model=model,

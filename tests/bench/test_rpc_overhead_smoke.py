@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench import rpc_overhead
-from bench.round_transport import orchestrator_transport, stream_unavailable
+from bench.round_transport import orchestrator_transport, unavailable
 
 
 def test_a_short_run_measures_every_batch_size_and_the_references(
@@ -33,16 +33,17 @@ def test_a_short_run_measures_every_batch_size_and_the_references(
         assert f"\n| {batch} | unary | **" in md  # unary is always measured
         assert f"\n| {batch} | {transport} | **" in md
     assert "bare grpc.aio server" in md and "`GetLoad`" in md
-    reason = stream_unavailable()
-    if reason is not None:  # said, not silently skipped
-        assert f"The stream transport was not measured: {reason}" in md
-    else:  # the servers offer the stream: the round is measured over it too
-        for batch in rpc_overhead.BATCHES:
-            assert f"\n| {batch} | stream | **" in md
+    for kind, reason in unavailable().items():
+        if reason is not None:  # said, not silently skipped
+            assert f"The {kind} transport was not measured: {reason}" in md
+        else:  # the servers offer it: the round is measured over it too
+            for batch in rpc_overhead.BATCHES:
+                assert f"\n| {batch} | {kind} | **" in md
     headline = written["data"]["headline"]
     assert written["name"] == "rpc_overhead"
     assert headline["transport"] == transport
-    for key in ("round_overhead_p50_ms", "bare_unary_round_p50_ms", "bare_stream_round_p50_ms"):
+    bare = ("bare_unary_round_p50_ms", "bare_stream_round_p50_ms", "bare_socket_round_p50_ms")
+    for key in ("round_overhead_p50_ms", *bare):
         assert set(headline[key]) == {"8", "32"}
         assert all(v > 0 for v in headline[key].values())
     assert set(headline["target_met"]) == {"8", "32"}

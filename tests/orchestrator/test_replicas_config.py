@@ -136,12 +136,12 @@ def test_round_transport_flag() -> None:
         config.add_arguments(parser, {"SPECSERVE_TARGET_ENDPOINTS": "t:1", **env})
         return config.from_args(parser.parse_args(argv)).round_transport
 
-    assert parse({}, []) == "stream"  # the data-plane streams are the default
+    assert parse({}, []) == "socket"  # the data-plane sockets are the default
     assert parse({"SPECSERVE_ROUND_TRANSPORT": "unary"}, []) == "unary"
     assert parse({"SPECSERVE_ROUND_TRANSPORT": "unary"}, ["--round-transport", "stream"]) == (
         "stream"
     )
-    with pytest.raises(InvalidArgument, match="--round-transport must be one of stream, unary"):
+    with pytest.raises(InvalidArgument, match="must be one of socket, stream, unary"):
         parse({"SPECSERVE_ROUND_TRANSPORT": "grpc"}, [])
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +29,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specserve.client import Client, ClientTls
 from specserve.orchestrator.launch import OrchestratorProcess
+from specserve.serving.data_socket import frame, read_frame
 from specserve.serving.launch import ServerProcess
+from specserve.serving.malformed import Oversized
 from specserve.serving.replica_stream import ReplicaStream
+from specserve.serving.socket_call import SocketCall, SocketDial
 from specserve.serving.tls import aio_channel, sync_channel
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tests.orchestrator.redis_server import free_port, redis_server
@@ -181,19 +185,24 @@ def test_a_replica_accepts_only_client_certificates_from_its_ca(secure: SecureSt
         assert code_of(lambda tls=tls: get_load(address, tls)) == grpc.StatusCode.UNAVAILABLE
 
 
-def stream_verify_code(address: str, tls: ClientTls | None) -> grpc.StatusCode:
-    """The code a Verify on the target's data-plane stream ends with (the request names a
-    token outside the vocabulary: INVALID_ARGUMENT once it reaches the servicer)."""
+def stream_verify_code(
+    address: str, tls: ClientTls | None, *, socket: bool = False
+) -> grpc.StatusCode:
+    """The code a Verify on the target's data-plane stream (or socket) ends with (the
+    request names a token outside the vocabulary: INVALID_ARGUMENT once it reaches the
+    servicer)."""
     bad = target_pb2.VerifyRequest(
         sessions=[target_pb2.VerifySession(session_id="tls-probe", new_tokens=[1, 1 << 30])]
     )
 
     async def main() -> grpc.StatusCode:
         async with aio_channel(address, tls) as channel:
-            stream = ReplicaStream.verify(channel)
+            stream = ReplicaStream.verify(channel, SocketDial.of(address, tls) if socket else None)
             try:
                 await stream.call(bad, 10)
             except grpc.aio.AioRpcError as e:
+                over = isinstance(stream._stream, SocketCall) and stream._stream.over_socket
+                assert not socket or e.code() != INVALID_ARGUMENT or over, "not over the socket"
                 return e.code()
             finally:
                 await stream.close()
@@ -210,6 +219,43 @@ def test_the_data_plane_stream_needs_a_client_certificate_from_the_ca(
     assert stream_verify_code(address, ClientTls(ca, mine.cert, mine.key)) == INVALID_ARGUMENT
     for tls in (None, ClientTls(ca), ClientTls(ca, rogue.cert, rogue.key)):
         assert stream_verify_code(address, tls) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_data_plane_socket_serves_tls_and_needs_a_client_certificate_from_the_ca(
+    secure: SecureStack,
+) -> None:
+    ca, rogue, mine = secure.ca_file, secure.rogue_cert, secure.orchestrator_cert
+    address = secure.target.address
+    assert stream_verify_code(address, ClientTls(ca, mine.cert, mine.key), socket=True) == (
+        INVALID_ARGUMENT
+    )
+    with sync_channel(address, ClientTls(ca, mine.cert, mine.key)) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        port = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10).data_port
+    assert port
+    assert socket_hello(port, ClientTls(ca, mine.cert, mine.key)) == b""  # accepted
+    for tls in (None, ClientTls(ca), ClientTls(ca, rogue.cert, rogue.key)):
+        assert socket_hello(port, tls) is None  # no TLS, or no certificate from the CA
+
+
+def socket_hello(port: int, tls: ClientTls | None) -> bytes | None:
+    """The target socket's reply to a hello over ``tls``; None if the connection failed."""
+
+    async def main() -> bytes | None:
+        dial = SocketDial.of(f"127.0.0.1:{port}", tls)
+        try:
+            reader, writer = await asyncio.open_connection(
+                dial.host, port, ssl=dial.ssl_context(), server_hostname=dial.host if tls else None
+            )
+            writer.write(frame(b"/specserve.v1.TargetService/Verify"))
+            reply = await asyncio.wait_for(read_frame(reader, 1 << 16), 10)
+            writer.close()
+        except (OSError, ssl.SSLError, asyncio.IncompleteReadError):
+            return None
+        assert not isinstance(reply, Oversized)
+        return reply
+
+    return asyncio.run(main())
 
 
 def test_an_orchestrator_without_a_client_certificate_cannot_use_the_replicas(

@@ -21,6 +21,7 @@ from specserve.draft_service.server import start as start_draft
 from specserve.serving.launch import ServerProcess
 from specserve.serving.replica_stream import ReplicaStream
 from specserve.serving.server import ServerOptions
+from specserve.serving.socket_call import SocketCall, SocketDial
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.services.conftest import COMMON, DRAFT, TARGET, run, sid
 
@@ -56,14 +57,16 @@ def propose_request(session_id: str, tokens: list[int], k: int = 3) -> draft_pb2
     )
 
 
+@pytest.mark.parametrize("over", ["grpc stream", "data-plane socket"])
 def test_stream_calls_share_forwards_and_answer_as_unary(
-    servers: tuple[ServerProcess, ServerProcess],
+    servers: tuple[ServerProcess, ServerProcess], over: str
 ) -> None:
     target, _ = servers
+    dial = SocketDial.of(target.address) if over == "data-plane socket" else None
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(target.address) as channel:
-            stream = ReplicaStream.verify(channel)
+            stream = ReplicaStream.verify(channel, dial)
             ids = [sid() for _ in range(4)]
             answers = await asyncio.gather(
                 *(stream.call(verify_request(i, PROMPT), 30) for i in ids)
@@ -71,8 +74,9 @@ def test_stream_calls_share_forwards_and_answer_as_unary(
             unary = await target_pb2_grpc.TargetServiceStub(channel).Verify(
                 verify_request(sid(), PROMPT), timeout=30
             )
+            socket = isinstance(stream._stream, SocketCall) and stream._stream.over_socket
             await stream.close()
-        assert stream.opened == 1
+        assert stream.opened == 1 and socket == (dial is not None)
         assert max(a.batch_size for a in answers) > 1, [a.batch_size for a in answers]
         for session_id, answer in zip(ids, answers, strict=True):
             (result,) = answer.results
@@ -191,9 +195,12 @@ def test_bytes_that_do_not_parse_end_the_stream_invalid_argument(
     assert "does not parse as a specserve.v1.ProposeStreamRequest" in (error.details() or "")
 
 
-def test_a_graceful_shutdown_ends_the_streams_instead_of_waiting_out_its_grace() -> None:
+@pytest.mark.parametrize("over", ["grpc stream", "data-plane socket"])
+def test_a_graceful_shutdown_ends_the_streams_instead_of_waiting_out_its_grace(
+    over: str,
+) -> None:
     """In process, an n-gram draft server (no model): SIGTERM's stop with a 60 s grace
-    returns at once although a stream is open, and the stream's next call is lost."""
+    returns at once although a stream (or socket) is open, and its next call is lost."""
 
     async def main() -> tuple[float, grpc.aio.AioRpcError]:
         options = ServerOptions(grace_s=60)
@@ -201,9 +208,13 @@ def test_a_graceful_shutdown_ends_the_streams_instead_of_waiting_out_its_grace()
         await asyncio.to_thread(running.executor.ready.wait)
         ngram = propose_request(sid(), PROMPT)
         ngram.sessions[0].drafter = common_pb2.DRAFTER_NGRAM
+        dial = SocketDial.of(running.address) if over == "data-plane socket" else None
         async with grpc.aio.insecure_channel(running.address) as channel:
-            stream = ReplicaStream.propose(channel)
+            stream = ReplicaStream.propose(channel, dial)
             await stream.call(ngram, 30)  # the stream is open
+            assert (dial is not None) == (
+                isinstance(stream._stream, SocketCall) and stream._stream.over_socket
+            )
             began = time.monotonic()
             await running.stop()
             elapsed = time.monotonic() - began

@@ -13,6 +13,7 @@ import pytest
 from specserve import cli_servers
 from specserve.draft_service import config as draft_config
 from specserve.draft_service.server import start as start_draft
+from specserve.engine.errors import InvalidArgument
 from specserve.serving.cli_args import parse_bytes
 from specserve.serving.server import ServerOptions
 from specserve.target_service import config as target_config
@@ -116,6 +117,21 @@ def test_parse_bytes(text: str, value: int) -> None:
 def test_parse_bytes_rejects(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         parse_bytes(text)
+
+
+def test_the_data_port_flag() -> None:
+    def data_port(env: dict[str, str], argv: list[str]) -> int | None:
+        parser = argparse.ArgumentParser()
+        target_config.add_arguments(parser, {"SPECSERVE_TARGET": "tiny:1", **env})
+        return target_config.from_args(parser.parse_args(argv)).server.data_port
+
+    assert data_port({}, []) == 0  # a free port, reported by GetLoad
+    assert data_port({"SPECSERVE_DATA_PORT": "50061"}, []) == 50061
+    assert data_port({"SPECSERVE_DATA_PORT": "50061"}, ["--data-port", "off"]) is None
+    with pytest.raises(InvalidArgument, match="data_port"):
+        data_port({}, ["--data-port", "70000"])
+    with pytest.raises(SystemExit):
+        data_port({}, ["--data-port", "lots"])
 
 
 def test_invalid_options_are_refused() -> None:

@@ -5,8 +5,8 @@ with correct parent links: the orchestrator's gRPC server span -> the GenAI requ
 span -> a prefill span and a round span per later round -> propose / verify /
 commit phases -> the orchestrator's gRPC client spans (and Redis spans) -> the
 draft's and target's gRPC server spans -> the forward span on each model thread.
-Propose and Verify travel on the data-plane streams, each call with its own trace
-context in the message; the spans are the unary calls' all the same.
+Propose and Verify travel on the replicas' data-plane sockets, each call with its own
+trace context in the message; the spans are the unary calls' all the same.
 """
 
 from __future__ import annotations
@@ -121,9 +121,9 @@ def test_one_generate_is_one_trace_across_the_three_services(traced: TracedStack
             assert client.kind == "client" and client.service == "specserve-orchestrator"
             server = one_child(client, spans, f"/specserve.v1.{service}/{method}")
             assert server.kind == "server" and server.service == f"specserve-{pool}"
-            # The orchestrator's default data plane: a call on the replica's stream,
+            # The orchestrator's default data plane: a call on the replica's socket,
             # parented by the context the message carried.
-            assert server.attributes["specserve.transport"] == "stream"
+            assert server.attributes["specserve.transport"] == "socket"
             assert server.resource["specserve.pool"] == pool
             assert server.resource["specserve.model"] == model
             assert client.start_ns <= server.start_ns and server.end_ns <= client.end_ns

@@ -16,11 +16,12 @@ replica's certificate must chain to its CA, and the orchestrator presents its ow
 certificate (mutual TLS). A replica found by DNS is dialled by IP address, so its
 certificate is checked against the DNS name (or ``ClientTls.server_name``).
 
-Round calls (Propose, Verify) go over one long-lived stream per replica when the
+Round calls (Propose, Verify) go over one long-lived connection per replica when the
 pool has a ``stream_factory`` (:class:`~specserve.serving.replica_stream.ReplicaStream`,
-opened on the first call, shared by every session's calls, reopened after a break),
-over unary calls otherwise; control calls (Release, GetLoad, ExportKv, ImportKv)
-are always unary.
+opened on the first call, shared by every session's calls, reopened after a break):
+to the replica's data-plane socket (found at the replica's IP, checked against the
+same TLS as the channel) or its gRPC stream method; over unary calls otherwise;
+control calls (Release, GetLoad, ExportKv, ImportKv) are always unary.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specserve.engine.errors import InvalidArgument
 from specserve.serving.replica_stream import ReplicaStream
 from specserve.serving.server import MAX_MESSAGE_BYTES
+from specserve.serving.socket_call import SocketDial
 from specserve.serving.tls import ClientTls, aio_channel
 from specserve.v1 import common_pb2
 
@@ -80,8 +82,9 @@ class EndpointSpec:
         return bool(self.static or self.dns)
 
 
-# Opens the data-plane stream of one replica's channel (ReplicaStream.propose / .verify).
-StreamFactory = Callable[[grpc.aio.Channel], ReplicaStream[Any, Any]]
+# Opens the data plane of one replica (ReplicaStream.propose / .verify): its channel, and
+# how to reach its data-plane socket.
+StreamFactory = Callable[[grpc.aio.Channel, SocketDial], ReplicaStream[Any, Any]]
 
 
 class Replica:
@@ -183,7 +186,8 @@ class ReplicaPool:
                     interceptors=self.interceptors or None,
                     server_name=names.get(ep),
                 )
-                stream = self.stream_factory(channel) if self.stream_factory else None
+                dial = SocketDial.of(ep, self.tls, names.get(ep))
+                stream = self.stream_factory(channel, dial) if self.stream_factory else None
                 self.replicas[ep] = Replica(ep, channel, self.stub_factory(channel), stream)
                 changed = True
         for ep in [ep for ep in self.replicas if ep not in wanted]:

@@ -1,0 +1,221 @@
+"""The data-plane socket: a replica's round calls as length-prefixed frames over TCP.
+
+A message on a ``grpc.aio`` stream passes through gRPC's poller thread and the event
+loop at each end, several thread hops each way; on a socket the event loop writes
+the bytes itself and wakes on the reply. ``bench.rpc_overhead`` times both. So the
+orchestrator sends ``Propose`` and ``Verify`` to each replica over one TCP
+connection (TLS when the replica serves TLS, with the same certificates, and the
+same client-certificate check under ``--tls-ca``), and everything else over gRPC.
+
+**Protocol** (docs/api.md#the-data-plane-socket). Every frame is a 4-byte
+little-endian length and that many bytes.
+
+1. The client's first frame names the unary method its calls stand for, in UTF-8
+   (``/specserve.v1.DraftService/Propose`` on a draft replica,
+   ``/specserve.v1.TargetService/Verify`` on a target). The replica answers an
+   empty frame; or, for a method it does not serve, a ``StreamCallError``
+   (``UNIMPLEMENTED``) and closes.
+2. Then each client frame is one call, a ``ProposeStreamRequest`` /
+   ``VerifyStreamRequest`` (header with request id, deadline and trace context,
+   and the unary request), and each replica frame one answer, a
+   ``ProposeStreamResponse`` / ``VerifyStreamResponse``, exactly as on the gRPC
+   stream methods (:mod:`specserve.serving.call_stream`: the same code serves
+   both, so calls coalesce with every other caller's and fail per call).
+3. An answer with request id 0 and an error ends the connection: a frame that
+   does not parse (``INVALID_ARGUMENT``), one past the size limit (the server's
+   ``--max-message-bytes``, refused before it is read), or a graceful shutdown
+   (``UNAVAILABLE``, after the calls in flight were answered). The replica then
+   closes; the client fails what it sent after that as lost, and reconnects.
+
+A client that sends no hello within ``HELLO_TIMEOUT_S`` is disconnected. Both ends
+turn on TCP keepalive, so a peer that vanished without a FIN is noticed in about
+half a minute rather than never.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from specserve.serving.call_stream import StreamMethod, serve_calls
+from specserve.serving.malformed import Malformed, Oversized, RateLimitedWarning, tolerant
+from specserve.serving.tls import ServerTls
+from specserve.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+_warning = RateLimitedWarning(log)
+
+LENGTH_BYTES = 4
+HELLO_TIMEOUT_S = 10.0
+KEEPALIVE = {"TCP_KEEPIDLE": 15, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
+
+
+def frame(payload: bytes) -> bytes:
+    """``payload`` with its length in front."""
+    return len(payload).to_bytes(LENGTH_BYTES, "little") + payload
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | Oversized | None:
+    """The next frame's bytes; None at a clean end of the stream (between frames);
+    :class:`Oversized` for a frame longer than ``max_bytes`` (its bytes are not read)."""
+    try:
+        head = await reader.readexactly(LENGTH_BYTES)
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return None
+        raise ConnectionError("the connection closed inside a frame's length") from None
+    size = int.from_bytes(head, "little")
+    if size > max_bytes:
+        return Oversized(size, max_bytes)
+    return await reader.readexactly(size)
+
+
+def tune(sock: socket.socket | None) -> None:
+    """No Nagle delay (a call is one write); keepalive probes on an idle connection."""
+    if sock is None:
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in KEEPALIVE.items():
+        option = getattr(socket, name, None)
+        if option is not None:  # Linux; elsewhere the system's keepalive timing applies
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def server_context(tls: ServerTls) -> ssl.SSLContext:
+    """The replica's TLS: its certificate; client certificates checked under a CA."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.client_ca_file is not None:
+        context.load_verify_locations(tls.client_ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def error_frame(answer_type: Callable[..., Any], code: grpc.StatusCode, text: str) -> bytes:
+    """The frame that ends a connection: request id 0, an error."""
+    error = common_pb2.StreamCallError(code=code.value[0], message=text)
+    return frame(answer_type(request_id=0, error=error).SerializeToString())
+
+
+class DataSocketServer:
+    """Serves one :class:`StreamMethod` on a TCP port (see the module docstring)."""
+
+    def __init__(
+        self,
+        method: StreamMethod[Any, Any],
+        request_type: Any,
+        *,
+        max_bytes: int,
+        draining: asyncio.Event,
+    ) -> None:
+        self.method = method
+        self.parse = tolerant(request_type.FromString)
+        self.max_bytes = max_bytes
+        self.draining = draining
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[Any]] = set()
+
+    async def start(self, host: str, port: int, tls: ServerTls | None) -> int:
+        """Listen on ``host:port`` (0: any free port); the bound port."""
+        context = server_context(tls) if tls is not None else None
+        self._server = await asyncio.start_server(
+            self._serve, host, port, ssl=context, reuse_address=True
+        )
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    async def close(self) -> None:
+        """Stop listening; connections end once their calls are answered (``draining``
+        must be set) or within a second."""
+        if self._server is not None:
+            self._server.close()
+        if self._connections:
+            _, slow = await asyncio.wait(self._connections, timeout=1.0)
+            for task in slow:
+                task.cancel()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        tune(writer.get_extra_info("socket"))
+        try:
+            if await self._hello(reader, writer):
+                await self._calls(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, TimeoutError):
+            pass  # the client went away (or never spoke): nothing to answer
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        hello = await asyncio.wait_for(read_frame(reader, 1024), HELLO_TIMEOUT_S)
+        wanted = self.method.unary_method
+        if hello == wanted.encode():
+            writer.write(frame(b""))
+            return True
+        if hello is not None:
+            said = repr(hello[:200]) if isinstance(hello, bytes) else "a frame too long"
+            writer.write(
+                error_frame(
+                    self.method.answer_type,
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"this replica's data-plane socket serves {wanted}; the hello named {said}",
+                )
+            )
+        return False
+
+    async def _calls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def read() -> Any:
+            data = await read_frame(reader, self.max_bytes)
+            if data is None or isinstance(data, Oversized):
+                return data
+            return self.parse(data)  # type: ignore[misc]
+
+        async def write(answer: Any) -> None:
+            data = answer if isinstance(answer, bytes) else answer.SerializeToString()
+            writer.write(frame(data))
+            await writer.drain()  # returns at once unless the client stopped reading
+
+        async def refuse(bad: Malformed | Oversized) -> None:
+            writer.write(error_frame(self.method.answer_type, *self._refusal(writer, bad)))
+
+        await serve_calls(self.method, read, write, refuse, self.draining, "socket")
+        if self.draining.is_set():
+            writer.write(
+                error_frame(
+                    self.method.answer_type,
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the replica is shutting down; the calls sent before this were "
+                    "answered, send the rest to another replica",
+                )
+            )
+        await writer.drain()
+
+    def _refusal(
+        self, writer: asyncio.StreamWriter, bad: Malformed | Oversized
+    ) -> tuple[grpc.StatusCode, str]:
+        if isinstance(bad, Oversized):
+            return grpc.StatusCode.INVALID_ARGUMENT, (
+                f"a frame of {bad.size} bytes exceeds this replica's limit of {bad.limit} "
+                "(--max-message-bytes); the connection ends"
+            )
+        _warning.warn(
+            f"{self.method.unary_method} socket: refused a frame of {bad.size} bytes from "
+            f"{writer.get_extra_info('peername')} that is not a {bad.message} ({bad.why})"
+        )
+        return grpc.StatusCode.INVALID_ARGUMENT, (
+            f"a frame of {bad.size} bytes does not parse as a {bad.message} message; "
+            "the connection ends"
+        )

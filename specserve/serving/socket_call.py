@@ -1,0 +1,225 @@
+"""The client end of a replica's data-plane socket, shaped as a gRPC stream-stream call.
+
+:class:`~specserve.serving.replica_stream.ReplicaStream` multiplexes calls over one
+stream and owns every rule about them (request ids, deadlines, breaks, backoff,
+tracing). :class:`SocketCall` is a stream it can drive in place of a ``grpc.aio``
+stream-stream call, with the methods it uses (``write``, ``read``, ``done``,
+``cancel``, ``code``), over the replica's data-plane socket
+(:mod:`specserve.serving.data_socket`, which documents the protocol):
+
+* On creation it asks the replica, over the gRPC channel, where its socket is
+  (``GetLoad``'s ``data_port``), connects to the channel's host at that port (TLS
+  with the channel's CA, client certificate and server name when the pool has TLS),
+  and says hello. A replica that reports no data port is served over its gRPC
+  stream method instead, through this same object: an older replica, or one with
+  ``--data-port off``.
+* ``write`` never waits for the connection: calls written before it is up are sent
+  once it is, so a call's deadline runs from when it was written, as on gRPC.
+* A connection that cannot be made (within ``CONNECT_TIMEOUT_S``), a replica that
+  refuses the hello, a frame that ends the connection (request id 0 with an error)
+  or a connection that drops, make ``read`` raise :class:`grpc.aio.AioRpcError`
+  with the code and a sentence: the stream broke, and its calls in flight fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from specserve.serving.data_socket import frame, read_frame, tune
+from specserve.serving.malformed import Oversized
+from specserve.serving.tls import ClientTls
+from specserve.v1 import common_pb2
+
+CONNECT_TIMEOUT_S = 10.0
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # number -> code
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a unary call that ended with ``code`` and ``details`` raises."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+@dataclass(frozen=True)
+class SocketDial:
+    """Where and how to reach a replica's data-plane socket: the host its gRPC channel
+    dials, and the pool's TLS (with the name its certificate is checked against)."""
+
+    host: str
+    tls: ClientTls | None = None
+    server_name: str | None = None
+    max_bytes: int = 64 << 20  # the largest answer accepted
+
+    @classmethod
+    def of(
+        cls, endpoint: str, tls: ClientTls | None = None, server_name: str | None = None
+    ) -> SocketDial:
+        """From a ``host:port`` / ``[v6]:port`` endpoint."""
+        host = endpoint.rpartition(":")[0].removeprefix("[").removesuffix("]")
+        return cls(host, tls, server_name)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        context = ssl.create_default_context(cafile=self.tls.ca_file)
+        if self.tls.cert_file and self.tls.key_file:
+            context.load_cert_chain(self.tls.cert_file, self.tls.key_file)
+        return context
+
+
+class SocketCall:
+    """One connection to a replica's data-plane socket (see the module docstring)."""
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        dial: SocketDial,
+        unary_method: str,
+        answer_type: Any,
+        grpc_stream: Callable[[], grpc.aio.StreamStreamCall],
+    ) -> None:
+        self.dial = dial
+        self.unary_method = unary_method
+        self.answer_type = answer_type
+        self._get_load = channel.unary_unary(
+            "/" + unary_method.lstrip("/").rpartition("/")[0] + "/GetLoad",
+            request_serializer=common_pb2.GetLoadRequest.SerializeToString,
+            response_deserializer=common_pb2.LoadReport.FromString,
+        )
+        self._grpc_stream = grpc_stream
+        self._inner: grpc.aio.StreamStreamCall | None = None  # the fallback, if chosen
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._queued: list[bytes] = []  # written before the connection was up
+        self._done = False
+        self._code: grpc.StatusCode | None = None
+        self._ready = asyncio.get_running_loop().create_task(self._connect())
+
+    @property
+    def over_socket(self) -> bool:
+        """Connected to the socket (False while connecting, and on the gRPC fallback)."""
+        return self._writer is not None
+
+    async def _connect(self) -> None:
+        try:
+            await asyncio.wait_for(self._open(), CONNECT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            raise self._broken(e.code(), e.details() or "") from None
+        except TimeoutError:
+            raise self._broken(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no data-plane connection within {CONNECT_TIMEOUT_S:g} s",
+            ) from None
+        except (OSError, ssl.SSLError, asyncio.IncompleteReadError) as e:
+            raise self._broken(
+                grpc.StatusCode.UNAVAILABLE, f"the data-plane connection failed: {e}"
+            ) from None
+
+    async def _open(self) -> None:
+        report = await self._get_load(common_pb2.GetLoadRequest(), timeout=CONNECT_TIMEOUT_S)
+        if not report.data_port:
+            self._inner = self._grpc_stream()
+            for data in self._queued:
+                await self._inner.write(data)
+            self._queued.clear()
+            return
+        context, tls = self.dial.ssl_context(), self.dial.tls
+        name = (tls.server_name or self.dial.server_name or self.dial.host) if tls else None
+        reader, writer = await asyncio.open_connection(
+            self.dial.host, report.data_port, ssl=context, server_hostname=name
+        )
+        tune(writer.get_extra_info("socket"))
+        writer.write(frame(self.unary_method.encode()))
+        reply = await read_frame(reader, 1 << 16)
+        if reply is None or isinstance(reply, Oversized):
+            writer.close()
+            raise ConnectionError("the replica closed the connection after the hello")
+        if reply:
+            writer.close()
+            ending = self.answer_type.FromString(reply)
+            code = STATUS_CODES.get(ending.error.code, grpc.StatusCode.UNKNOWN)
+            raise rpc_error(code, ending.error.message)
+        if self._done:  # cancelled while connecting
+            writer.close()
+            return
+        for data in self._queued:
+            writer.write(frame(data))
+        self._queued.clear()
+        self._reader, self._writer = reader, writer
+
+    def _broken(self, code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+        self._done = True
+        self._code = code
+        if self._writer is not None:
+            self._writer.close()
+        return rpc_error(code, details)
+
+    async def write(self, data: bytes) -> None:
+        """Send one call (queued while connecting); raises ``UsageError`` once broken."""
+        if self._done:
+            raise grpc.aio.UsageError("the data-plane connection is closed")
+        if self._inner is not None:
+            await self._inner.write(data)
+        elif self._writer is None:
+            self._queued.append(data)
+        else:
+            self._writer.write(frame(data))
+            if self._writer.transport.get_write_buffer_size() > 1 << 20:
+                await self._writer.drain()  # the replica stopped reading
+
+    async def read(self) -> Any:
+        """The next answer; ``grpc.aio.EOF`` when the replica closed cleanly; raises
+        :class:`grpc.aio.AioRpcError` when the connection broke or was ended."""
+        await self._ready
+        if self._inner is not None:
+            return await self._inner.read()
+        assert self._reader is not None
+        try:
+            data = await read_frame(self._reader, self.dial.max_bytes)
+        except (OSError, ssl.SSLError, asyncio.IncompleteReadError) as e:
+            raise self._broken(
+                grpc.StatusCode.UNAVAILABLE, f"the data-plane connection broke: {e}"
+            ) from None
+        if data is None:
+            self._done = True
+            return grpc.aio.EOF
+        if isinstance(data, Oversized):
+            raise self._broken(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"an answer of {data.size} bytes exceeds the limit of {data.limit}",
+            )
+        answer = self.answer_type.FromString(data)
+        if answer.request_id == 0 and answer.WhichOneof("outcome") == "error":
+            code = STATUS_CODES.get(answer.error.code, grpc.StatusCode.UNKNOWN)
+            raise self._broken(code, answer.error.message)
+        return answer
+
+    def done(self) -> bool:
+        if self._inner is not None:
+            return self._inner.done()
+        return self._done
+
+    def cancel(self) -> bool:
+        """Close the connection (or the fallback stream); reads then fail CANCELLED."""
+        if self._inner is not None:
+            return self._inner.cancel()
+        if self._done:
+            return False
+        self._done = True
+        self._code = grpc.StatusCode.CANCELLED
+        self._ready.cancel()
+        if self._writer is not None:
+            self._writer.close()
+        return True
+
+    async def code(self) -> grpc.StatusCode:
+        """The status the stream ended with (UNAVAILABLE for a clean close)."""
+        if self._inner is not None:
+            return await self._inner.code()
+        return self._code or grpc.StatusCode.UNAVAILABLE
