@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import pytest
 
-from specserve.engine.k_policy import expected_tokens
+from specserve.engine.k_policy import CostModel, expected_tokens
 from specserve.orchestrator.policy import (
     BatchPlan,
     Cache,
@@ -51,6 +51,39 @@ def test_separate_devices_draft_a_batch_that_shared_cores_decode_plain() -> None
     drafting = view("0", alpha=0.9, turn_drafted=40, turn_accepted=36, turn_rejections=4)
     lone = Planner(PolicyConfig(devices=Devices.SHARED)).plan("t", 1, [drafting])
     assert lone.k["0"] >= 2  # one session on shared cores drafts
+
+
+class Priced(Planner):
+    """A planner whose round costs are given (as if measured)."""
+
+    def __init__(self, config: PolicyConfig, cost: CostModel) -> None:
+        super().__init__(config)
+        self.cost = cost
+
+    def cost_model(self, target: str, batch: int) -> CostModel:
+        return self.cost
+
+
+def test_on_separate_devices_a_shallow_session_drafts_to_the_batchs_depth_where_it_pays() -> None:
+    """The deepest sessions set the draft's steps; another session's extra draft then
+    costs only a verified position, worth it while its next draft's chance of being kept
+    beats the round's average token per unit of cost."""
+    deep = [view(str(i), alpha=0.9, turn_drafted=40, turn_accepted=36) for i in range(7)]
+    shallow = view("s", alpha=0.6, turn_drafted=40, turn_accepted=24, turn_rejections=16)
+    near_end = view("e", alpha=0.6, turn_drafted=40, turn_accepted=24, tokens_left=3)
+    sessions = [*deep, shallow, near_end]
+
+    def plan(devices: Devices, load: int) -> BatchPlan:
+        cost = CostModel(draft_per_token=0.17, verify_per_token=0.001, fixed=0.05)
+        return Priced(PolicyConfig(devices=devices), cost).plan("t", load, sessions)
+
+    filled = plan(Devices.SEPARATE, 9)
+    depth = max(filled.k.values())
+    assert depth >= 4
+    assert filled.k["s"] == depth  # a verified position is about free: drafts to depth
+    assert filled.k["e"] == 2  # never past its tokens left - 1
+    own = plan(Devices.SHARED, 1)  # shared cores (no load bound here): its own best k
+    assert max(own.k.values()) == depth and own.k["s"] < depth
 
 
 def drafting_rounds(devices: Devices, rounds: int = 80) -> list[int]:

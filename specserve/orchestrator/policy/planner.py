@@ -40,7 +40,11 @@ tokens per unit of the batch's round time (its goodput)::
 
 (ties: the smaller cap). A session whose acceptance fell drafts little or nothing
 under any cap and pays the batch's longer round; the others' tokens outweigh it,
-as they would not under a rule that waits for the batch's slowest turn. One owner of
+as they would not under a rule that waits for the batch's slowest turn. On
+``separate`` devices the round's deepest session sets the draft's steps, so another
+session's extra draft costs only a verified position: each session's k is then raised
+toward that depth while ``a ** (k + 1)`` (its next draft's chance of being kept) beats
+``verify_per_token`` times the round's tokens per unit of cost. One owner of
 exploration (:mod:`~specserve.orchestrator.policy.explore`) re-times the choice not
 made, in rounds that can be timed (no prefill, no warm-up beside them). On shared
 hardware, where a warm-up inside the round stalls it, re-timing drafting waits for a
@@ -164,9 +168,12 @@ class Planner:
                 exploring = self._schedules.setdefault(key, Schedule()).next_round(c, best)
         if exploring is not None:
             cap = bound if exploring else 0
+        ks = [s.ks[cap] for s in each]
+        if c.devices is Devices.SEPARATE and not exploring:
+            ks = _filled(each, ks, cost, c.k_max)
         k = {}
-        for s in each:
-            k[s.view.sid] = s.ks[cap]
+        for s, chosen in zip(each, ks, strict=True):
+            k[s.view.sid] = chosen
             if exploring and s.adaptive and s.view.drafter != "none" and s.view.tokens_left > 1:
                 k[s.view.sid] = max(1, k[s.view.sid])  # re-time drafting, win it back
         warm = self._warm_ups(each, k)
@@ -285,6 +292,26 @@ def _plain_token_seconds(outcome: RoundOutcome, steps: int) -> float:
         return outcome.seconds / outcome.steps
     per_step = min(outcome.compute_s, outcome.seconds) / outcome.steps
     return (outcome.seconds + (steps - outcome.steps) * per_step) / steps
+
+
+def _filled(each: list[_Session], ks: list[int], cost: CostModel, k_max: int) -> list[int]:
+    """``ks`` with each adaptive session's k raised toward the round's depth while its
+    next draft is expected to cost less than the round's average token: in a batch whose
+    deepest session sets the draft's steps, a shallower session's extra draft adds only
+    a verified position (``verify_per_token``) and ``a ** (k + 1)`` expected tokens."""
+    depth = max(ks, default=0)
+    if depth == 0:
+        return ks
+    expected = sum(expected_tokens(s.alpha, k) for s, k in zip(each, ks, strict=True))
+    average = cost.verify_per_token * expected / cost.batch_round(depth, sum(ks))
+    out = list(ks)
+    for i, s in enumerate(each):
+        if not s.adaptive or s.view.drafter == "none" or s.view.cache is Cache.WARMING:
+            continue
+        top = min(depth, k_max, s.view.tokens_left - 1)
+        while out[i] < top and s.alpha ** (out[i] + 1) > average:
+            out[i] += 1
+    return out
 
 
 def _goodput(each: list[_Session], cap: int, cost: CostModel) -> float:
