@@ -12,7 +12,9 @@ stream-stream call, with the methods it uses (``write``, ``read``, ``done``,
   with the channel's CA, client certificate and server name when the pool has TLS),
   and says hello. A replica that reports no data port is served over its gRPC
   stream method instead, through this same object: an older replica, or one with
-  ``--data-port off``.
+  ``--data-port off``; and one whose socket cannot be reached (refused, or no
+  answer within ``DIAL_TIMEOUT_S``: a firewall or network policy that admits only the
+  gRPC port), with a WARNING a minute at most.
 * ``write`` never waits for the connection: calls written before it is up are sent
   once it is, so a call's deadline runs from when it was written, as on gRPC.
 * A connection that cannot be made (within ``CONNECT_TIMEOUT_S``), a replica that
@@ -24,6 +26,7 @@ stream-stream call, with the methods it uses (``write``, ``read``, ``done``,
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,12 +36,15 @@ import grpc
 import grpc.aio
 
 from specserve.serving.data_socket import frame, read_frame, tune
-from specserve.serving.malformed import Oversized
+from specserve.serving.malformed import Oversized, RateLimitedWarning
 from specserve.serving.tls import ClientTls
 from specserve.v1 import common_pb2
 
-CONNECT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0  # GetLoad, the connection and the hello, together
+DIAL_TIMEOUT_S = 3.0  # the connection alone; past it the gRPC stream carries the calls
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # number -> code
+log = logging.getLogger(__name__)
+_unreachable = RateLimitedWarning(log, interval_s=60.0)
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -124,16 +130,26 @@ class SocketCall:
     async def _open(self) -> None:
         report = await self._get_load(common_pb2.GetLoadRequest(), timeout=CONNECT_TIMEOUT_S)
         if not report.data_port:
-            self._inner = self._grpc_stream()
-            for data in self._queued:
-                await self._inner.write(data)
-            self._queued.clear()
-            return
+            return await self._over_grpc()
         context, tls = self.dial.ssl_context(), self.dial.tls
         name = (tls.server_name or self.dial.server_name or self.dial.host) if tls else None
-        reader, writer = await asyncio.open_connection(
-            self.dial.host, report.data_port, ssl=context, server_hostname=name
-        )
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(
+                    self.dial.host, report.data_port, ssl=context, server_hostname=name
+                ),
+                DIAL_TIMEOUT_S,
+            )
+        except ssl.SSLError:
+            raise  # reached, and refused: the certificates are wrong, say so
+        except (OSError, TimeoutError) as e:  # not reached: a firewall, a network policy
+            _unreachable.warn(
+                f"the {self.unary_method} data-plane socket at {self.dial.host}:"
+                f"{report.data_port} cannot be reached ({e or 'timed out'}); using the "
+                "replica's gRPC stream instead: admit the port (the manifests' `data` "
+                "port) or run the replica with --data-port off"
+            )
+            return await self._over_grpc()
         tune(writer.get_extra_info("socket"))
         writer.write(frame(self.unary_method.encode()))
         reply = await read_frame(reader, 1 << 16)
@@ -152,6 +168,13 @@ class SocketCall:
             writer.write(frame(data))
         self._queued.clear()
         self._reader, self._writer = reader, writer
+
+    async def _over_grpc(self) -> None:
+        """Carry this connection's calls on the replica's gRPC stream method instead."""
+        self._inner = self._grpc_stream()
+        for data in self._queued:
+            await self._inner.write(data)
+        self._queued.clear()
 
     def _broken(self, code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
         self._done = True

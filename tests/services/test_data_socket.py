@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -60,7 +61,7 @@ class Scripted(draft_pb2_grpc.DraftServiceServicer):
 
 
 @contextlib.asynccontextmanager
-async def replica(*, socket: bool = True, max_bytes: int = 1 << 20) -> AsyncIterator[Any]:
+async def replica(*, serve_socket: bool = True, max_bytes: int = 1 << 20) -> AsyncIterator[Any]:
     """(address, servicer, socket server or None) of a scripted replica on loopback."""
     servicer = Scripted()
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])  # as the replicas': bytes pass
@@ -68,7 +69,7 @@ async def replica(*, socket: bool = True, max_bytes: int = 1 << 20) -> AsyncIter
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     plane = None
-    if socket:
+    if serve_socket:
         plane = DataSocketServer(
             servicer.method,
             draft_pb2.ProposeStreamRequest,
@@ -86,11 +87,11 @@ async def replica(*, socket: bool = True, max_bytes: int = 1 << 20) -> AsyncIter
 
 
 @contextlib.asynccontextmanager
-async def dialled(*, socket: bool = True, **backoff: float) -> AsyncIterator[Any]:
+async def dialled(*, serve_socket: bool = True, **backoff: float) -> AsyncIterator[Any]:
     """(stream, servicer, socket server or None): a ReplicaStream dialling the replica's
     socket (the orchestrator's), closed afterwards."""
     async with (
-        replica(socket=socket) as (address, servicer, plane),
+        replica(serve_socket=serve_socket) as (address, servicer, plane),
         grpc.aio.insecure_channel(address) as channel,
     ):
         stream = ReplicaStream.propose(channel, SocketDial.of(address), **backoff)
@@ -159,12 +160,29 @@ def test_a_call_past_its_deadline_raises_deadline_exceeded_and_the_socket_goes_o
 
 def test_a_replica_without_a_data_port_is_served_over_its_grpc_stream() -> None:
     async def body() -> None:
-        async with dialled(socket=False) as (stream, _, _):
+        async with dialled(serve_socket=False) as (stream, _, _):
             assert answered(await stream.call(request("ok-1"), 10)) == "ok-1"
             assert isinstance(stream._stream, SocketCall)
             assert not stream._stream.over_socket  # the gRPC stream carried it
 
     asyncio.run(body())
+
+
+def test_a_socket_that_cannot_be_reached_falls_back_to_the_grpc_stream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def body() -> None:
+        async with dialled(serve_socket=False) as (stream, servicer, _):
+            closed = socket.socket()
+            closed.bind(("127.0.0.1", 0))
+            servicer.data_port = closed.getsockname()[1]  # reported, nothing listens
+            closed.close()
+            assert answered(await stream.call(request("ok-1"), 10)) == "ok-1"
+            assert isinstance(stream._stream, SocketCall)
+            assert not stream._stream.over_socket  # the gRPC stream carried it
+
+    asyncio.run(body())
+    assert "cannot be reached" in caplog.text and "--data-port off" in caplog.text
 
 
 def test_a_hello_naming_another_method_is_unimplemented() -> None:
