@@ -170,11 +170,13 @@ class SocketCall:
         self._reader, self._writer = reader, writer
 
     async def _over_grpc(self) -> None:
-        """Carry this connection's calls on the replica's gRPC stream method instead."""
-        self._inner = self._grpc_stream()
-        for data in self._queued:
-            await self._inner.write(data)
-        self._queued.clear()
+        """Carry this connection's calls on the replica's gRPC stream method instead.
+        Calls written while the queue drains join it (a gRPC stream takes one write at a
+        time), so they go out in order; later ones go straight to the stream."""
+        inner = self._grpc_stream()
+        while self._queued:
+            await inner.write(self._queued.pop(0))
+        self._inner = inner
 
     def _broken(self, code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
         self._done = True
