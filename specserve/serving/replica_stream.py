@@ -1,9 +1,11 @@
-"""The client end of a data-plane stream: many calls to one replica over one gRPC stream.
+"""The client end of the data plane: many calls to one replica over one connection.
 
-:class:`ReplicaStream` sends each call as one message on a long-lived
-``ProposeStream`` / ``VerifyStream`` (framing in :mod:`specserve.serving.call_stream`)
-and hands back the answer with the same request id, so any number of callers can
-share the stream. It behaves, for its callers, like the unary stub method it
+:class:`ReplicaStream` sends each call as one message on a long-lived connection to
+the replica, its data-plane socket (:mod:`specserve.serving.socket_call`, when given a
+:class:`~specserve.serving.socket_call.SocketDial`) or its ``ProposeStream`` /
+``VerifyStream`` gRPC method (framing in :mod:`specserve.serving.call_stream`), and
+hands back the answer with the same request id, so any number of callers can share
+the stream. It behaves, for its callers, like the unary stub method it
 replaces: ``await stream.call(request, timeout)`` returns the response or raises
 :class:`grpc.aio.AioRpcError` with the code and sentence the unary call would
 have ended with, so failure handling written for unary calls applies unchanged.

@@ -160,9 +160,12 @@ def test_drafts_that_are_rarely_accepted_stop_and_leave_plain_speed() -> None:
 
 def test_one_session_whose_acceptance_fell_does_not_turn_the_batchs_drafting_off() -> None:
     """The cap maximises the batch's expected tokens per round time: a session whose
-    drafts are rarely accepted drafts little and pays the longer round, while 31 others
-    at 90% acceptance get several tokens a round (a cap waiting for the batch's slowest
-    turn would run all 32 plain)."""
+    drafts are rarely accepted pays the longer round, while 31 others at 90% acceptance
+    get several tokens a round (a cap waiting for the batch's slowest turn would run all
+    32 plain). Its own best k would be 0 or 1; the lone rounds measured no cost per
+    verified position, so it drafts as deep as the batch, for nothing
+    (``test_on_separate_devices_a_shallow_session_drafts_to_the_batchs_depth_where_it_pays``
+    shows the rule)."""
     p = Planner(PolicyConfig(devices=Devices.SEPARATE))
     lone_rounds(p, [0, 4, 5, 6, 6, 5, 6, 7, 6, 6, 5, 6])
     good = {"alpha": 0.9, "turn_drafted": 40, "turn_accepted": 36, "turn_rejections": 4}
@@ -171,4 +174,4 @@ def test_one_session_whose_acceptance_fell_does_not_turn_the_batchs_drafting_off
     plan = p.plan("t", 32, batch)
     assert plan.cap >= 4
     assert min(plan.k[str(i)] for i in range(31)) >= 4
-    assert plan.k["poor"] <= 1
+    assert plan.k["poor"] == max(plan.k.values())

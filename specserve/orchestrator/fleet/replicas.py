@@ -88,7 +88,7 @@ StreamFactory = Callable[[grpc.aio.Channel, SocketDial], ReplicaStream[Any, Any]
 
 
 class Replica:
-    """One replica: its channel and stub, its data-plane stream (when rounds go over
+    """One replica: its channel and stub, its data-plane connection (when rounds go over
     streams), and whether it is up."""
 
     def __init__(

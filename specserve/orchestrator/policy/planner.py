@@ -39,7 +39,7 @@ tokens per unit of the batch's round time (its goodput)::
     goodput(cap) = sum over sessions of expected tokens / round(depth, drafts)
 
 (ties: the smaller cap). A session whose acceptance fell drafts little or nothing
-under any cap and pays the batch's longer round; the others' tokens outweigh it,
+under any cap (but see below) and pays the batch's longer round; the others' tokens outweigh it,
 as they would not under a rule that waits for the batch's slowest turn. On
 ``separate`` devices the round's deepest session sets the draft's steps, so another
 session's extra draft costs only a verified position: each session's k is then raised

@@ -25,9 +25,10 @@
   says where its news starts, and the random draws depend only on (seed, round,
   position).
 
-Over the data-plane streams (:class:`~specserve.serving.replica_stream.ReplicaStream`,
-the default) a call fails with the same codes as the unary call, and a broken stream
-fails every call in flight on it as a lost unary call: the rules above apply unchanged.
+Over the data plane (:class:`~specserve.serving.replica_stream.ReplicaStream` on the
+replicas' sockets or gRPC streams, the default) a call fails with the same codes as the
+unary call, and a broken connection fails every call in flight on it as a lost unary
+call: the rules above apply unchanged.
 
 Converters are the services' own (:mod:`specserve.draft_service.convert`,
 :mod:`specserve.target_service.convert`), so both ends of a field agree.

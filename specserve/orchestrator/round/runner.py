@@ -32,7 +32,7 @@ A round of a lane (see :mod:`specserve.orchestrator.fleet.scheduler`) is the rou
 **From an answer to the next call.** Once a round's ``Verify`` answers, its lane
 applies the verdicts, starts the commit (capturing only what the next round may
 change: :mod:`~.writes`), plans the next round and sends its first call on the
-replica's data-plane stream without yielding to the event loop in between. What
+replica's data-plane connection without yielding to the event loop in between. What
 decides nothing in that call runs after it is sent: building and writing the
 commit's records, the runner's counts, the debug log.
 
