@@ -76,6 +76,9 @@ Resp = TypeVar("Resp")
 # The orchestrator has at most one round per session in flight, so this is far above
 # what it sends (and bounds what one client can make a replica hold).
 MAX_IN_FLIGHT = 4096
+# And request bytes: one stream's calls in flight hold at most this many maximal
+# messages (``--max-message-bytes``) before it is read no further (InFlightBytes).
+IN_FLIGHT_FRAMES = 4
 
 
 @dataclass(frozen=True)
@@ -198,24 +201,60 @@ async def _run_call(
         return method.refusal(request_id, code, text)
 
 
+class InFlightBytes:
+    """The request bytes of a stream's calls in flight, and a budget: past it the stream
+    is read no further (the client's writes wait on the transport's flow control) until
+    answers free some; one call always gets in."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._held: dict[int, int] = {}  # id() of a call message in flight -> its bytes
+        self._total = 0
+        self._freed = asyncio.Event()
+
+    async def room(self) -> None:
+        while self._held and self._total >= self.budget:
+            self._freed.clear()
+            await self._freed.wait()
+
+    def hold(self, message: Any, size: int) -> None:
+        self._held[id(message)] = size
+        self._total += size
+
+    def done(self, message: Any) -> None:
+        self._total -= self._held.pop(id(message), 0)
+        self._freed.set()
+
+
 async def serve_call_stream(
     method: StreamMethod[Req, Resp],
     context: grpc.aio.ServicerContext,
     draining: asyncio.Event | None = None,
+    bytes_in_flight: int | None = None,
 ) -> None:
     """Serve one gRPC stream until the client half-closes it, or ``draining`` is set (the
     server is shutting down): then read no more, answer the calls in flight and end the
     stream OK. If it ends otherwise (the client cancels, the stream breaks), cancel the
-    calls in flight. See the module docstring."""
+    calls in flight. ``bytes_in_flight``: the request bytes its calls in flight may hold
+    before it is read no further (:class:`InFlightBytes`; None: no limit but
+    ``max_in_flight`` calls). See the module docstring."""
+    budget = InFlightBytes(bytes_in_flight) if bytes_in_flight else None
 
     async def read() -> Any:
+        if budget is not None:
+            await budget.room()
         message = await context.read()
-        return None if message is grpc.aio.EOF else message
+        if message is grpc.aio.EOF:
+            return None
+        if budget is not None and not isinstance(message, Malformed | Oversized):
+            budget.hold(message, message.ByteSize())
+        return message
 
     async def refuse_stream(bad: Malformed | Oversized) -> None:
         await refuse(method.unary_method + "Stream", bad, context)  # raises: ends the stream
 
-    await serve_calls(method, read, context.write, refuse_stream, draining)
+    done = budget.done if budget is not None else None
+    await serve_calls(method, read, context.write, refuse_stream, draining, "stream", done)
 
 
 async def serve_calls(
@@ -225,14 +264,16 @@ async def serve_calls(
     refuse_stream: Callable[[Malformed | Oversized], Awaitable[None]],
     draining: asyncio.Event | None = None,
     transport: str = "stream",
+    done: Callable[[Any], None] | None = None,
 ) -> None:
     """The calls of one stream, whatever carries it: ``read()`` gives the next call
     message (None at the client's end of the stream, :class:`Malformed` /
     :class:`Oversized` for bytes that are not one), ``write(answer)`` sends an answer
     (bytes or message; one write at a time is made), ``refuse_stream(bad)`` ends the
     stream over bytes that are not a call (it may raise; after it no more is read);
-    ``transport`` names the carrier in the calls' spans (``specserve.transport``).
-    Returns once the stream ended as :func:`serve_call_stream` describes."""
+    ``transport`` names the carrier in the calls' spans (``specserve.transport``);
+    ``done(message)`` hears of each call message once it was answered, refused or
+    cancelled. Returns once the stream ended as :func:`serve_call_stream` describes."""
     in_flight: dict[int, asyncio.Task[None]] = {}
     write_lock = asyncio.Lock()  # one write at a time on the stream
 
@@ -245,6 +286,8 @@ async def serve_calls(
             await answer(await _run_call(method, message, transport))
         finally:
             in_flight.pop(message.header.request_id, None)
+            if done is not None:
+                done(message)
 
     async def read_calls() -> None:
         while True:
@@ -275,6 +318,9 @@ async def serve_calls(
                 )
             else:
                 in_flight[request_id] = asyncio.get_running_loop().create_task(call(message))
+                continue
+            if done is not None:  # refused at once
+                done(message)
 
     loop = asyncio.get_running_loop()
     reader = loop.create_task(read_calls())

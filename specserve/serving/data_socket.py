@@ -27,7 +27,11 @@ little-endian length and that many bytes.
    (``UNAVAILABLE``, after the calls in flight were answered). The replica then
    closes; the client fails what it sent after that as lost, and reconnects.
 
-A client that sends no hello within ``HELLO_TIMEOUT_S`` is disconnected. Both ends
+A connection is read no further while its calls in flight hold more request bytes
+than ``IN_FLIGHT_FRAMES`` maximal frames (one frame always gets in): the client's
+writes then wait on TCP, and a client cannot make a replica hold more than that per
+connection however fast it sends. A client that sends no hello within
+``HELLO_TIMEOUT_S`` is disconnected. Both ends
 turn on TCP keepalive, so a peer that vanished without a FIN is noticed in about
 half a minute rather than never.
 """
@@ -44,7 +48,12 @@ from typing import Any
 
 import grpc
 
-from specserve.serving.call_stream import StreamMethod, serve_calls
+from specserve.serving.call_stream import (
+    IN_FLIGHT_FRAMES,
+    InFlightBytes,
+    StreamMethod,
+    serve_calls,
+)
 from specserve.serving.malformed import Malformed, Oversized, RateLimitedWarning, tolerant
 from specserve.serving.tls import ServerTls
 from specserve.v1 import common_pb2
@@ -115,10 +124,13 @@ class DataSocketServer:
         *,
         max_bytes: int,
         draining: asyncio.Event,
+        bytes_in_flight: int | None = None,
     ) -> None:
         self.method = method
         self.parse = tolerant(request_type.FromString)
         self.max_bytes = max_bytes
+        # Request bytes one connection may have in flight before it is read no further.
+        self.bytes_in_flight = bytes_in_flight or IN_FLIGHT_FRAMES * max_bytes
         self.draining = draining
         self.port = 0
         self._server: asyncio.Server | None = None
@@ -177,11 +189,17 @@ class DataSocketServer:
         return False
 
     async def _calls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        budget = InFlightBytes(self.bytes_in_flight)
+
         async def read() -> Any:
+            await budget.room()  # past the budget, TCP backpressure
             data = await read_frame(reader, self.max_bytes)
             if data is None or isinstance(data, Oversized):
                 return data
-            return self.parse(data)  # type: ignore[misc]
+            message = self.parse(data)  # type: ignore[misc]
+            if not isinstance(message, Malformed):
+                budget.hold(message, len(data))
+            return message
 
         async def write(answer: Any) -> None:
             data = answer if isinstance(answer, bytes) else answer.SerializeToString()
@@ -191,7 +209,7 @@ class DataSocketServer:
         async def refuse(bad: Malformed | Oversized) -> None:
             writer.write(error_frame(self.method.answer_type, *self._refusal(writer, bad)))
 
-        await serve_calls(self.method, read, write, refuse, self.draining, "socket")
+        await serve_calls(self.method, read, write, refuse, self.draining, "socket", budget.done)
         if self.draining.is_set():
             writer.write(
                 error_frame(

@@ -41,6 +41,7 @@ class Scripted(draft_pb2_grpc.DraftServiceServicer):
         self.draining = asyncio.Event()
         self.seen: list[str] = []
         self.method = StreamMethod(PROPOSE, self.propose, draft_pb2.ProposeStreamResponse)
+        self.stream_bytes_in_flight: int | None = None
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         name = request.sessions[0].session_id
@@ -57,11 +58,13 @@ class Scripted(draft_pb2_grpc.DraftServiceServicer):
         return common_pb2.LoadReport(role="draft", data_port=self.data_port)
 
     async def ProposeStream(self, request_iterator: AsyncIterator[Any], context: Any) -> None:
-        await serve_call_stream(self.method, context, self.draining)
+        await serve_call_stream(self.method, context, self.draining, self.stream_bytes_in_flight)
 
 
 @contextlib.asynccontextmanager
-async def replica(*, serve_socket: bool = True, max_bytes: int = 1 << 20) -> AsyncIterator[Any]:
+async def replica(
+    *, serve_socket: bool = True, max_bytes: int = 1 << 20, bytes_in_flight: int | None = None
+) -> AsyncIterator[Any]:
     """(address, servicer, socket server or None) of a scripted replica on loopback."""
     servicer = Scripted()
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])  # as the replicas': bytes pass
@@ -75,6 +78,7 @@ async def replica(*, serve_socket: bool = True, max_bytes: int = 1 << 20) -> Asy
             draft_pb2.ProposeStreamRequest,
             max_bytes=max_bytes,
             draining=servicer.draining,
+            bytes_in_flight=bytes_in_flight,
         )
         servicer.data_port = await plane.start("127.0.0.1", 0, None)
     try:
@@ -220,6 +224,57 @@ def test_a_frame_past_the_size_limit_is_refused_unread() -> None:
             assert code == grpc.StatusCode.INVALID_ARGUMENT
             assert str(1 << 30) in text and "limit" in text
             assert servicer.seen == []
+
+    asyncio.run(body())
+
+
+def big_call(name: str) -> bytes:
+    """A Propose call of about 100 kB (50,000 two-byte token ids), ``slow-N`` id N."""
+    session = draft_pb2.DraftSession(session_id=name, k=1, new_tokens=[1000] * 50_000)
+    header = common_pb2.StreamCallHeader(request_id=int(name.split("-")[1]))
+    call = draft_pb2.ProposeStreamRequest(header=header)
+    call.request.sessions.append(session)
+    return call.SerializeToString()
+
+
+@pytest.mark.parametrize("over", ["socket", "grpc stream"])
+def test_a_stream_past_its_bytes_in_flight_is_read_no_further_until_answers_free_them(
+    over: str,
+) -> None:
+    async def body() -> None:
+        async with replica(bytes_in_flight=250_000) as (address, servicer, _):
+            servicer.stream_bytes_in_flight = 250_000
+            calls = [big_call(f"slow-{i}") for i in range(1, 5)]
+            if over == "socket":
+                reader, writer, _ = await raw(servicer.data_port)
+                for data in calls:
+                    writer.write(frame(data))
+
+                async def answer() -> Any:
+                    return await read_frame(reader, 1 << 20)
+            else:
+                channel = grpc.aio.insecure_channel(address)
+                stream = channel.stream_stream(PROPOSE + "Stream")()
+
+                async def send() -> None:
+                    for data in calls:
+                        await stream.write(data)
+
+                sending = asyncio.ensure_future(send())
+
+                async def answer() -> Any:
+                    return await stream.read()
+
+            await asyncio.sleep(0.15)
+            assert len(servicer.seen) == 3  # 300 kB held: the fourth waits unread
+            answers = [await asyncio.wait_for(answer(), 10) for _ in range(4)]
+            assert len(servicer.seen) == 4 and all(isinstance(a, bytes) for a in answers)
+            if over == "socket":
+                writer.close()
+            else:
+                await sending
+                stream.cancel()
+                await channel.close()
 
     asyncio.run(body())
 
