@@ -13,7 +13,7 @@ from opentelemetry import trace
 from specserve.draft_service.backend import DraftBackend, Proposed
 from specserve.draft_service.metrics import DraftCounts
 from specserve.engine.drafter import DraftCall
-from specserve.serving.call_stream import IN_FLIGHT_FRAMES, StreamMethod, serve_call_stream
+from specserve.serving.call_stream import StreamMethod, serve_call_stream
 from specserve.serving.errors import check_strict
 from specserve.serving.server import RunningServer
 from specserve.telemetry import attributes as attr
@@ -55,7 +55,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.propose_stream,
             context,
             self.running.draining,
-            IN_FLIGHT_FRAMES * self.running.options.max_message_bytes,
+            self.running.bytes_in_flight,
         )
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:

@@ -28,7 +28,8 @@ little-endian length and that many bytes.
    closes; the client fails what it sent after that as lost, and reconnects.
 
 A connection is read no further while its calls in flight hold more request bytes
-than ``IN_FLIGHT_FRAMES`` maximal frames (one frame always gets in): the client's
+than its budget, ``IN_FLIGHT_FRAMES`` maximal frames on a replica (one frame always
+gets in): the client's
 writes then wait on TCP, and a client cannot make a replica hold more than that per
 connection however fast it sends. A client that sends no hello within
 ``HELLO_TIMEOUT_S`` is disconnected. Both ends
@@ -48,12 +49,7 @@ from typing import Any
 
 import grpc
 
-from specserve.serving.call_stream import (
-    IN_FLIGHT_FRAMES,
-    InFlightBytes,
-    StreamMethod,
-    serve_calls,
-)
+from specserve.serving.call_stream import InFlightBytes, StreamMethod, serve_calls
 from specserve.serving.malformed import Malformed, Oversized, RateLimitedWarning, tolerant
 from specserve.serving.tls import ServerTls
 from specserve.v1 import common_pb2
@@ -124,15 +120,14 @@ class DataSocketServer:
         *,
         max_bytes: int,
         draining: asyncio.Event,
-        bytes_in_flight: int | None = None,
+        bytes_in_flight: int,
     ) -> None:
         self.method = method
         self.parse = tolerant(request_type.FromString)
         self.max_bytes = max_bytes
         # Request bytes one connection may have in flight before it is read no further.
-        self.bytes_in_flight = bytes_in_flight or IN_FLIGHT_FRAMES * max_bytes
+        self.bytes_in_flight = bytes_in_flight
         self.draining = draining
-        self.port = 0
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[Any]] = set()
 
@@ -142,8 +137,7 @@ class DataSocketServer:
         self._server = await asyncio.start_server(
             self._serve, host, port, ssl=context, reuse_address=True
         )
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self.port
+        return int(self._server.sockets[0].getsockname()[1])
 
     async def close(self) -> None:
         """Stop listening; connections end once their calls are answered (``draining``

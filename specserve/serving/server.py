@@ -33,7 +33,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specserve.serving.call_stream import StreamMethod
+from specserve.serving.call_stream import IN_FLIGHT_FRAMES, StreamMethod
 from specserve.serving.data_socket import DataSocketServer
 from specserve.serving.errors import ErrorInterceptor
 from specserve.serving.executor import ModelExecutor, State
@@ -132,6 +132,12 @@ class RunningServer(Generic[B]):
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
+    @property
+    def bytes_in_flight(self) -> int:
+        """Request bytes the calls in flight on one data-plane connection (socket or
+        gRPC stream) may hold before it is read no further."""
+        return IN_FLIGHT_FRAMES * self.options.max_message_bytes
+
     async def serve_data_plane(self, method: StreamMethod[Any, Any], request_type: Any) -> None:
         """Serve ``method`` on the data-plane socket (:mod:`specserve.serving.data_socket`)
         at ``options.data_port``, with the gRPC port's TLS; nothing when that is None."""
@@ -142,6 +148,7 @@ class RunningServer(Generic[B]):
             request_type,
             max_bytes=self.options.max_message_bytes,
             draining=self.draining,
+            bytes_in_flight=self.bytes_in_flight,
         )
         self.data_port = await socket.start(
             self.options.host, self.options.data_port, self.options.tls

@@ -15,7 +15,7 @@ from opentelemetry import trace
 
 from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk
 from specserve.engine.verifier import VerifyInput
-from specserve.serving.call_stream import IN_FLIGHT_FRAMES, StreamMethod, serve_call_stream
+from specserve.serving.call_stream import StreamMethod, serve_call_stream
 from specserve.serving.errors import check_strict
 from specserve.serving.server import RunningServer
 from specserve.target_service.backend import TargetBackend, Verified
@@ -75,7 +75,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.verify_stream,
             context,
             self.running.draining,
-            IN_FLIGHT_FRAMES * self.running.options.max_message_bytes,
+            self.running.bytes_in_flight,
         )
 
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:

@@ -23,7 +23,7 @@ import pytest
 
 from specserve.engine.errors import NotFound
 from specserve.serving import data_socket
-from specserve.serving.call_stream import StreamMethod, serve_call_stream
+from specserve.serving.call_stream import IN_FLIGHT_FRAMES, StreamMethod, serve_call_stream
 from specserve.serving.data_socket import DataSocketServer, frame, read_frame
 from specserve.serving.errors import ErrorInterceptor
 from specserve.serving.replica_stream import ReplicaStream
@@ -78,7 +78,7 @@ async def replica(
             draft_pb2.ProposeStreamRequest,
             max_bytes=max_bytes,
             draining=servicer.draining,
-            bytes_in_flight=bytes_in_flight,
+            bytes_in_flight=bytes_in_flight or IN_FLIGHT_FRAMES * max_bytes,
         )
         servicer.data_port = await plane.start("127.0.0.1", 0, None)
     try:

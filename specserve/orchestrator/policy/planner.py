@@ -170,7 +170,7 @@ class Planner:
             cap = bound if exploring else 0
         ks = [s.ks[cap] for s in each]
         if c.devices is Devices.SEPARATE and not exploring:
-            ks = _filled(each, ks, cost, c.k_max)
+            ks = _filled(each, cap, cost.verify_per_token * goodput[cap], c.k_max)
         k = {}
         for s, chosen in zip(each, ks, strict=True):
             k[s.view.sid] = chosen
@@ -294,17 +294,14 @@ def _plain_token_seconds(outcome: RoundOutcome, steps: int) -> float:
     return (outcome.seconds + (steps - outcome.steps) * per_step) / steps
 
 
-def _filled(each: list[_Session], ks: list[int], cost: CostModel, k_max: int) -> list[int]:
-    """``ks`` with each adaptive session's k raised toward the round's depth while its
-    next draft is expected to cost less than the round's average token: in a batch whose
-    deepest session sets the draft's steps, a shallower session's extra draft adds only
-    a verified position (``verify_per_token``) and ``a ** (k + 1)`` expected tokens."""
-    depth = max(ks, default=0)
-    if depth == 0:
-        return ks
-    expected = sum(expected_tokens(s.alpha, k) for s, k in zip(each, ks, strict=True))
-    average = cost.verify_per_token * expected / cost.batch_round(depth, sum(ks))
-    out = list(ks)
+def _filled(each: list[_Session], cap: int, average: float, k_max: int) -> list[int]:
+    """The sessions' k under ``cap``, each adaptive one's raised toward the round's depth
+    while its next draft is expected to cost less than ``average``, the round's average
+    token (``verify_per_token`` x its goodput): in a batch whose deepest session sets the
+    draft's steps, a shallower session's extra draft adds only a verified position and
+    ``a ** (k + 1)`` expected tokens."""
+    out = [s.ks[cap] for s in each]
+    depth = max(out, default=0)
     for i, s in enumerate(each):
         if not s.adaptive or s.view.drafter == "none" or s.view.cache is Cache.WARMING:
             continue
