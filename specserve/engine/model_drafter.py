@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.engine import coupling, ops
+from specserve.engine import ops
 from specserve.engine.draft_ahead import (
     AHEAD_MAX_SESSIONS,
     MAX_DRAFT_AHEAD,
@@ -37,12 +37,12 @@ from specserve.engine.draft_ahead import (
     AheadCounts,
     Predrafted,
 )
+from specserve.engine.draft_sampling import DrawRow, draw_rows
 from specserve.engine.drafter import DrafterKind, DraftInput, DraftOutcome
 from specserve.engine.kv_cache import KVStats
 from specserve.engine.model import CausalLM, SeqInput
-from specserve.engine.randomness import Stream, uniform
 from specserve.engine.rejection import Proposal
-from specserve.engine.sampling import SamplingParams, probabilities
+from specserve.engine.sampling import SamplingParams
 
 
 @dataclass
@@ -210,11 +210,13 @@ class ModelDrafter:
             top: list[float] = []
             if self.min_confidence > 0:
                 top = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
+            going = [
+                row for row in range(len(running)) if not top or top[row] >= self.min_confidence
+            ]
+            tokens = self._sample([running[row] for row in going], logits, greedy, going)
             still = []
-            for row, a in enumerate(running):
-                if top and top[row] < self.min_confidence:
-                    continue
-                token = greedy[row] if a.params.greedy else self._sample(a, logits[row])
+            for row, token in zip(going, tokens, strict=True):
+                a = running[row]
                 a.drafts.append(token)
                 s = self._sessions[a.sid]
                 s.tokens.append(token)
@@ -223,36 +225,27 @@ class ModelDrafter:
                     still.append(a)
             running = still
 
-    def _sample(self, a: _Active, logits: torch.Tensor) -> int:  # [vocab]
-        """The draft token of a sampled session (coupled or the rejection rule's draw)."""
-        position = len(self._sessions[a.sid].tokens)  # of the token being drafted
-        token, q = self._draw(a.params, a.round_index, position, logits)
-        if q is not None:
-            a.q_ids.append(q[0])
-            a.q_probs.append(q[1])
-        return token
-
-    def _draw(
-        self,
-        params: SamplingParams,
-        round_index: int,
-        position: int,  # absolute position of the token being drafted
-        logits: torch.Tensor,  # [vocab]
-    ) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None]:
-        """A sampled draft token and, under the rejection rule, its sparse q (ids, probs)."""
-        probs = probabilities(logits.unsqueeze(0), params)[0]  # [vocab]
-        m = min(self.max_support, probs.shape[0])
-        vals, ids = torch.topk(probs, m)
-        vals = vals / vals.sum()
-        if params.coupled:
-            seeds = [params.seed]
-            return int(coupling.choose_among(vals[None], ids[None], seeds, [position])[0]), None
-        u = uniform(params.seed, round_index, position, Stream.DRAFT)
-        cdf = torch.cumsum(vals.double(), 0)
-        pick = min(int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True)), m - 1)
-        while vals[pick] == 0:  # never emit a token outside the support
-            pick -= 1
-        return int(ids[pick]), (ids, vals.float())
+    def _sample(
+        self, active: list[_Active], logits: torch.Tensor, greedy: list[int], rows: list[int]
+    ) -> list[int]:
+        """The next draft token of each of ``active``, whose step row is ``rows[i]`` (its
+        logits ``logits[rows[i]]``, its argmax ``greedy[rows[i]]``): sampled sessions'
+        drawn together, each one's sparse q appended under the rejection rule."""
+        tokens = [
+            greedy[row] if a.params.greedy else -1 for a, row in zip(active, rows, strict=True)
+        ]
+        drawing = [i for i, a in enumerate(active) if not a.params.greedy]
+        draws = [
+            DrawRow(a.params, a.round_index, len(self._sessions[a.sid].tokens))
+            for a in (active[i] for i in drawing)
+        ]
+        drawn, qs = draw_rows(draws, _rows(logits, [rows[i] for i in drawing]), self.max_support)
+        for i, token, q in zip(drawing, drawn, qs, strict=True):
+            tokens[i] = token
+            if q is not None:
+                active[i].q_ids.append(q[0])
+                active[i].q_probs.append(q[1])
+        return tokens
 
     # -- drafting ahead ------------------------------------------------------------
 
@@ -299,26 +292,33 @@ class ModelDrafter:
         top: list[float] = []
         if self.min_confidence > 0:
             top = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
-        drafted = 0
+        going = []
         for row, (_, s) in enumerate(rows):
             s.in_kv += 1
-            ahead = s.ahead
-            assert ahead is not None
+            assert s.ahead is not None
             if top and top[row] < self.min_confidence:
-                ahead.stopped = True  # drafting from this history stops here as well
-                continue
-            position = len(s.tokens)
-            token = argmax[row]
-            if position == ahead.start:  # the bonus guess: the target's likeliest token
-                if ahead.params.coupled:
-                    token = self._draw(ahead.params, ahead.round_index, position, logits[row])[0]
-            elif not ahead.params.greedy:  # a draft of the next round, drawn as it would be
-                token, q = self._draw(ahead.params, ahead.round_index, position, logits[row])
-                if q is not None:
-                    ahead.q_ids.append(q[0])
-                    ahead.q_probs.append(q[1])
-            s.tokens.append(token)
-            drafted += 1
+                s.ahead.stopped = True  # drafting from this history stops here as well
+            else:
+                going.append(row)
+        # The bonus guess is the target's likeliest token (coupled: its coupled choice);
+        # a draft of the next round is drawn as it would be then.
+        drawing: list[tuple[int, Ahead]] = []
+        for row in going:
+            ahead = rows[row][1].ahead
+            if ahead is not None and _draws(rows[row][1]):
+                drawing.append((row, ahead))
+        draws = [DrawRow(a.params, a.round_index, len(rows[row][1].tokens)) for row, a in drawing]
+        on = [row for row, _ in drawing]
+        drawn, qs = draw_rows(draws, _rows(logits, on), self.max_support)
+        tokens = list(argmax)
+        for (row, ahead), token, q in zip(drawing, drawn, qs, strict=True):
+            tokens[row] = token
+            if q is not None:
+                ahead.q_ids.append(q[0])
+                ahead.q_probs.append(q[1])
+        for row in going:
+            rows[row][1].tokens.append(tokens[row])
+        drafted = len(going)
         self.ahead_counts.drafted_step(drafted)
         return True
 
@@ -330,3 +330,18 @@ class ModelDrafter:
             q_ids=torch.stack(a.q_ids),  # [k, m]
             q_probs=torch.stack(a.q_probs),  # [k, m]
         )
+
+
+def _draws(s: _Session) -> bool:
+    """Whether drafting ahead draws this session's next token rather than its argmax:
+    the bonus guess of a coupled session, or any later draft of a sampled one."""
+    ahead = s.ahead
+    assert ahead is not None
+    if len(s.tokens) == ahead.start:
+        return ahead.params.coupled
+    return not ahead.params.greedy
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``, without a copy when that is every row in order."""
+    return logits if rows == list(range(logits.shape[0])) else logits[rows]
