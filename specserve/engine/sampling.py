@@ -115,6 +115,8 @@ def batched_probabilities(
             f"{sum(rows_per_param)} rows the sessions own."
         )
     device = logits.device
+    if logits.shape[0] == 0:
+        return torch.zeros(logits.shape, dtype=torch.float32, device=device)
     counts = torch.tensor(list(rows_per_param), dtype=torch.long)
 
     def per_row(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:  # [n] on the host
@@ -123,12 +125,13 @@ def batched_probabilities(
     # Which rows take which path is decided on the host, from the params: on a GPU a
     # test of a device tensor would wait for every kernel queued before it.
     greedy = per_row([p.greedy for p in params], torch.bool)  # [n]
-    out = torch.zeros(logits.shape, dtype=torch.float32, device=device)
+    out: torch.Tensor | None = None  # made only when some rows are greedy
     if any(p.greedy for p in params):
+        out = torch.zeros(logits.shape, dtype=torch.float32, device=device)
         rows = greedy.nonzero().squeeze(1).to(device)
         out[rows] = _one_hot_argmax(logits[rows])
-    if all(p.greedy for p in params):
-        return out
+        if all(p.greedy for p in params):
+            return out
 
     sampled = (~greedy).nonzero().squeeze(1)  # [s]
     # Below _MIN_TEMPERATURE a float32 temperature would underflow to 0 (and 0/0 to NaN);
@@ -139,14 +142,18 @@ def batched_probabilities(
     top_p = per_row([p.top_p for p in params], torch.float64)[sampled]  # [s] on the host
     sampled = sampled.to(device)
 
-    x = logits[sampled].float()  # [s, vocab]
+    x = (logits if out is None else logits[sampled]).float()  # [s, vocab]
     x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]
     vocab = x.shape[1]
     filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)  # [s]
-    if bool(filtered.any()):
+    if bool(filtered.all()):
+        x = _top_k_top_p(x, top_k, top_p)
+    elif bool(filtered.any()):
         rows = filtered.nonzero().squeeze(1)
         on = rows.to(device)
         x[on] = _top_k_top_p(x[on], top_k[rows], top_p[rows])
+    if out is None:  # every row sampled
+        return torch.softmax(x, dim=-1)
     out[sampled] = torch.softmax(x, dim=-1)
     return out
 
@@ -167,8 +174,11 @@ def _top_k_top_p(
     survivors and only those are ranked for top-p. Rows with top-p alone sort.
     """
     vocab, device = x.shape[1], x.device
-    keep = torch.ones(x.shape, dtype=torch.bool, device=device)  # [r, vocab]
     partial = (top_k > 0) & (top_k < vocab)
+    if bool(partial.all()):  # every row has a top-k (top_k is on the host)
+        keep = _keep_top_k_then_p(x, top_k.to(device), top_p.to(device), int(top_k.max()))
+        return x.masked_fill_(~keep, -math.inf)
+    keep = torch.ones(x.shape, dtype=torch.bool, device=device)  # [r, vocab]
     rows = partial.nonzero().squeeze(1)
     if rows.numel():
         width = int(top_k[rows].max())
@@ -190,15 +200,29 @@ def _keep_top_k_then_p(
     top_p: torch.Tensor,  # [r] float64
     width: int,  # max(top_k)
 ) -> torch.Tensor:
-    """Mask [r, vocab] of the top-k tokens (ties to the lower id), then their top-p nucleus."""
-    values = x.topk(width, dim=-1).values  # [r, width] descending; which tied ids is moot
-    threshold = values.gather(1, (top_k - 1)[:, None])  # the k-th largest value
-    above = x > threshold
-    tied = x == threshold
-    room = top_k[:, None] - above.sum(dim=-1, keepdim=True)  # ties that still fit
-    keep = above | (tied & (tied.cumsum(dim=-1) <= room))  # exactly k, lower ids first
+    """Mask [r, vocab] of the top-k tokens (ties to the lower id), then their top-p nucleus.
+
+    One partial ranking of ``width + 1`` values serves every row whose k-th and
+    (k + 1)-th values differ: its top k are then exactly those ids, whichever way the
+    ranking ordered ties inside them. Only a row with a tie across its k-th value
+    takes the whole-vocabulary pass that picks the tied ids from the lowest up (on a
+    GPU, whether any row does is one flag read back per call).
+    """
+    values, ids = x.topk(width + 1, dim=-1)  # [r, width + 1] descending
+    kth = values.gather(1, (top_k - 1)[:, None])  # [r, 1] the k-th largest value
+    tie = (kth == values.gather(1, top_k[:, None]))[:, 0]  # [r] a tie across the k-th
+    rank = torch.arange(width, device=x.device)[None, :]  # [1, width]
+    inside = rank < top_k[:, None]  # [r, width] the top k of each row
+    cand_x = values[:, :width].masked_fill(~inside, -math.inf)
+    cand_ids = ids[:, :width]
+    keep = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    keep.scatter_(1, cand_ids, inside)
+    if bool(tie.any()):
+        rows = tie.nonzero().squeeze(1)
+        tied_keep = _top_k_with_ties(x[rows], kth[rows], top_k[rows])
+        keep[rows] = tied_keep
+        cand_x[rows], cand_ids[rows] = x[rows].masked_fill(~tied_keep, -math.inf).topk(width, -1)
     # Rank the survivors by (value desc, id asc): ids ascending, then a stable sort.
-    cand_x, cand_ids = x.masked_fill(~keep, -math.inf).topk(width, dim=-1)
     cand_ids, by_id = cand_ids.sort(dim=-1)
     cand_x = cand_x.gather(1, by_id)
     cand_x, by_value = cand_x.sort(dim=-1, descending=True, stable=True)
@@ -206,6 +230,19 @@ def _keep_top_k_then_p(
     # Survivors outside the nucleus are dropped; the -inf fillers have no mass either way.
     in_nucleus = _nucleus(cand_x, top_p) | (cand_x == -math.inf)
     return keep.scatter_(1, cand_ids, keep.gather(1, cand_ids) & in_nucleus)
+
+
+def _top_k_with_ties(
+    x: torch.Tensor,  # [t, vocab]
+    kth: torch.Tensor,  # [t, 1] each row's k-th largest value
+    top_k: torch.Tensor,  # [t]
+) -> torch.Tensor:
+    """Mask [t, vocab] of exactly k ids per row: every id above the k-th value, then
+    the ids equal to it from the lowest up until k are kept."""
+    above = x > kth
+    tied = x == kth
+    room = top_k[:, None] - above.sum(dim=-1, keepdim=True)  # ties that still fit
+    return above | (tied & (tied.cumsum(dim=-1) <= room))
 
 
 def _nucleus(

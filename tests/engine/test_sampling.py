@@ -122,6 +122,27 @@ def test_filters_match_a_reference_on_tie_heavy_logits(top_k: int, top_p: float)
         torch.testing.assert_close(probs[kept], torch.softmax(torch.tensor(row)[kept], dim=0))
 
 
+def test_a_batch_of_top_k_rows_with_and_without_ties_at_the_kth_value() -> None:
+    """Rows whose k-th value is unique take the partial ranking alone; a row with a
+    tie across it (planted: ids 3 and 17 share the 5th value, only id 3 fits) takes
+    the whole-row pass; in one batch, each row keeps what the reference keeps."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=gen)
+    order = logits[4].argsort(descending=True)
+    logits[4, 3] = logits[4, 17] = logits[4, order[4]]
+    params = [SamplingParams(1.0, top_k=k, top_p=p) for k, p in ((1, 1), (5, 1), (40, 0.9))]
+    params += [SamplingParams(1.0, top_k=3, top_p=0.5), SamplingParams(1.0, top_k=5)]
+    params += [SamplingParams(0.7, top_k=49)]
+    got = batched_probabilities(logits, params, [1] * 6)
+    for row, probs, p in zip(logits.tolist(), got, params, strict=True):
+        tempered = [v / p.temperature for v in row]
+        kept = reference_support(tempered, p.top_k, p.top_p)
+        assert (probs > 0).nonzero().squeeze(1).tolist() == kept
+        expected = torch.softmax(torch.tensor(tempered)[kept], dim=0)
+        torch.testing.assert_close(probs[kept], expected)
+    assert got[4, 3] > 0 and got[4, 17] == 0
+
+
 def test_tiny_temperature_and_padding_stay_finite() -> None:
     logits = torch.tensor([[1.0, 1.0 + 1e-3, -math.inf, 0.5]])
     for temperature in (1e-12, 1e-300):
