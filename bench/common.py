@@ -126,7 +126,8 @@ class LoadProbe:
 
 
 def environment() -> dict[str, Any]:
-    """What a results table must state: CPU, flags, threads, versions, date, load."""
+    """What a results table must state: CPU, flags, threads, versions, date, load, and the
+    GPU where one is visible."""
     try:
         import transformers
 
@@ -145,6 +146,7 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": tf_version,
         "load_average": load_average(),
+        "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
 
@@ -159,6 +161,8 @@ def environment_md(env: Mapping[str, Any]) -> str:
         f"{env['torch_threads']} threads; transformers {env['transformers']}; "
         f"Python {env['python']}",
     ]
+    if env.get("accelerator"):
+        lines.append(f"- accelerator: {env['accelerator']} (CUDA {torch.version.cuda})")
     others = env.get("other_processes_cpu_share")
     if others is not None:
         lines.append(
