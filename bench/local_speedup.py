@@ -38,7 +38,7 @@ from bench.common import (
     reproduce_command,
     write_results,
 )
-from bench.engine_decode import load_pair
+from bench.engine_decode_models import load_pair
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.loader import prepare
