@@ -71,7 +71,7 @@ def test_load_spec_builds_tiny_models_without_locating() -> None:
 
 
 def test_load_spec_reads_the_located_directory(tmp_path: Path) -> None:
-    from tests.engine.test_loader import save_hf_dir
+    from tests.support.hf_tiny import save_hf_dir
 
     save_hf_dir("llama", tmp_path)
     asked: list[str] = []

@@ -2,12 +2,15 @@
 
 The engine's own tiny models (``tiny:<seed>`` specs) live in
 :mod:`specserve.engine.tiny`; these add the matching transformers config so a test
-can build transformers' reference model with the same weights.
+can build transformers' reference model with the same weights
+(:func:`hf_reference`), write it as a real checkpoint directory
+(:func:`save_hf_dir`) and compare prefill logits (:func:`prefill_logits`).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +18,7 @@ from torch import nn
 
 from specserve.engine.config import ModelConfig
 from specserve.engine.errors import InvalidArgument
-from specserve.engine.model import CausalLM
+from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.rope import RotaryEmbedding
 
 # Test family -> (transformers model_type, settings on top of _TINY).
@@ -25,6 +28,7 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", {"sliding_window": None}),
     "smollm2": ("llama", {"tie_word_embeddings": True}),
 }
+PROMPT = [5, 17, 99, 3, 200, 7, 64, 1]  # token ids every tiny vocabulary holds
 _TINY: dict[str, Any] = {
     "vocab_size": 256,
     "hidden_size": 64,
@@ -86,3 +90,26 @@ def tiny_random_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval(), cfg
+
+
+def prefill_logits(model: CausalLM, ids: list[int] = PROMPT) -> torch.Tensor:
+    """Float32 logits of every position of ``ids`` in one prefill: [len(ids), vocab]."""
+    kv = model.new_kv_pool(64 * model.config.kv_bytes_per_token)
+    kv.reserve({"s": len(ids)})
+    return model([SeqInput("s", ids, num_logits=len(ids))], kv)
+
+
+def hf_reference(model_type: str, model: CausalLM) -> nn.Module:
+    """The transformers model of the tiny config, holding ``model``'s weights."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_config(tiny_random_hf_config(model_type)).eval()
+    ref.load_state_dict(model.state_dict(), strict=True)
+    return ref
+
+
+def save_hf_dir(model_type: str, path: Path, **save_kwargs: object) -> CausalLM:
+    """Write a tiny random model as a real transformers checkpoint directory; return ours."""
+    model, _ = tiny_random_model(model_type, seed=1)
+    hf_reference(model_type, model).save_pretrained(path, **save_kwargs)
+    return model
