@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from bench.round_phases import Tree, split_round
+from bench.round_phases_spans import Tree, split_round
 from specserve.client import Client
 from specserve.telemetry.attributes import SPAN_COMMIT, SPAN_FINISH, SPAN_ROUND
 from specserve.telemetry.receiver import ReceivedSpan, TraceReceiver

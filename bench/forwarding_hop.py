@@ -46,7 +46,7 @@ from bench.emulated_gpu import (
     stack_namespace,
 )
 from bench.emulated_gpu_phases import request_spans, traced_environment
-from bench.round_phases import Tree
+from bench.round_phases_spans import Tree
 from bench.serving_stack import serving_stack
 from specserve.client import Client
 from specserve.telemetry.attributes import SPAN_PROPOSE, SPAN_ROUND, SPAN_VERIFY
