@@ -34,6 +34,7 @@ from enum import StrEnum
 import torch
 
 from specserve.engine.errors import InvalidArgument
+from specserve.engine.filters import top_k_top_p
 
 
 class SamplingRule(StrEnum):
@@ -147,11 +148,11 @@ def batched_probabilities(
     vocab = x.shape[1]
     filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)  # [s]
     if bool(filtered.all()):
-        x = _top_k_top_p(x, top_k, top_p)
+        x = top_k_top_p(x, top_k, top_p)
     elif bool(filtered.any()):
         rows = filtered.nonzero().squeeze(1)
         on = rows.to(device)
-        x[on] = _top_k_top_p(x[on], top_k[rows], top_p[rows])
+        x[on] = top_k_top_p(x[on], top_k[rows], top_p[rows])
     if out is None:  # every row sampled
         return torch.softmax(x, dim=-1)
     out[sampled] = torch.softmax(x, dim=-1)
@@ -161,101 +162,6 @@ def batched_probabilities(
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:  # [r, vocab] -> [r, vocab]
     one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     return one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-
-
-def _top_k_top_p(
-    x: torch.Tensor,  # [r, vocab] float32 tempered logits
-    top_k: torch.Tensor,  # [r] int64 on the host, 0 = off
-    top_p: torch.Tensor,  # [r] float64 on the host, 1 = off
-) -> torch.Tensor:
-    """x with the logits outside the top-k and then the top-p nucleus set to -inf.
-
-    Rows with a top-k never sort the whole vocabulary: a threshold finds the k
-    survivors and only those are ranked for top-p. Rows with top-p alone sort.
-    """
-    vocab, device = x.shape[1], x.device
-    partial = (top_k > 0) & (top_k < vocab)
-    if bool(partial.all()):  # every row has a top-k (top_k is on the host)
-        keep = _keep_top_k_then_p(x, top_k.to(device), top_p.to(device), int(top_k.max()))
-        return x.masked_fill_(~keep, -math.inf)
-    keep = torch.ones(x.shape, dtype=torch.bool, device=device)  # [r, vocab]
-    rows = partial.nonzero().squeeze(1)
-    if rows.numel():
-        width = int(top_k[rows].max())
-        on = rows.to(device)
-        keep[on] = _keep_top_k_then_p(x[on], top_k[rows].to(device), top_p[rows].to(device), width)
-    rows = (~partial).nonzero().squeeze(1)
-    if rows.numel():
-        on = rows.to(device)
-        sorted_x, order = x[on].sort(dim=-1, descending=True, stable=True)
-        keep[on] = torch.zeros_like(keep[on]).scatter_(
-            1, order, _nucleus(sorted_x, top_p[rows].to(device))
-        )
-    return x.masked_fill(~keep, -math.inf)
-
-
-def _keep_top_k_then_p(
-    x: torch.Tensor,  # [r, vocab]
-    top_k: torch.Tensor,  # [r] int64 in [1, vocab)
-    top_p: torch.Tensor,  # [r] float64
-    width: int,  # max(top_k)
-) -> torch.Tensor:
-    """Mask [r, vocab] of the top-k tokens (ties to the lower id), then their top-p nucleus.
-
-    One partial ranking of ``width + 1`` values serves every row whose k-th and
-    (k + 1)-th values differ: its top k are then exactly those ids, whichever way the
-    ranking ordered ties inside them. Only a row with a tie across its k-th value
-    takes the whole-vocabulary pass that picks the tied ids from the lowest up (on a
-    GPU, whether any row does is one flag read back per call).
-    """
-    values, ids = x.topk(width + 1, dim=-1)  # [r, width + 1] descending
-    kth = values.gather(1, (top_k - 1)[:, None])  # [r, 1] the k-th largest value
-    tie = (kth == values.gather(1, top_k[:, None]))[:, 0]  # [r] a tie across the k-th
-    rank = torch.arange(width, device=x.device)[None, :]  # [1, width]
-    inside = rank < top_k[:, None]  # [r, width] the top k of each row
-    cand_x = values[:, :width].masked_fill(~inside, -math.inf)
-    cand_ids = ids[:, :width]
-    keep = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
-    keep.scatter_(1, cand_ids, inside)
-    if bool(tie.any()):
-        rows = tie.nonzero().squeeze(1)
-        tied_keep = _top_k_with_ties(x[rows], kth[rows], top_k[rows])
-        keep[rows] = tied_keep
-        cand_x[rows], cand_ids[rows] = x[rows].masked_fill(~tied_keep, -math.inf).topk(width, -1)
-    # Rank the survivors by (value desc, id asc): ids ascending, then a stable sort.
-    cand_ids, by_id = cand_ids.sort(dim=-1)
-    cand_x = cand_x.gather(1, by_id)
-    cand_x, by_value = cand_x.sort(dim=-1, descending=True, stable=True)
-    cand_ids = cand_ids.gather(1, by_value)
-    # Survivors outside the nucleus are dropped; the -inf fillers have no mass either way.
-    in_nucleus = _nucleus(cand_x, top_p) | (cand_x == -math.inf)
-    return keep.scatter_(1, cand_ids, keep.gather(1, cand_ids) & in_nucleus)
-
-
-def _top_k_with_ties(
-    x: torch.Tensor,  # [t, vocab]
-    kth: torch.Tensor,  # [t, 1] each row's k-th largest value
-    top_k: torch.Tensor,  # [t]
-) -> torch.Tensor:
-    """Mask [t, vocab] of exactly k ids per row: every id above the k-th value, then
-    the ids equal to it from the lowest up until k are kept."""
-    above = x > kth
-    tied = x == kth
-    room = top_k[:, None] - above.sum(dim=-1, keepdim=True)  # ties that still fit
-    return above | (tied & (tied.cumsum(dim=-1) <= room))
-
-
-def _nucleus(
-    sorted_x: torch.Tensor,  # [r, w] logits in rank order (descending)
-    top_p: torch.Tensor,  # [r] float64
-) -> torch.Tensor:
-    """Mask [r, w]: the smallest prefix whose probability reaches top_p (all of it if 1)."""
-    probs = torch.softmax(sorted_x.double(), dim=-1)  # float64 so top_p near 1 is honoured
-    before = torch.cumsum(probs, dim=-1).roll(1, dims=-1)  # mass ranked strictly before
-    before[:, 0] = 0.0
-    keep = (before < top_p[:, None]) | (top_p[:, None] >= 1)
-    keep[:, 0] = True
-    return keep
 
 
 def sample(probs: torch.Tensor, u: float | torch.Tensor) -> int | torch.Tensor:
