@@ -21,8 +21,8 @@ from specserve.orchestrator.policy import (
 
 
 def view(sid: str = "a", **kw: object) -> SessionView:
-    """A warm adaptive greedy session with 64 tokens to go that has drafted this turn."""
-    base = SessionView(sid, "model", True, None, 64, 0.85, turn_drafted=8, turn_accepted=7)
+    """A warm adaptive session with 64 tokens to go that has drafted this turn."""
+    base = SessionView(sid, "model", None, 64, 0.85, turn_drafted=8, turn_accepted=7)
     return replace(base, **kw)  # type: ignore[arg-type]
 
 

@@ -41,7 +41,7 @@ def round_s(batch: int, depth: int) -> float:
 
 
 def view(sid: str, **kw: object) -> SessionView:
-    base = SessionView(sid, "model", True, None, 64, 0.85, turn_drafted=8, turn_accepted=7)
+    base = SessionView(sid, "model", None, 64, 0.85, turn_drafted=8, turn_accepted=7)
     return replace(base, **kw)  # type: ignore[arg-type]
 
 

@@ -26,7 +26,6 @@ class SessionView:
 
     sid: str
     drafter: str  # "none", "model", "ngram"
-    greedy: bool
     requested_k: int | None  # the request's own k (drafted whatever the caps); None: adaptive
     tokens_left: int  # of this turn's max_new_tokens
     alpha: float  # the session's running per-token acceptance estimate

@@ -21,7 +21,6 @@ def session_view(s: LiveSession, warm_above_tokens: int) -> SessionView:
     return SessionView(
         sid=s.sid,
         drafter=str(st.drafter),
-        greedy=st.params.greedy,
         requested_k=st.k_policy.fixed,
         tokens_left=st.stop.max_new_tokens - st.completion_len,
         alpha=st.k_policy.alpha,
