@@ -6,7 +6,8 @@ asc), whose probability reaches ``top_p``. Neither needs the whole vocabulary
 ranked in the common case: a row keeps its survivors from a partial ranking of a
 few hundred ids, and only when the survivors could reach past that ranking (a tie
 across the k-th value; a nucleus wider than :data:`NUCLEUS_WIDTH` ids) does the row
-take a pass over all of them. Each row's result depends on that row alone.
+take a pass over all of them. Which way a row takes depends on that row alone, and
+both ways keep the same ids.
 """
 
 from __future__ import annotations
