@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specserve.engine import filters
 from specserve.engine.sampling import SamplingParams, batched_probabilities
+from tests.engine.test_sampling import reference_support
 
 VOCAB = 5000
 
@@ -70,3 +73,30 @@ def test_top_p_rows_through_batched_probabilities_match_a_softmax() -> None:
         kept = got > 0
         torch.testing.assert_close(got[kept], torch.softmax(row[kept], dim=0))
         assert row[kept].min() >= row[~kept].max()  # a prefix of the ranking
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.sampled_from([3, 40, 1025, 1026, 3000]),
+    levels=st.sampled_from([0, 3, 50]),  # 0: continuous logits; else that many distinct values
+    top_k=st.sampled_from([0, 1, 2, 17, 1024, 1025, 2999]),
+    # No value a sum of equal masses can hit exactly: there the float sums decide.
+    top_p=st.sampled_from([1.0, 0.9990001, 0.9000001, 0.6180339, 1e-6]),
+    scale=st.sampled_from([0.05, 1.0, 8.0]),
+)
+def test_any_row_keeps_what_the_reference_keeps(
+    seed: int, vocab: int, levels: int, top_k: int, top_p: float, scale: float
+) -> None:
+    """Random rows (ties or not, flat or peaked, vocabularies on both sides of the
+    partial ranking's width) against the rule written out in plain Python."""
+    gen = torch.Generator().manual_seed(seed)
+    if levels:
+        x = torch.randint(0, levels, (2, vocab), generator=gen).float() * scale
+    else:
+        x = torch.randn(2, vocab, generator=gen) * scale
+    params = SamplingParams(1.0, top_k=top_k, top_p=top_p)
+    got = batched_probabilities(x, [params], [2])
+    for row, probs in zip(x.tolist(), got, strict=True):
+        kept = reference_support(row, top_k if top_k < vocab else 0, top_p)
+        assert (probs > 0).nonzero().squeeze(1).tolist() == kept
