@@ -28,6 +28,10 @@ times smaller, so the agreement must improve as 1/sqrt(n) rather than stall at a
 small bias. The draws are a fixed hash of the seeds, so the outcome is also
 reproducible run to run.
 
+One case draws the draft tokens with :func:`draw_rows`, the model drafter's own code,
+so what a draft server sends is under the same check; a twin that sends its q but
+always its likeliest id fails it.
+
 The twins at the end break the rule on purpose (always accept; recovered drawn
 from p instead of norm(max(0, p - q)); recovered drawn with the accept test's own
 uniform) and assert that the same check fails; for the first two, the exact TV
@@ -46,7 +50,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from specserve.engine import rejection
+from specserve.engine import draft_sampling, rejection
+from specserve.engine.draft_sampling import DrawRow, draw_rows
 from specserve.engine.randomness import Stream, uniforms_batch
 from specserve.engine.rejection import Proposal, verify
 from specserve.engine.sampling import SamplingParams, SamplingRule, probabilities, sample, truncate
@@ -79,7 +84,7 @@ class Case:
     name: str
     target: SamplingParams  # seed is replaced per session
     k: int
-    q_kind: str  # "dense", "sparse", "point" or "equal" (dense q == p)
+    q_kind: str  # "dense", "sparse", "drawn", "point" or "equal" (dense q == p)
     q_top_k: int = 0  # the draft's own truncation, for "sparse"
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +101,7 @@ class Case:
         target, draft = self.rows()
         if self.q_kind == "equal":
             return probabilities(target[: self.k], self.target)
-        top_k = self.q_top_k if self.q_kind == "sparse" else 0
+        top_k = self.q_top_k if self.q_kind in ("sparse", "drawn") else 0
         return probabilities(draft, RejectParams(temperature=1.0, top_k=top_k))
 
 
@@ -112,6 +117,23 @@ def emitted(case: Case, n: int, first_seed: int) -> tuple[torch.Tensor, torch.Te
             u = uniforms_batch(seeds, ROUND, [POSITION + j] * n, Stream.DRAFT)
             tokens[:, j] = q_ids[j][sample(q_probs[j].expand(n, -1), u)]
         proposals = [Proposal(row, q_ids=q_ids, q_probs=q_probs) for row in tokens.tolist()]
+    elif case.q_kind == "drawn":  # draw_rows, as ModelDrafter draws: q is its own top-m
+        _, draft_rows = case.rows()
+        drawn = []
+        for j in range(case.k):
+            params = [RejectParams(temperature=1.0, top_k=case.q_top_k, seed=s) for s in seeds]
+            rows = [DrawRow(p, ROUND, POSITION + j) for p in params]
+            row_tokens, qs = draw_rows(rows, draft_rows[j].expand(n, -1), case.q_top_k)
+            tokens[:, j] = torch.tensor(row_tokens)
+            drawn.append(qs)
+        proposals = [
+            Proposal(
+                tokens[i].tolist(),
+                q_ids=torch.stack([qs[i][0] for qs in drawn]),  # type: ignore[index]
+                q_probs=torch.stack([qs[i][1] for qs in drawn]),  # type: ignore[index]
+            )
+            for i in range(n)
+        ]
     elif case.q_kind == "point":  # an n-gram drafter: any token, q = point mass on it
         tokens = (torch.tensor(seeds)[:, None] * 7 + torch.arange(case.k)) % VOCAB
         proposals = [Proposal(row) for row in tokens.tolist()]
@@ -155,6 +177,13 @@ CASES = [
         k=1,
         q_kind="sparse",
         q_top_k=5,
+    ),
+    Case(
+        "the model drafter's own draws",
+        RejectParams(temperature=0.8, top_p=0.9),
+        k=2,
+        q_kind="drawn",
+        q_top_k=6,
     ),
     Case("point q", RejectParams(temperature=1.0, top_k=9, top_p=0.95), k=3, q_kind="point"),
     Case("q equals p", RejectParams(temperature=1.1, top_k=7), k=2, q_kind="equal"),
@@ -227,3 +256,18 @@ def test_reusing_the_accept_draw_for_the_recovered_token_fails_the_check(
     monkeypatch.setattr(rejection, "uniforms_batch", same_stream)
     first, _ = emitted(DENSE, BIG, first_seed=0)
     assert tv(first, DENSE.p(0)) >= tv_bound(BIG)
+
+
+def test_a_draft_that_does_not_draw_from_its_q_fails_the_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The drafter must draw its token from the q it sends: one that always sends its
+    likeliest id (every uniform 0) with the same q makes the output follow neither."""
+
+    def zeros(*args: object) -> torch.Tensor:
+        return torch.zeros(len(args[2]), dtype=torch.float64)  # type: ignore[arg-type]
+
+    drawn_case = next(c for c in CASES if c.q_kind == "drawn")
+    monkeypatch.setattr(draft_sampling, "uniforms_batch", zeros)
+    first, _ = emitted(drawn_case, BIG, first_seed=0)
+    assert tv(first, drawn_case.p(0)) >= tv_bound(BIG)
