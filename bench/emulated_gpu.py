@@ -69,6 +69,7 @@ from bench.serving_stack import (
     run_streams,
     serving_stack,
 )
+from bench.steady_load import SteadyRun, run_steady, steady_prompts, summarize, tails
 from specserve.telemetry.receiver import TraceReceiver
 
 ORCHESTRATOR = "separate"
@@ -194,9 +195,11 @@ def stack_namespace(args: argparse.Namespace, setting: Setting) -> argparse.Name
 
 def run_stack(
     args: argparse.Namespace, setting: Setting, prompt_list: list[list[int]]
-) -> tuple[list[Run], dict[str, Any]]:
-    """The timed runs of one setting, then its traced single-session requests."""
+) -> tuple[list[Run], list[SteadyRun], dict[str, Any]]:
+    """The timed runs of one setting (closed batches, then at more than one session the
+    same under constant concurrency), then its traced single-session requests."""
     runs: list[Run] = []
+    steady: list[SteadyRun] = []
     widest = max(args.sessions)
     stack_args = stack_namespace(args, setting)
     with (
@@ -215,12 +218,25 @@ def run_stack(
                         st, ORCHESTRATOR, name, rep, batch, args.new_tokens, drafter, k, True
                     )
                     runs.append(run)
+                if c == 1 or not args.steady_waves:
+                    continue
+                sent = steady_prompts(prompt_list, rep, c, widest, args.steady_waves)
+                for name, (drafter, k) in VARIANTS.items():
+                    window, tokens, streams = asyncio.run(
+                        run_steady(address, sent, c, args.new_tokens, drafter, k)
+                    )
+                    steady.append(SteadyRun(name, c, rep, window, tokens, streams))
+                    print(
+                        f"rep {rep} c={c} {name}, constant concurrency: "
+                        f"{tokens / window:.2f} tok/s ({len(sent)} requests)",
+                        flush=True,
+                    )
         traced_prompts = [prompt_list[(i * widest) % len(prompt_list)] for i in range(args.traced)]
         phases = {
             name: round_phases(address, receiver, traced_prompts, args.new_tokens, drafter)
             for name, (drafter, _) in VARIANTS.items()
         }
-    return runs, phases
+    return runs, steady, phases
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -237,6 +253,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="repetitions (each with its own prompts)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens per stream (EOS ignored)")
     p.add_argument("--traced", type=int, default=3, help="traced requests per variant")
+    p.add_argument(
+        "--steady-waves",
+        type=int,
+        default=3,
+        help="requests per slot under constant concurrency at each session count above 1 "
+        "(0: closed batches only)",
+    )
     p.add_argument("--target", default="tiny:3")
     p.add_argument("--draft", default="tiny:3:noise=0.05", help="draft model spec")
     p.add_argument("--target-dtype", default="float32")
@@ -252,8 +275,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(str(e))
     if 1 not in args.sessions:
         p.error("--sessions must include 1: the stack is compared with the local loop there")
-    if args.reps < 1 or args.new_tokens < 2 or args.traced < 0:
-        p.error("--reps >= 1, --new-tokens >= 2 and --traced >= 0, please")
+    if args.reps < 1 or args.new_tokens < 2 or args.traced < 0 or args.steady_waves < 0:
+        p.error("--reps >= 1, --new-tokens >= 2, --traced >= 0 and --steady-waves >= 0, please")
     return args
 
 
@@ -272,8 +295,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for setting in args.settings:
         singles = [prompt_list[i * widest] for i in range(args.reps)]
         local = run_local_in_child(args, setting, singles)
-        runs, phases = run_stack(args, setting, prompt_list)
+        runs, steady, phases = run_stack(args, setting, prompt_list)
         per_setting[setting.label] = report.summarize_setting(runs, local, phases)
+        per_setting[setting.label]["steady"] = summarize(steady)
+        per_setting[setting.label]["closed_tail"] = tails(runs)
     env["other_processes_cpu_share"] = probe.others_share()
     env["bench_minutes"] = (time.monotonic() - started) / 60
     argv_list = list(argv) if argv is not None else sys.argv[1:]

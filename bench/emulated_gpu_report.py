@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from bench.common import environment_md, reproduce_command
 from bench.concurrency_report import variant_row
 from bench.emulated_gpu_phases import PARTS
+from bench.steady_load import section as steady_section
 
 if TYPE_CHECKING:
     from bench.concurrency import LocalRun
@@ -111,6 +112,15 @@ def targets(per_setting: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 target = NEVER_BELOW_PLAIN
             claim = f"{label}: adaptive / plain through the stack at {sessions} sessions"
             out.append(_target(claim, ratio, target))
+        for sessions, st in s.get("steady", {}).items():
+            if st["ratio"] is None:
+                continue
+            target = ADAPTIVE_OVER_PLAIN_TARGETS.get(label, {}).get(int(sessions))
+            claim = (
+                f"{label}: adaptive / plain through the stack at {sessions} sessions, "
+                "constant concurrency"
+            )
+            out.append(_target(claim, st["ratio"], target or NEVER_BELOW_PLAIN))
     return out
 
 
@@ -128,7 +138,15 @@ def headline(per_setting: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "adaptive_over_plain": {
             label: s["adaptive_over_plain"] for label, s in per_setting.items()
         },
-        "greedy_equal": all(s["greedy"]["differing"] == 0 for s in per_setting.values()),
+        "adaptive_over_plain_steady": {
+            label: {c: st["ratio"] for c, st in s.get("steady", {}).items()}
+            for label, s in per_setting.items()
+        },
+        "greedy_equal": all(
+            s["greedy"]["differing"] == 0
+            and all(st["wrong_streams"] == 0 for st in s.get("steady", {}).values())
+            for s in per_setting.values()
+        ),
         "targets": targets(per_setting),
     }
 
@@ -188,6 +206,8 @@ def setting_section(label: str, s: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {p['rounds']} | {cells} |")
     g = s["greedy"]
     lines += ["", f"Greedy equality: {g['differing']} of {g['compared']} streams differ.", ""]
+    if s.get("steady") or s.get("closed_tail"):
+        lines += steady_section(s.get("steady", {}), s.get("closed_tail", {}))
     return lines
 
 

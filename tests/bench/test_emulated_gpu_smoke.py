@@ -10,7 +10,7 @@ from bench import emulated_gpu, emulated_gpu_report, serving_stack
 
 @pytest.mark.timeout(1800)  # three processes and a local loop start; minutes on a busy machine
 def test_a_short_run_measures_every_ratio_and_where_a_round_goes() -> None:
-    argv = ["--settings", "2/12", "--sessions", "1,2", "--reps", "1"]
+    argv = ["--settings", "2/12", "--sessions", "1,2", "--reps", "1", "--steady-waves", "2"]
     argv += ["--new-tokens", "24", "--traced", "1", "--no-write"]  # a lone adaptive
     # session drafts up to 8 a round from its first: 24 tokens leave it decode rounds
     data = emulated_gpu.main(argv)
@@ -20,7 +20,13 @@ def test_a_short_run_measures_every_ratio_and_where_a_round_goes() -> None:
     assert headline["greedy_equal"]
     claims = [t["claim"] for t in headline["targets"]]
     assert "2/12: one session through the stack / local loop, adaptive" in claims
+    assert "2/12: adaptive / plain through the stack at 2 sessions, constant concurrency" in claims
     setting = data["settings"]["2/12"]
+    steady = setting["steady"]["2"]  # 2 slots, 2 requests each, same prompts both ways
+    assert steady["requests"] == 8 and steady["wrong_streams"] == 0
+    assert steady["ratio"] > 0 and set(steady["tokens_per_s"]) == {"plain", "adaptive"}
+    assert "1" not in setting["steady"]  # one session: the closed batch is the same load
+    assert 0 <= setting["closed_tail"]["2"]["tail_share"] < 1
     assert setting["greedy"]["compared"] > 0
     for variant in ("plain", "adaptive"):
         phases = setting["phases"][variant]
