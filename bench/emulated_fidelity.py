@@ -7,7 +7,10 @@ the CPU's, not the device's. :func:`forward_cpu_ms` measures that CPU time alone
 device time added), on the benchmark's own prompts, for each batch width the benchmark
 runs: a draft step (one token per session), a target verify of ``k + 1`` tokens per
 session (a drafting round) and a target step of one token per session (plain
-decoding). :func:`cpu_bound` says which of them pass a setting's device times.
+decoding). :func:`prefill_cpu_ms` times one prompt's prefill on each model: what a
+session joining a running batch adds to a round (its target prefill, and under
+speculation its draft's warm-up). :func:`cpu_bound` says which of them pass a setting's
+device times.
 """
 
 from __future__ import annotations
@@ -105,6 +108,50 @@ def _width_cpu_ms(draft: Any, target: Any, held: list[list[int]], k: int) -> dic
         }
     finally:
         del drafter.model.forward, verifier.model.forward  # back to the class's forward
+
+
+PREFILL_PROMPTS = 8  # prompts whose prefill is timed, one at a time
+
+
+def prefill_cpu_ms(
+    models: dict[str, Any], prompt_list: Sequence[Sequence[int]]
+) -> dict[str, float]:
+    """Median CPU ms of one prompt's prefill forward on the draft (``draft_prefill``) and
+    the target (``target_prefill``) over the first :data:`PREFILL_PROMPTS` prompts, and
+    their median length in tokens (``tokens``). Run it in a child process."""
+    from specserve.engine.drafter import DraftInput
+    from specserve.engine.model_drafter import ModelDrafter
+    from specserve.engine.rejection import Proposal
+    from specserve.engine.sampling import SamplingParams
+    from specserve.engine.verifier import TargetVerifier, VerifyInput
+    from specserve.serving.models import load_model
+
+    if models["threads"]:
+        torch.set_num_threads(models["threads"])
+    greedy = SamplingParams()
+    drafter = ModelDrafter(
+        load_model(models["draft"], models["draft_dtype"]).model, KV_BUDGET_BYTES
+    )
+    verifier = TargetVerifier(
+        load_model(models["target"], models["target_dtype"]).model, KV_BUDGET_BYTES
+    )
+    draft_seconds = _timed_forwards(drafter.model)
+    target_seconds = _timed_forwards(verifier.model)
+    prompts = [list(p) for p in prompt_list[:PREFILL_PROMPTS]]
+    draft_ms, target_ms = [], []
+    for i, prompt in enumerate([prompts[0], *prompts]):  # the first once untimed
+        draft_seconds.clear()
+        target_seconds.clear()
+        drafter.propose([DraftInput(f"p{i}", 0, prompt, 1, greedy, 0)])
+        verifier.verify([VerifyInput(f"p{i}", 0, prompt, Proposal([]), greedy, 0)])
+        if i:
+            draft_ms.append(1e3 * draft_seconds[0])  # the prefill, not the one draft step
+            target_ms.append(1e3 * target_seconds[0])
+    return {
+        "draft_prefill": statistics.median(draft_ms),
+        "target_prefill": statistics.median(target_ms),
+        "tokens": statistics.median(len(p) for p in prompts),
+    }
 
 
 def cpu_bound(cpu_ms: dict[str, dict[int, float]], draft_ms: float, target_ms: float) -> list[str]:

@@ -58,7 +58,7 @@ from typing import Any
 from bench import emulated_gpu_report as report
 from bench.common import LoadProbe, environment, in_child, model_settings, write_results
 from bench.concurrency import LocalRun, prompt_ids, prompts
-from bench.emulated_fidelity import cpu_bound, forward_cpu_ms
+from bench.emulated_fidelity import cpu_bound, forward_cpu_ms, prefill_cpu_ms
 from bench.emulated_gpu_phases import round_phases, traced_environment
 from bench.serving_stack import (
     REDIS,
@@ -291,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cpu_ms = in_child(
         forward_cpu_ms, model_settings(args), prompt_list[:widest], args.sessions, K_MAX
     )
+    prefill_ms = in_child(prefill_cpu_ms, model_settings(args), prompt_list[:widest])
     per_setting = {}
     for setting in args.settings:
         singles = [prompt_list[i * widest] for i in range(args.reps)]
@@ -307,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "settings": per_setting,
         "fidelity": {
             "cpu_ms": cpu_ms,
+            "prefill_cpu_ms": prefill_ms,
             "cpu_bound": {
                 s.label: cpu_bound(cpu_ms, s.draft_ms, s.target_ms) for s in args.settings
             },

@@ -248,6 +248,17 @@ def fidelity_section(fidelity: dict[str, Any] | None) -> list[str]:
         cells = " | ".join(f"{by_width[n]:.2f}" for n in widths)
         lines.append(f"| {kind.replace('_', ' ')} | {cells} |")
     lines.append("")
+    prefill = fidelity.get("prefill_cpu_ms")
+    if prefill:
+        lines += [
+            f"One prompt's prefill (median of {prefill['tokens']:.0f} tokens): "
+            f"{prefill['draft_prefill']:.2f} ms of CPU on the draft, "
+            f"{prefill['target_prefill']:.2f} ms on the target. A session that joins a running "
+            "batch adds its target prefill to that round, and under speculation its draft's "
+            "warm-up beside it; where these pass the device time, joins cost the CPU's time "
+            "(on two shared cores, both at once).",
+            "",
+        ]
     for label, bound in fidelity["cpu_bound"].items():
         if bound:
             lines.append(

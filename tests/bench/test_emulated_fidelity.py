@@ -3,7 +3,7 @@ device time an emulated forward stands for."""
 
 from __future__ import annotations
 
-from bench.emulated_fidelity import cpu_bound
+from bench.emulated_fidelity import cpu_bound, prefill_cpu_ms
 
 CPU_MS = {
     "draft_step": {1: 0.4, 32: 1.8},
@@ -19,3 +19,18 @@ def test_a_forward_whose_cpu_passes_its_models_device_time_is_named() -> None:
         "target verify at 32 sessions: 6.10 ms of CPU > 6 ms",
     ]
     assert len(cpu_bound(CPU_MS, 0, 0)) == 6  # no device time: every forward is the CPU's
+
+
+def test_a_prompts_prefill_is_timed_on_both_models_and_grows_with_the_prompt() -> None:
+    models = {
+        "target": "tiny:3",
+        "draft": "tiny:3:noise=0.05",
+        "target_dtype": "float32",
+        "draft_dtype": "float32",
+        "threads": 1,
+    }
+    short = prefill_cpu_ms(models, [[i % 200 + 1 for i in range(16)]] * 3)
+    long = prefill_cpu_ms(models, [[i % 200 + 1 for i in range(600)]] * 3)
+    assert short["tokens"] == 16 and long["tokens"] == 600
+    for kind in ("draft_prefill", "target_prefill"):
+        assert 0 < short[kind] < long[kind]

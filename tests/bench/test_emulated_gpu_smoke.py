@@ -39,6 +39,8 @@ def test_a_short_run_measures_every_ratio_and_where_a_round_goes() -> None:
     assert set(cpu) == {"draft_step", "target_verify", "target_step"}
     assert all(set(widths) == {1, 2} and min(widths.values()) > 0 for widths in cpu.values())
     assert "2/12" in data["fidelity"]["cpu_bound"]
+    prefill = data["fidelity"]["prefill_cpu_ms"]
+    assert prefill["draft_prefill"] > 0 and prefill["target_prefill"] > 0 and prefill["tokens"] > 1
 
 
 def test_targets_are_judged_from_the_figures() -> None:
