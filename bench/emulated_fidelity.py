@@ -154,13 +154,32 @@ def prefill_cpu_ms(
     }
 
 
-def cpu_bound(cpu_ms: dict[str, dict[int, float]], draft_ms: float, target_ms: float) -> list[str]:
-    """The (kind, width) whose CPU time passes the device time of its model, as
-    sentences: where the emulation runs at the CPU's speed, not the device's."""
-    device = {"draft_step": draft_ms, "target_verify": target_ms, "target_step": target_ms}
-    return [
+def cpu_bound(
+    cpu_ms: dict[str, dict[int, float]],
+    draft_ms: float,
+    target_ms: float,
+    prefill_ms: dict[str, float] | None = None,
+) -> list[str]:
+    """The (kind, width) whose CPU time passes the device time of its model, and the
+    prompt prefills (``prefill_ms``, :func:`prefill_cpu_ms`) that do, as sentences:
+    where the emulation runs at the CPU's speed, not the device's."""
+    device = {
+        "draft_step": draft_ms,
+        "target_verify": target_ms,
+        "target_step": target_ms,
+        "draft_prefill": draft_ms,
+        "target_prefill": target_ms,
+    }
+    out = [
         f"{kind.replace('_', ' ')} at {n} sessions: {ms:.2f} ms of CPU > {device[kind]:g} ms"
         for kind, widths in cpu_ms.items()
         for n, ms in widths.items()
         if ms > device[kind]
     ]
+    for kind in ("draft_prefill", "target_prefill"):
+        ms = (prefill_ms or {}).get(kind)
+        if ms is not None and ms > device[kind]:
+            out.append(
+                f"{kind.replace('_', ' ')} of a prompt: {ms:.2f} ms of CPU > {device[kind]:g} ms"
+            )
+    return out

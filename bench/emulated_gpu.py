@@ -310,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "cpu_ms": cpu_ms,
             "prefill_cpu_ms": prefill_ms,
             "cpu_bound": {
-                s.label: cpu_bound(cpu_ms, s.draft_ms, s.target_ms) for s in args.settings
+                s.label: cpu_bound(cpu_ms, s.draft_ms, s.target_ms, prefill_ms)
+                for s in args.settings
             },
         },
         "args": {**vars(args), "settings": [s.label for s in args.settings]},

@@ -19,6 +19,8 @@ def test_a_forward_whose_cpu_passes_its_models_device_time_is_named() -> None:
         "target verify at 32 sessions: 6.10 ms of CPU > 6 ms",
     ]
     assert len(cpu_bound(CPU_MS, 0, 0)) == 6  # no device time: every forward is the CPU's
+    prefill = {"draft_prefill": 3.3, "target_prefill": 3.3, "tokens": 256}
+    assert cpu_bound(CPU_MS, 2, 12, prefill) == ["draft prefill of a prompt: 3.30 ms of CPU > 2 ms"]
 
 
 def test_a_prompts_prefill_is_timed_on_both_models_and_grows_with_the_prompt() -> None:
