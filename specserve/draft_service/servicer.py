@@ -56,6 +56,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             context,
             self.running.draining,
             self.running.bytes_in_flight,
+            self.running.in_flight,
         )
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:

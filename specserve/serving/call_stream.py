@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -79,6 +80,8 @@ MAX_IN_FLIGHT = 4096
 # And request bytes: one stream's calls in flight hold at most this many maximal
 # messages (``--max-message-bytes``) before it is read no further (InFlightBytes).
 IN_FLIGHT_FRAMES = 4
+# A replica's data-plane streams and sockets together, by default (``--max-in-flight-bytes``).
+REPLICA_IN_FLIGHT_FRAMES = 16
 
 
 @dataclass(frozen=True)
@@ -204,26 +207,43 @@ async def _run_call(
 class InFlightBytes:
     """The request bytes of a stream's calls in flight, and a budget: past it the stream
     is read no further (the client's writes wait on the transport's flow control) until
-    answers free some; one call always gets in."""
+    answers free some; one call always gets in.
 
-    def __init__(self, budget: int) -> None:
+    ``replica``: the budget every data-plane stream and socket of the replica shares
+    (``--max-in-flight-bytes``). A stream also waits for room there, so many
+    connections together cannot make a replica hold more than it either; where the
+    replica holds nothing, one call gets in."""
+
+    def __init__(self, budget: int, replica: InFlightBytes | None = None) -> None:
         self.budget = budget
+        self.replica = replica
         self._held: dict[int, int] = {}  # id() of a call message in flight -> its bytes
         self._total = 0
         self._freed = asyncio.Event()
+
+    @property
+    def total(self) -> int:
+        """Request bytes held by the calls in flight."""
+        return self._total
 
     async def room(self) -> None:
         while self._held and self._total >= self.budget:
             self._freed.clear()
             await self._freed.wait()
+        if self.replica is not None:
+            await self.replica.room()
 
     def hold(self, message: Any, size: int) -> None:
         self._held[id(message)] = size
         self._total += size
+        if self.replica is not None:
+            self.replica.hold(message, size)
 
     def done(self, message: Any) -> None:
         self._total -= self._held.pop(id(message), 0)
         self._freed.set()
+        if self.replica is not None:
+            self.replica.done(message)
 
 
 async def serve_call_stream(
@@ -231,14 +251,18 @@ async def serve_call_stream(
     context: grpc.aio.ServicerContext,
     draining: asyncio.Event | None = None,
     bytes_in_flight: int | None = None,
+    replica_budget: InFlightBytes | None = None,
 ) -> None:
     """Serve one gRPC stream until the client half-closes it, or ``draining`` is set (the
     server is shutting down): then read no more, answer the calls in flight and end the
     stream OK. If it ends otherwise (the client cancels, the stream breaks), cancel the
     calls in flight. ``bytes_in_flight``: the request bytes its calls in flight may hold
     before it is read no further (:class:`InFlightBytes`; None: no limit but
-    ``max_in_flight`` calls). See the module docstring."""
-    budget = InFlightBytes(bytes_in_flight) if bytes_in_flight else None
+    ``max_in_flight`` calls); ``replica_budget``: the replica's, shared with its other
+    streams and sockets. See the module docstring."""
+    budget = None
+    if bytes_in_flight or replica_budget is not None:
+        budget = InFlightBytes(bytes_in_flight or sys.maxsize, replica_budget)
 
     async def read() -> Any:
         if budget is not None:

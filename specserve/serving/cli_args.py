@@ -12,6 +12,7 @@ flag                      environment                     default
 ``--batch-window-ms``     ``SPECSERVE_BATCH_WINDOW_MS``   2
 ``--max-batch-sessions``  ``SPECSERVE_MAX_BATCH_SESSIONS`` 256
 ``--max-message-bytes``   ``SPECSERVE_MAX_MESSAGE_BYTES`` 64MiB
+``--max-in-flight-bytes`` ``SPECSERVE_MAX_IN_FLIGHT_BYTES`` 16x the message limit
 ``--grace-s``             ``SPECSERVE_GRACE_S``           10
 ``--replica-id``          ``SPECSERVE_REPLICA_ID``        host:port
 ``--threads``             ``SPECSERVE_THREADS``           torch's default
@@ -84,6 +85,12 @@ def _env(env: Mapping[str, str], name: str, default: object) -> object:
     return env.get(f"SPECSERVE_{name}", default)
 
 
+def _optional_bytes(env: Mapping[str, str], name: str) -> int | None:
+    """A size from ``SPECSERVE_<name>``; None where it is unset (the flag's own default)."""
+    value = env.get(f"SPECSERVE_{name}")
+    return None if value is None else parse_bytes(value)
+
+
 def add_server_arguments(
     parser: argparse.ArgumentParser,
     *,
@@ -128,6 +135,13 @@ def add_server_arguments(
         type=parse_bytes,
         default=parse_bytes(str(_env(env, "MAX_MESSAGE_BYTES", MAX_MESSAGE_BYTES))),
         help="largest request or response (default 64MiB)",
+    )
+    g.add_argument(
+        "--max-in-flight-bytes",
+        type=parse_bytes,
+        default=_optional_bytes(env, "MAX_IN_FLIGHT_BYTES"),
+        help="request bytes the calls in flight on all data-plane connections may hold "
+        "together before none is read further (default 16x --max-message-bytes)",
     )
     g.add_argument(
         "--grace-s",
@@ -286,6 +300,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         tls=server_tls(args, check_clients=True),
         health_port=args.health_port,
         data_port=args.data_port,
+        max_in_flight_bytes=args.max_in_flight_bytes,
         telemetry=telemetry_config(args),
     )
 

@@ -29,9 +29,10 @@ little-endian length and that many bytes.
 
 A connection is read no further while its calls in flight hold more request bytes
 than its budget, ``IN_FLIGHT_FRAMES`` maximal frames on a replica (one frame always
-gets in): the client's
-writes then wait on TCP, and a client cannot make a replica hold more than that per
-connection however fast it sends. A client that sends no hello within
+gets in), or while the calls in flight of all the replica's data-plane connections
+(sockets and gRPC streams) hold more than the replica's (``--max-in-flight-bytes``):
+the client's writes then wait on TCP, and no number of clients can make a replica
+hold more than that however fast they send. A client that sends no hello within
 ``HELLO_TIMEOUT_S`` is disconnected. Both ends
 turn on TCP keepalive, so a peer that vanished without a FIN is noticed in about
 half a minute rather than never.
@@ -121,12 +122,14 @@ class DataSocketServer:
         max_bytes: int,
         draining: asyncio.Event,
         bytes_in_flight: int,
+        replica_budget: InFlightBytes | None = None,
     ) -> None:
         self.method = method
         self.parse = tolerant(request_type.FromString)
         self.max_bytes = max_bytes
         # Request bytes one connection may have in flight before it is read no further.
         self.bytes_in_flight = bytes_in_flight
+        self.replica_budget = replica_budget  # shared with the replica's other connections
         self.draining = draining
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[Any]] = set()
@@ -183,7 +186,7 @@ class DataSocketServer:
         return False
 
     async def _calls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        budget = InFlightBytes(self.bytes_in_flight)
+        budget = InFlightBytes(self.bytes_in_flight, self.replica_budget)
 
         async def read() -> Any:
             await budget.room()  # past the budget, TCP backpressure

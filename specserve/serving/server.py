@@ -33,7 +33,12 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specserve.serving.call_stream import IN_FLIGHT_FRAMES, StreamMethod
+from specserve.serving.call_stream import (
+    IN_FLIGHT_FRAMES,
+    REPLICA_IN_FLIGHT_FRAMES,
+    InFlightBytes,
+    StreamMethod,
+)
 from specserve.serving.data_socket import DataSocketServer
 from specserve.serving.errors import ErrorInterceptor
 from specserve.serving.executor import ModelExecutor, State
@@ -68,6 +73,9 @@ class ServerOptions:
     tls: ServerTls | None = None  # None = plaintext (see specserve.serving.tls)
     health_port: int | None = None  # a plaintext port serving health alone (probes); 0 = any
     data_port: int | None = 0  # the data-plane socket's port; 0 = any free one; None = none
+    # request bytes all data-plane connections' calls in flight may hold together;
+    # None = REPLICA_IN_FLIGHT_FRAMES maximal messages
+    max_in_flight_bytes: int | None = None
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
@@ -87,6 +95,15 @@ class ServerOptions:
             raise ValueError(f"data_port must be in 0..65535, got {self.data_port}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.max_in_flight_bytes is not None and self.max_in_flight_bytes < 1:
+            raise ValueError(f"max_in_flight_bytes must be >= 1, got {self.max_in_flight_bytes}")
+
+    @property
+    def replica_in_flight_bytes(self) -> int:
+        """Request bytes the replica's data-plane calls in flight may hold together."""
+        if self.max_in_flight_bytes is not None:
+            return self.max_in_flight_bytes
+        return REPLICA_IN_FLIGHT_FRAMES * self.max_message_bytes
 
 
 class RunningServer(Generic[B]):
@@ -113,6 +130,8 @@ class RunningServer(Generic[B]):
         self.health_port: int | None = None
         self.data_socket: DataSocketServer | None = None  # the data-plane socket, once serving
         self.data_port = 0  # its bound port (0: none), which GetLoad reports
+        # The request bytes every data-plane socket and stream holds, against one budget.
+        self.in_flight = InFlightBytes(options.replica_in_flight_bytes)
         # Set when a graceful shutdown begins: the data-plane streams answer what they
         # hold and end (specserve.serving.call_stream), so the grace is not waited out.
         self.draining = asyncio.Event()
@@ -149,6 +168,7 @@ class RunningServer(Generic[B]):
             max_bytes=self.options.max_message_bytes,
             draining=self.draining,
             bytes_in_flight=self.bytes_in_flight,
+            replica_budget=self.in_flight,
         )
         self.data_port = await socket.start(
             self.options.host, self.options.data_port, self.options.tls

@@ -76,6 +76,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             context,
             self.running.draining,
             self.running.bytes_in_flight,
+            self.running.in_flight,
         )
 
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:

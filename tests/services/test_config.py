@@ -15,7 +15,9 @@ from specserve.draft_service import config as draft_config
 from specserve.draft_service.server import start as start_draft
 from specserve.engine.errors import InvalidArgument
 from specserve.serving.cli_args import parse_bytes
+from specserve.serving.replica_stream import ReplicaStream
 from specserve.serving.server import ServerOptions
+from specserve.serving.socket_call import SocketDial
 from specserve.target_service import config as target_config
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.services.conftest import run
@@ -134,11 +136,59 @@ def test_the_data_port_flag() -> None:
         data_port({}, ["--data-port", "lots"])
 
 
+def test_the_replicas_bytes_in_flight_flag() -> None:
+    def options(env: dict[str, str], argv: list[str]) -> ServerOptions:
+        parser = argparse.ArgumentParser()
+        target_config.add_arguments(parser, {"SPECSERVE_TARGET": "tiny:1", **env})
+        return target_config.from_args(parser.parse_args(argv)).server
+
+    assert options({}, []).replica_in_flight_bytes == 16 * (64 << 20)  # 16 maximal messages
+    assert options({}, ["--max-message-bytes", "2MiB"]).replica_in_flight_bytes == 32 << 20
+    assert options({"SPECSERVE_MAX_IN_FLIGHT_BYTES": "1GiB"}, []).replica_in_flight_bytes == 1 << 30
+    flag = ["--max-in-flight-bytes", "300MiB"]
+    assert options({"SPECSERVE_MAX_IN_FLIGHT_BYTES": "1GiB"}, flag).max_in_flight_bytes == 300 << 20
+    with pytest.raises(SystemExit):
+        options({}, ["--max-in-flight-bytes", "lots"])
+
+
+def test_a_replicas_sockets_and_streams_hold_their_calls_against_one_budget() -> None:
+    """The real draft server: a call over its data-plane socket and one over its gRPC
+    stream are both held against the replica's budget while in flight."""
+
+    async def go() -> None:
+        options = ServerOptions(max_in_flight_bytes=5 << 20)
+        running = await start_draft(draft_config.DraftServerConfig(model=None, server=options))
+        held: list[int] = []
+        hold = running.in_flight.hold
+        running.in_flight.hold = lambda message, size: (held.append(size), hold(message, size))  # type: ignore[method-assign]
+        try:
+            await asyncio.to_thread(running.executor.ready.wait, 10)
+            assert running.in_flight.budget == 5 << 20
+            session = draft_pb2.DraftSession(
+                session_id="n", new_tokens=[1, 2, 3, 1, 2], k=2, drafter=common_pb2.DRAFTER_NGRAM
+            )
+            request = draft_pb2.ProposeRequest(sessions=[session])
+            async with grpc.aio.insecure_channel(running.address) as channel:
+                for dial in (SocketDial.of(running.address), None):  # socket, then stream
+                    stream = ReplicaStream.propose(channel, dial)
+                    response = await stream.call(request, 10.0)
+                    assert list(response.results[0].tokens) == [3, 1]
+                    await stream.close()
+            assert len(held) == 2 and all(size > 0 for size in held)
+            assert running.in_flight.total == 0  # both answered: nothing held
+        finally:
+            await running.stop(0)
+
+    run(go())
+
+
 def test_invalid_options_are_refused() -> None:
     with pytest.raises(ValueError, match="batch_window_ms"):
         ServerOptions(batch_window_ms=-1)
     with pytest.raises(ValueError, match="max_message_bytes"):
         ServerOptions(max_message_bytes=10)
+    with pytest.raises(ValueError, match="max_in_flight_bytes"):
+        ServerOptions(max_in_flight_bytes=0)
     with pytest.raises(ValueError, match="dtype"):
         draft_config.DraftServerConfig(model=None, dtype="int8")
 

@@ -23,7 +23,12 @@ import pytest
 
 from specserve.engine.errors import NotFound
 from specserve.serving import data_socket
-from specserve.serving.call_stream import IN_FLIGHT_FRAMES, StreamMethod, serve_call_stream
+from specserve.serving.call_stream import (
+    IN_FLIGHT_FRAMES,
+    InFlightBytes,
+    StreamMethod,
+    serve_call_stream,
+)
 from specserve.serving.data_socket import DataSocketServer, frame, read_frame
 from specserve.serving.errors import ErrorInterceptor
 from specserve.serving.replica_stream import ReplicaStream
@@ -42,6 +47,7 @@ class Scripted(draft_pb2_grpc.DraftServiceServicer):
         self.seen: list[str] = []
         self.method = StreamMethod(PROPOSE, self.propose, draft_pb2.ProposeStreamResponse)
         self.stream_bytes_in_flight: int | None = None
+        self.replica_budget: InFlightBytes | None = None  # shared by streams and sockets
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         name = request.sessions[0].session_id
@@ -58,15 +64,24 @@ class Scripted(draft_pb2_grpc.DraftServiceServicer):
         return common_pb2.LoadReport(role="draft", data_port=self.data_port)
 
     async def ProposeStream(self, request_iterator: AsyncIterator[Any], context: Any) -> None:
-        await serve_call_stream(self.method, context, self.draining, self.stream_bytes_in_flight)
+        await serve_call_stream(
+            self.method, context, self.draining, self.stream_bytes_in_flight, self.replica_budget
+        )
 
 
 @contextlib.asynccontextmanager
 async def replica(
-    *, serve_socket: bool = True, max_bytes: int = 1 << 20, bytes_in_flight: int | None = None
+    *,
+    serve_socket: bool = True,
+    max_bytes: int = 1 << 20,
+    bytes_in_flight: int | None = None,
+    replica_bytes: int | None = None,
 ) -> AsyncIterator[Any]:
-    """(address, servicer, socket server or None) of a scripted replica on loopback."""
+    """(address, servicer, socket server or None) of a scripted replica on loopback;
+    ``replica_bytes``: a budget its sockets and gRPC streams share (None: none)."""
     servicer = Scripted()
+    if replica_bytes is not None:
+        servicer.replica_budget = InFlightBytes(replica_bytes)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])  # as the replicas': bytes pass
     draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -79,6 +94,7 @@ async def replica(
             max_bytes=max_bytes,
             draining=servicer.draining,
             bytes_in_flight=bytes_in_flight or IN_FLIGHT_FRAMES * max_bytes,
+            replica_budget=servicer.replica_budget,
         )
         servicer.data_port = await plane.start("127.0.0.1", 0, None)
     try:
@@ -273,6 +289,54 @@ def test_a_stream_past_its_bytes_in_flight_is_read_no_further_until_answers_free
                 writer.close()
             else:
                 await sending
+                stream.cancel()
+                await channel.close()
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("second", ["socket", "grpc stream"])
+def test_many_connections_together_hold_no_more_than_the_replicas_bytes_in_flight(
+    second: str,
+) -> None:
+    async def body() -> None:
+        # Each connection alone may hold 1 MB; the replica's connections together 250 kB.
+        async with replica(bytes_in_flight=1_000_000, replica_bytes=250_000) as (
+            address,
+            servicer,
+            _,
+        ):
+            first, first_writer, _ = await raw(servicer.data_port)
+            for i in (1, 2, 3):
+                first_writer.write(frame(big_call(f"slow-{i}")))
+            await asyncio.sleep(0.1)
+            assert len(servicer.seen) == 3  # 300 kB held on the replica
+            late = big_call("slow-4")
+            if second == "socket":
+                reader, writer, _ = await raw(servicer.data_port)
+                writer.write(frame(late))
+
+                async def answer() -> Any:
+                    return await read_frame(reader, 1 << 20)
+            else:
+                channel = grpc.aio.insecure_channel(address)
+                stream = channel.stream_stream(PROPOSE + "Stream")()
+                await stream.write(late)
+
+                async def answer() -> Any:
+                    return await stream.read()
+
+            await asyncio.sleep(0.1)
+            assert len(servicer.seen) == 3  # the other connection's call waits unread
+            got = await asyncio.wait_for(answer(), 10)  # once the first three freed room
+            assert isinstance(got, bytes) and servicer.seen[-1] == "slow-4"
+            for _ in range(3):
+                assert isinstance(await asyncio.wait_for(read_frame(first, 1 << 20), 10), bytes)
+            assert servicer.replica_budget is not None and servicer.replica_budget.total == 0
+            first_writer.close()
+            if second == "socket":
+                writer.close()
+            else:
                 stream.cancel()
                 await channel.close()
 
