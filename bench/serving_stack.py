@@ -202,6 +202,30 @@ def k_cap_rounds(port: int) -> dict[int, float]:
     }
 
 
+async def streamed(
+    client: AsyncClient,
+    prompt: list[int],
+    new_tokens: int,
+    drafter: str,
+    k: int | None,
+    ignore_eos: bool,
+) -> Stream:
+    """One streaming request (greedy; ``k`` None = adaptive), as the client saw it."""
+    s = Stream(time.perf_counter())
+    deltas = client.stream(
+        prompt, max_new_tokens=new_tokens, drafter=drafter, k=k, ignore_eos=ignore_eos
+    )
+    async for d in deltas:
+        if d.token_ids:
+            s.arrivals.append((time.perf_counter(), len(d.token_ids)))
+            s.tokens += d.token_ids
+        if d.usage is not None:
+            s.finish = d.finish_reason
+            s.drafted, s.accepted = d.usage.drafted_tokens, d.usage.accepted_tokens
+            s.rounds = d.usage.rounds
+    return s
+
+
 async def run_streams(
     address: str,
     prompt_list: Sequence[list[int]],
@@ -216,19 +240,7 @@ async def run_streams(
     async with AsyncClient(address, timeout_s=3600) as client:
 
         async def one(prompt: list[int]) -> Stream:
-            s = Stream(time.perf_counter())
-            deltas = client.stream(
-                prompt, max_new_tokens=new_tokens, drafter=drafter, k=k, ignore_eos=ignore_eos
-            )
-            async for d in deltas:
-                if d.token_ids:
-                    s.arrivals.append((time.perf_counter(), len(d.token_ids)))
-                    s.tokens += d.token_ids
-                if d.usage is not None:
-                    s.finish = d.finish_reason
-                    s.drafted, s.accepted = d.usage.drafted_tokens, d.usage.accepted_tokens
-                    s.rounds = d.usage.rounds
-            return s
+            return await streamed(client, prompt, new_tokens, drafter, k, ignore_eos)
 
         t0 = time.perf_counter()
         streams = await asyncio.gather(*(one(p) for p in prompt_list))

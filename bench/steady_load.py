@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.serving_stack import Run, Stream
+from bench.serving_stack import Run, Stream, streamed
 from specserve.client import AsyncClient
 
 
@@ -65,22 +65,7 @@ async def run_steady(
 
         async def slot() -> None:
             for i in order:
-                s = streams[i] = Stream(time.perf_counter())
-                deltas = client.stream(
-                    prompts[i],
-                    max_new_tokens=new_tokens,
-                    drafter=drafter,
-                    k=k,
-                    ignore_eos=ignore_eos,
-                )
-                async for d in deltas:
-                    if d.token_ids:
-                        s.arrivals.append((time.perf_counter(), len(d.token_ids)))
-                        s.tokens += d.token_ids
-                    if d.usage is not None:
-                        s.finish = d.finish_reason
-                        s.drafted, s.accepted = d.usage.drafted_tokens, d.usage.accepted_tokens
-                        s.rounds = d.usage.rounds
+                streams[i] = await streamed(client, prompts[i], new_tokens, drafter, k, ignore_eos)
             dry.append(time.perf_counter())
 
         t0 = time.perf_counter()
