@@ -45,7 +45,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.ProposeResponse:
-        return await self.propose(request)
+        with self.running.holding(request):
+            return await self.propose(request)
 
     async def ProposeStream(
         self, request_iterator: object, context: grpc.aio.ServicerContext

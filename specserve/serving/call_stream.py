@@ -233,6 +233,17 @@ class InFlightBytes:
         if self.replica is not None:
             await self.replica.room()
 
+    def try_hold(self, message: Any, size: int) -> bool:
+        """:meth:`hold` if there is room now (as :meth:`room` would let it in); False if
+        not: for a call whose bytes are already read (a unary call), to refuse it."""
+        if self._held and self._total >= self.budget:
+            return False
+        if self.replica is not None and not self.replica.try_hold(message, size):
+            return False
+        self._held[id(message)] = size
+        self._total += size
+        return True
+
     def hold(self, message: Any, size: int) -> None:
         self._held[id(message)] = size
         self._total += size

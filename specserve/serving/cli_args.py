@@ -140,8 +140,9 @@ def add_server_arguments(
         "--max-in-flight-bytes",
         type=parse_bytes,
         default=_optional_bytes(env, "MAX_IN_FLIGHT_BYTES"),
-        help="request bytes the calls in flight on all data-plane connections may hold "
-        "together before none is read further (default 16x --max-message-bytes)",
+        help="request bytes the calls in flight may hold together: past it no data-plane "
+        "connection is read further and a unary Propose / Verify / Prefill is refused "
+        "(default 16x --max-message-bytes)",
     )
     g.add_argument(
         "--grace-s",

@@ -9,6 +9,7 @@ error                     code                     when
 ``InvalidArgument``       ``INVALID_ARGUMENT``     the request itself is wrong
 ``NotFound``              ``NOT_FOUND``            a strict call names a session not held here
 ``KVBudgetExceeded``      ``RESOURCE_EXHAUSTED``   the KV pool cannot hold the tokens
+``Overloaded``            ``RESOURCE_EXHAUSTED``   the replica holds its budget of request bytes
 ``StaleCache``            ``FAILED_PRECONDITION``  a strict call finds a cache behind ``start``
 ``FailedPrecondition``    ``FAILED_PRECONDITION``  e.g. KV chunks of another model (ImportKv)
 ``Unavailable``           ``UNAVAILABLE``          loading, shutting down, or after device failure
@@ -58,11 +59,17 @@ class Unavailable(EngineError):
     """The replica cannot serve now: still loading, shutting down, or its device failed."""
 
 
+class Overloaded(EngineError):
+    """The replica's calls in flight hold its whole budget of request bytes
+    (``--max-in-flight-bytes``): a unary call is refused rather than held."""
+
+
 # Checked in order: the first matching class decides (subclasses before bases).
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
     (KVBudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StaleCache, grpc.StatusCode.FAILED_PRECONDITION),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),

@@ -22,9 +22,10 @@ with room to spare while still bounding what one call can make the server buffer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -40,7 +41,7 @@ from specserve.serving.call_stream import (
     StreamMethod,
 )
 from specserve.serving.data_socket import DataSocketServer
-from specserve.serving.errors import ErrorInterceptor
+from specserve.serving.errors import ErrorInterceptor, Overloaded
 from specserve.serving.executor import ModelExecutor, State
 from specserve.serving.reflection import enable_reflection
 from specserve.serving.tls import ServerTls, warn_if_exposed
@@ -73,8 +74,9 @@ class ServerOptions:
     tls: ServerTls | None = None  # None = plaintext (see specserve.serving.tls)
     health_port: int | None = None  # a plaintext port serving health alone (probes); 0 = any
     data_port: int | None = 0  # the data-plane socket's port; 0 = any free one; None = none
-    # request bytes all data-plane connections' calls in flight may hold together;
-    # None = REPLICA_IN_FLIGHT_FRAMES maximal messages
+    # request bytes the replica's calls in flight may hold together (data-plane
+    # connections and unary Propose / Verify / Prefill); None = REPLICA_IN_FLIGHT_FRAMES
+    # maximal messages
     max_in_flight_bytes: int | None = None
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
@@ -100,7 +102,7 @@ class ServerOptions:
 
     @property
     def replica_in_flight_bytes(self) -> int:
-        """Request bytes the replica's data-plane calls in flight may hold together."""
+        """Request bytes the replica's calls in flight may hold together."""
         if self.max_in_flight_bytes is not None:
             return self.max_in_flight_bytes
         return REPLICA_IN_FLIGHT_FRAMES * self.max_message_bytes
@@ -130,7 +132,8 @@ class RunningServer(Generic[B]):
         self.health_port: int | None = None
         self.data_socket: DataSocketServer | None = None  # the data-plane socket, once serving
         self.data_port = 0  # its bound port (0: none), which GetLoad reports
-        # The request bytes every data-plane socket and stream holds, against one budget.
+        # The request bytes the calls in flight hold (every data-plane socket and stream,
+        # and unary Propose / Verify / Prefill), against one budget.
         self.in_flight = InFlightBytes(options.replica_in_flight_bytes)
         # Set when a graceful shutdown begins: the data-plane streams answer what they
         # hold and end (specserve.serving.call_stream), so the grace is not waited out.
@@ -150,6 +153,24 @@ class RunningServer(Generic[B]):
         status = SERVING if serving else NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
+
+    @contextlib.contextmanager
+    def holding(self, request: Any) -> Iterator[None]:
+        """A unary Propose / Verify / Prefill's request held against the replica's
+        in-flight budget while it runs; refused (:class:`Overloaded`) while the calls in
+        flight hold the whole budget (its bytes are read already: holding it waiting
+        would let any number of calls pile up)."""
+        size = request.ByteSize()
+        if not self.in_flight.try_hold(request, size):
+            raise Overloaded(
+                f"this replica's calls in flight hold {self.in_flight.total} bytes of requests, "
+                f"its budget (--max-in-flight-bytes {self.in_flight.budget}); retry shortly "
+                "or on another replica"
+            )
+        try:
+            yield
+        finally:
+            self.in_flight.done(request)
 
     @property
     def bytes_in_flight(self) -> int:

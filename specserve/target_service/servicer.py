@@ -58,14 +58,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Prefill(
         self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
-        backend = self.executor.backend
-        inputs = target_wire.prefill_inputs(request, backend.vocab, backend.limit)
-        return await self._verify(inputs, strict=False)
+        with self.running.holding(request):
+            backend = self.executor.backend
+            inputs = target_wire.prefill_inputs(request, backend.vocab, backend.limit)
+            return await self._verify(inputs, strict=False)
 
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
-        return await self.verify(request)
+        with self.running.holding(request):
+            return await self.verify(request)
 
     async def VerifyStream(
         self, request_iterator: object, context: grpc.aio.ServicerContext

@@ -19,7 +19,8 @@ from specserve.serving.replica_stream import ReplicaStream
 from specserve.serving.server import ServerOptions
 from specserve.serving.socket_call import SocketDial
 from specserve.target_service import config as target_config
-from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specserve.target_service.server import start as start_target
+from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.services.conftest import run
 
 
@@ -178,6 +179,59 @@ def test_a_replicas_sockets_and_streams_hold_their_calls_against_one_budget() ->
             assert running.in_flight.total == 0  # both answered: nothing held
         finally:
             await running.stop(0)
+
+    run(go())
+
+
+def test_a_unary_call_past_the_replicas_budget_is_refused_resource_exhausted() -> None:
+    """Unary Propose / Verify / Prefill hold their request against the same budget; with
+    the budget held by calls in flight, one is refused (its bytes are read already), and
+    served again once they are answered."""
+
+    async def go() -> None:
+        options = ServerOptions(max_in_flight_bytes=1 << 20)
+        draft = await start_draft(draft_config.DraftServerConfig(model=None, server=options))
+        target = await start_target(
+            target_config.TargetServerConfig(
+                model="tiny:1", kv_budget_bytes=8 << 20, server=options
+            )
+        )
+        try:
+            for running in (draft, target):
+                await asyncio.to_thread(running.executor.ready.wait, 30)
+            session = draft_pb2.DraftSession(
+                session_id="n", new_tokens=[1, 2, 3, 1, 2], k=2, drafter=common_pb2.DRAFTER_NGRAM
+            )
+            propose = draft_pb2.ProposeRequest(sessions=[session])
+            prompt = target_pb2.VerifySession(session_id="t", new_tokens=[1, 2, 3])
+            verify = target_pb2.VerifyRequest(sessions=[prompt])
+            prefill = target_pb2.PrefillRequest(
+                sessions=[target_pb2.PrefillSession(session_id="p", tokens=[1, 2, 3])]
+            )
+            async with (
+                grpc.aio.insecure_channel(draft.address) as dc,
+                grpc.aio.insecure_channel(target.address) as tc,
+            ):
+                dstub = draft_pb2_grpc.DraftServiceStub(dc)
+                tstub = target_pb2_grpc.TargetServiceStub(tc)
+                calls = [
+                    (draft, lambda: dstub.Propose(propose)),
+                    (target, lambda: tstub.Verify(verify)),
+                    (target, lambda: tstub.Prefill(prefill)),
+                ]
+                for running, call in calls:
+                    others = object()  # calls in flight holding the whole budget
+                    running.in_flight.hold(others, 1 << 20)
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await call()
+                    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert "--max-in-flight-bytes" in (e.value.details() or "")
+                    running.in_flight.done(others)
+                    await call()  # room again: served
+                    assert running.in_flight.total == 0
+        finally:
+            await draft.stop(0)
+            await target.stop(0)
 
     run(go())
 
