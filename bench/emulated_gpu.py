@@ -78,6 +78,17 @@ ORCHESTRATOR = "separate"
 # are admitted in a few rounds rather than the 30 that the CPU default (512) would take.
 MAX_PREFILL_TOKENS = 4096
 K_MAX = 8  # the orchestrator's k_max: the widest verify the fidelity check times
+# Prompts per repetition: repetition r sends from its own block of this many (at least
+# the widest session count), so a run of fewer ``--sessions`` sends the same prompts
+# as the default run's at those counts (its lone session the same prompt).
+PROMPT_BLOCK = 32
+
+
+def prompt_block(sessions: Sequence[int]) -> int:
+    """The prompts each repetition's block holds."""
+    return max(PROMPT_BLOCK, *sessions)
+
+
 # variant -> (drafter, k): k None = adaptive
 VARIANTS = {"plain": ("none", 0), "adaptive": ("model", None)}
 
@@ -200,7 +211,7 @@ def run_stack(
     same under constant concurrency), then its traced single-session requests."""
     runs: list[Run] = []
     steady: list[SteadyRun] = []
-    widest = max(args.sessions)
+    widest, block = max(args.sessions), prompt_block(args.sessions)
     stack_args = stack_namespace(args, setting)
     with (
         TraceReceiver() as receiver,
@@ -212,7 +223,7 @@ def run_stack(
             asyncio.run(run_streams(address, prompt_list[:widest], 8, drafter, k, True))
         for rep in range(args.reps):
             for c in args.sessions:
-                batch = [prompt_list[i] for i in prompt_ids(rep, c, widest)]
+                batch = [prompt_list[i % len(prompt_list)] for i in prompt_ids(rep, c, block)]
                 for name, (drafter, k) in VARIANTS.items():
                     run = measure(
                         st, ORCHESTRATOR, name, rep, batch, args.new_tokens, drafter, k, True
@@ -220,7 +231,7 @@ def run_stack(
                     runs.append(run)
                 if c == 1 or not args.steady_waves:
                     continue
-                sent = steady_prompts(prompt_list, rep, c, widest, args.steady_waves)
+                sent = steady_prompts(prompt_list, rep, c, block, args.steady_waves)
                 for name, (drafter, k) in VARIANTS.items():
                     window, tokens, streams = asyncio.run(
                         run_steady(address, sent, c, args.new_tokens, drafter, k)
@@ -231,7 +242,7 @@ def run_stack(
                         f"{tokens / window:.2f} tok/s ({len(sent)} requests)",
                         flush=True,
                     )
-        traced_prompts = [prompt_list[(i * widest) % len(prompt_list)] for i in range(args.traced)]
+        traced_prompts = [prompt_list[(i * block) % len(prompt_list)] for i in range(args.traced)]
         phases = {
             name: round_phases(address, receiver, traced_prompts, args.new_tokens, drafter)
             for name, (drafter, _) in VARIANTS.items()
@@ -283,8 +294,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns what the JSON holds (written unless ``--no-write``)."""
     args = parse_args(argv)
-    widest = max(args.sessions)
-    prompt_list = prompts(args.target, args.reps * widest)
+    widest, block = max(args.sessions), prompt_block(args.sessions)
+    prompt_list = prompts(args.target, args.reps * block)  # fewer where HumanEval has fewer
     env = environment()
     probe = LoadProbe(children=True)  # the servers and the local child are ours
     started = time.monotonic()
@@ -294,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     prefill_ms = in_child(prefill_cpu_ms, model_settings(args), prompt_list[:widest])
     per_setting = {}
     for setting in args.settings:
-        singles = [prompt_list[i * widest] for i in range(args.reps)]
+        singles = [prompt_list[(i * block) % len(prompt_list)] for i in range(args.reps)]
         local = run_local_in_child(args, setting, singles)
         runs, steady, phases = run_stack(args, setting, prompt_list)
         per_setting[setting.label] = report.summarize_setting(runs, local, phases)

@@ -76,3 +76,10 @@ def test_draft_ahead_reaches_the_draft_server_only() -> None:
     assert serving_stack.server_flags(default)[0]["draft"][-2:] == ["--draft-ahead", "9"]
     off = emulated_gpu.stack_namespace(emulated_gpu.parse_args(["--draft-ahead", "0"]), setting)
     assert "--draft-ahead" not in serving_stack.server_flags(off)[0]["draft"]
+
+
+def test_fewer_session_counts_send_the_default_runs_prompts() -> None:
+    # Repetition r's block starts at r * 32 whatever --sessions holds, so `--sessions 1`
+    # decodes the lone prompts of `--sessions 1,8,32` (the local loop's too).
+    assert emulated_gpu.prompt_block([1]) == emulated_gpu.prompt_block([1, 8, 32]) == 32
+    assert emulated_gpu.prompt_block([1, 64]) == 64
