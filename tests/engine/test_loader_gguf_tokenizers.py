@@ -21,6 +21,7 @@ from specserve.engine.errors import ModelLoadError, NotFound
 from specserve.engine.loader import Tokenizer, check_compatible, load_model, load_tokenizer
 from specserve.engine.model import CausalLM
 from tests.support.hf_tiny import prefill_logits, tiny_random_model
+from tests.support.tiny_gguf import add_byte_tokenizer
 
 # --- GGUF -------------------------------------------------------------------------
 
@@ -48,7 +49,6 @@ _GGUF_NAMES = {
 def write_tiny_gguf(path: Path, model_type: str, arch: str | None = None) -> CausalLM:
     """Write a tiny random model, with a 256-token byte-level tokenizer, as float32 GGUF."""
     import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     model, cfg = tiny_random_model(model_type, seed=2)
     arch = arch or ("qwen2" if model_type == "qwen2" else "llama")
@@ -61,13 +61,7 @@ def write_tiny_gguf(path: Path, model_type: str, arch: str | None = None) -> Cau
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_tokenizer_model("gpt2")
-    tokens = [*list(bytes_to_unicode().values())[:253], "ab", "<|endoftext|>", "<|im_end|>"]
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 254 + [3, 3])  # 3 = control
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(254)
-    w.add_eos_token_id(255)
+    add_byte_tokenizer(w)
     top = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",

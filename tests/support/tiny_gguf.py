@@ -15,6 +15,7 @@ un-permutation is exercised on blocks.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,6 +97,20 @@ def _permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, half, -1).swapaxes(1, 2).reshape(rows.shape)
 
 
+def add_byte_tokenizer(w: Any) -> None:
+    """A 256-token byte-level BPE tokenizer on a ``gguf.GGUFWriter``: 253 byte tokens,
+    one merge ("ab"), then ``<|endoftext|>`` (BOS, 254) and ``<|im_end|>`` (EOS, 255)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    w.add_tokenizer_model("gpt2")
+    tokens = [*list(bytes_to_unicode().values())[:253], "ab", "<|endoftext|>", "<|im_end|>"]
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 254 + [3, 3])  # 3 = control
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(254)
+    w.add_eos_token_id(255)
+
+
 def write_tiny_gguf(
     path: Path,
     *,
@@ -110,7 +125,6 @@ def write_tiny_gguf(
     embedding. ``base`` (Hugging Face names -> float32 tensors, e.g. a dequantized model
     plus noise) gives the values to quantize instead of random ones (no K-quant types)."""
     import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
@@ -122,13 +136,7 @@ def write_tiny_gguf(
     w.add_head_count_kv(KV_HEADS)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    tokens = [*list(bytes_to_unicode().values())[:253], "ab", "<|endoftext|>", "<|im_end|>"]
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 254 + [3, 3])  # 3 = control
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(254)
-    w.add_eos_token_id(255)
+    add_byte_tokenizer(w)
 
     def put(name: str, hf: str, kind: str, shape: tuple[int, ...], std: float) -> None:
         given = None if base is None else base[hf].numpy().astype(np.float32)
