@@ -226,8 +226,11 @@ class InFlightBytes:
         """Request bytes held by the calls in flight."""
         return self._total
 
+    def _full(self) -> bool:
+        return bool(self._held) and self._total >= self.budget
+
     async def room(self) -> None:
-        while self._held and self._total >= self.budget:
+        while self._full():
             self._freed.clear()
             await self._freed.wait()
         if self.replica is not None:
@@ -236,12 +239,9 @@ class InFlightBytes:
     def try_hold(self, message: Any, size: int) -> bool:
         """:meth:`hold` if there is room now (as :meth:`room` would let it in); False if
         not: for a call whose bytes are already read (a unary call), to refuse it."""
-        if self._held and self._total >= self.budget:
+        if self._full() or (self.replica is not None and self.replica._full()):
             return False
-        if self.replica is not None and not self.replica.try_hold(message, size):
-            return False
-        self._held[id(message)] = size
-        self._total += size
+        self.hold(message, size)
         return True
 
     def hold(self, message: Any, size: int) -> None:
