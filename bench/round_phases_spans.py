@@ -26,6 +26,24 @@ PHASES = (
 )
 
 
+# A round's phase span, the RPC under it, the forward's span on the model thread, and
+# the PHASES its compute, server and transport parts go to.
+_CALLS = (
+    (
+        "specserve.propose",
+        "/specserve.v1.DraftService/Propose",
+        "specserve.draft.propose",
+        ("draft compute", "draft server", "draft transport"),
+    ),
+    (
+        "specserve.verify",
+        "/specserve.v1.TargetService/Verify",
+        "specserve.target.verify",
+        ("verify compute", "target server", "verify transport"),
+    ),
+)
+
+
 class Tree:
     """The spans of one trace, by id and by parent."""
 
@@ -74,20 +92,10 @@ class RoundSplit:
 
 def split_round(tree: Tree, rnd: ReceivedSpan) -> RoundSplit:
     phases = dict.fromkeys(PHASES, 0.0)
-    for propose in tree.children(rnd, "specserve.propose"):
-        c, s, t = rpc_split(
-            tree, propose, "/specserve.v1.DraftService/Propose", "specserve.draft.propose"
-        )
-        phases["draft compute"] += c
-        phases["draft server"] += s
-        phases["draft transport"] += t
-    for verify in tree.children(rnd, "specserve.verify"):
-        c, s, t = rpc_split(
-            tree, verify, "/specserve.v1.TargetService/Verify", "specserve.target.verify"
-        )
-        phases["verify compute"] += c
-        phases["target server"] += s
-        phases["verify transport"] += t
+    for phase, method, forward, parts in _CALLS:
+        for span in tree.children(rnd, phase):
+            for part, seconds in zip(parts, rpc_split(tree, span, method, forward), strict=True):
+                phases[part] += seconds
     for name in ("specserve.commit", "specserve.finish"):
         phases["store"] += sum(s.duration_s for s in tree.children(rnd, name))
     phases["orchestrator"] = rnd.duration_s - sum(phases.values())
