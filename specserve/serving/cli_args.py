@@ -85,12 +85,6 @@ def _env(env: Mapping[str, str], name: str, default: object) -> object:
     return env.get(f"SPECSERVE_{name}", default)
 
 
-def _optional_bytes(env: Mapping[str, str], name: str) -> int | None:
-    """A size from ``SPECSERVE_<name>``; None where it is unset (the flag's own default)."""
-    value = env.get(f"SPECSERVE_{name}")
-    return None if value is None else parse_bytes(value)
-
-
 def add_server_arguments(
     parser: argparse.ArgumentParser,
     *,
@@ -139,7 +133,7 @@ def add_server_arguments(
     g.add_argument(
         "--max-in-flight-bytes",
         type=parse_bytes,
-        default=_optional_bytes(env, "MAX_IN_FLIGHT_BYTES"),
+        default=_env(env, "MAX_IN_FLIGHT_BYTES", None),  # a string: parsed like the flag
         help="request bytes the calls in flight may hold together: past it no data-plane "
         "connection is read further and a unary Propose / Verify / Prefill is refused "
         "(default 16x --max-message-bytes)",
