@@ -127,7 +127,7 @@ def add_server_arguments(
     g.add_argument(
         "--max-message-bytes",
         type=parse_bytes,
-        default=parse_bytes(str(_env(env, "MAX_MESSAGE_BYTES", MAX_MESSAGE_BYTES))),
+        default=str(_env(env, "MAX_MESSAGE_BYTES", MAX_MESSAGE_BYTES)),  # parsed like the flag
         help="largest request or response (default 64MiB)",
     )
     g.add_argument(
@@ -172,7 +172,7 @@ def add_server_arguments(
     g.add_argument(
         "--kv-budget",
         type=parse_bytes,
-        default=parse_bytes(str(_env(env, "KV_BUDGET", kv_budget))),
+        default=str(_env(env, "KV_BUDGET", kv_budget)),  # parsed like the flag
         help=f"KV cache memory budget (default {kv_budget})",
     )
     g.add_argument(

@@ -150,8 +150,9 @@ def test_the_replicas_bytes_in_flight_flag() -> None:
     assert options({"SPECSERVE_MAX_IN_FLIGHT_BYTES": "1GiB"}, flag).max_in_flight_bytes == 300 << 20
     with pytest.raises(SystemExit):
         options({}, ["--max-in-flight-bytes", "lots"])
-    with pytest.raises(SystemExit):  # a bad environment value is refused as the flag's is
-        options({"SPECSERVE_MAX_IN_FLIGHT_BYTES": "lots"}, [])
+    for name in ("MAX_IN_FLIGHT_BYTES", "MAX_MESSAGE_BYTES", "KV_BUDGET"):
+        with pytest.raises(SystemExit):  # a bad environment value is refused as a flag's is
+            options({f"SPECSERVE_{name}": "lots"}, [])
 
 
 def test_a_replicas_sockets_and_streams_hold_their_calls_against_one_budget() -> None:
