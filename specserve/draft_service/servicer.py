@@ -15,7 +15,6 @@ from specserve.draft_service.metrics import DraftCounts
 from specserve.engine.drafter import DraftCall
 from specserve.serving.call_stream import StreamMethod, serve_call_stream
 from specserve.serving.errors import check_strict
-from specserve.serving.executor_job import Done, Submission
 from specserve.serving.server import RunningServer
 from specserve.telemetry import attributes as attr
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -40,10 +39,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.executor = running.executor
         self.counts = DraftCounts()
         self.propose_stream = StreamMethod(
-            "/specserve.v1.DraftService/Propose",
-            self.propose,
-            draft_pb2.ProposeStreamResponse,
-            prepare=self.prepare_propose,
+            "/specserve.v1.DraftService/Propose", self.propose, draft_pb2.ProposeStreamResponse
         )
 
     async def Propose(
@@ -65,28 +61,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         )
 
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        """One Propose call, unary or on a gRPC stream; errors raise (mapped by the caller)."""
-        return await self.executor.run(self.prepare_propose(request))
-
-    def prepare_propose(
-        self, request: draft_pb2.ProposeRequest
-    ) -> Submission[draft_pb2.ProposeResponse]:
-        """A Propose call validated and converted for the model thread (any thread)."""
+        """One Propose call, unary or on the stream; errors raise (mapped by the caller)."""
         backend = self.executor.backend
         calls = draft_wire.draft_calls(request, backend.vocab, backend.limit)
         for c in calls:
             backend.check_drafter(c.drafter, c.input.session_id)
-
-        def finish(done: Done[Proposed]) -> draft_pb2.ProposeResponse:
-            return self._proposed(request, calls, done)
-
-        sessions = frozenset(c.input.session_id for c in calls)
-        return Submission(_run_propose, calls, "propose", sessions, "propose", finish)
-
-    def _proposed(
-        self, request: draft_pb2.ProposeRequest, calls: list[DraftCall], done: Done[Proposed]
-    ) -> draft_pb2.ProposeResponse:
-        """The response to a Propose call whose batch ran (in the call's span)."""
+        done = await self.executor.submit(
+            _run_propose,
+            calls,
+            key="propose",
+            sessions=[c.input.session_id for c in calls],
+            kind="propose",
+        )
         self.counts.record(calls, done.value.outcomes)
         span = trace.get_current_span()  # the call's server span
         if span.is_recording():

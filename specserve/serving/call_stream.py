@@ -63,8 +63,6 @@ from opentelemetry.trace import (
 
 from specserve.engine.errors import InvalidArgument
 from specserve.serving.errors import status_for
-from specserve.serving.executor_job import Submission
-from specserve.serving.in_flight import InFlightBytes
 from specserve.serving.malformed import Malformed, Oversized, refuse
 from specserve.serving.stream_frames import answer_bytes
 from specserve.v1 import common_pb2
@@ -93,9 +91,6 @@ class StreamMethod(Generic[Req, Resp]):
     unary_method: str  # full name of the unary twin, e.g. "/specserve.v1.DraftService/Propose"
     handle: Callable[[Req], Awaitable[Resp]]  # the unary method's own path
     answer_type: Callable[..., Any]  # the stream's response message class
-    # the same call made ready for the model thread, synchronously (the data-plane
-    # socket's path, specserve.serving.socket_plane); None: served over gRPC alone
-    prepare: Callable[[Req], Submission[Resp]] | None = None
     max_in_flight: int = MAX_IN_FLIGHT
     # per transport ("stream": the gRPC stream method; "socket": the data-plane socket)
     span_attributes: dict[str, dict[str, str]] = field(init=False, repr=False, compare=False)
@@ -151,33 +146,23 @@ def _unsampled_caller(traceparent: str) -> SpanContext | None:
     return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags))
 
 
-def call_span(
+def _call_span(
     method: StreamMethod[Req, Resp], header: common_pb2.StreamCallHeader, transport: str
-) -> Span:
-    """A call's span, not yet current: its SERVER span, child of the caller's context;
-    or, where the caller did not sample its trace, the caller's span itself, no span
-    made (every process's sampler is parent-based, :mod:`specserve.telemetry.tracing`:
-    it would drop the call's span after parsing the header and making the span's ids)."""
+) -> contextlib.AbstractContextManager[Span]:
+    """What a call runs in: its SERVER span, child of the caller's context; or, where the
+    caller did not sample its trace, the caller's span made current, no span made (every
+    process's sampler is parent-based, :mod:`specserve.telemetry.tracing`: it would drop
+    the call's span after parsing the header and making the span's ids)."""
     unsampled = _unsampled_caller(header.traceparent) if header.traceparent else None
     if unsampled is not None:
-        return NonRecordingSpan(unsampled)
-    return tracer.start_span(
+        return trace.use_span(
+            NonRecordingSpan(unsampled), record_exception=False, set_status_on_exception=False
+        )
+    return tracer.start_as_current_span(
         method.unary_method,
         context=_parent_context(header),
         kind=SpanKind.SERVER,
         attributes=method.span_attributes[transport],
-        record_exception=False,
-        set_status_on_exception=False,
-    )
-
-
-def _call_span(
-    method: StreamMethod[Req, Resp], header: common_pb2.StreamCallHeader, transport: str
-) -> contextlib.AbstractContextManager[Span]:
-    """What a call runs in: :func:`call_span`, current, ended on exit."""
-    return trace.use_span(
-        call_span(method, header, transport),
-        end_on_exit=True,
         record_exception=False,
         set_status_on_exception=False,
     )
@@ -217,6 +202,59 @@ async def _run_call(
         span.set_attribute("rpc.grpc.status_code", code.value[0])
         span.set_status(Status(StatusCode.ERROR, f"{code.name}: {text}"))
         return method.refusal(request_id, code, text)
+
+
+class InFlightBytes:
+    """The request bytes of a stream's calls in flight, and a budget: past it the stream
+    is read no further (the client's writes wait on the transport's flow control) until
+    answers free some; one call always gets in.
+
+    ``replica``: the budget every data-plane stream and socket of the replica shares
+    (``--max-in-flight-bytes``). A stream also waits for room there, so many
+    connections together cannot make a replica hold more than it either; where the
+    replica holds nothing, one call gets in."""
+
+    def __init__(self, budget: int, replica: InFlightBytes | None = None) -> None:
+        self.budget = budget
+        self.replica = replica
+        self._held: dict[int, int] = {}  # id() of a call message in flight -> its bytes
+        self._total = 0
+        self._freed = asyncio.Event()
+
+    @property
+    def total(self) -> int:
+        """Request bytes held by the calls in flight."""
+        return self._total
+
+    def _full(self) -> bool:
+        return bool(self._held) and self._total >= self.budget
+
+    async def room(self) -> None:
+        while self._full():
+            self._freed.clear()
+            await self._freed.wait()
+        if self.replica is not None:
+            await self.replica.room()
+
+    def try_hold(self, message: Any, size: int) -> bool:
+        """:meth:`hold` if there is room now (as :meth:`room` would let it in); False if
+        not: for a call whose bytes are already read (a unary call), to refuse it."""
+        if self._full() or (self.replica is not None and self.replica._full()):
+            return False
+        self.hold(message, size)
+        return True
+
+    def hold(self, message: Any, size: int) -> None:
+        self._held[id(message)] = size
+        self._total += size
+        if self.replica is not None:
+            self.replica.hold(message, size)
+
+    def done(self, message: Any) -> None:
+        self._total -= self._held.pop(id(message), 0)
+        self._freed.set()
+        if self.replica is not None:
+            self.replica.done(message)
 
 
 async def serve_call_stream(

@@ -1,13 +1,11 @@
-"""The data-plane socket's protocol: a replica's round calls as length-prefixed TCP frames.
+"""The data-plane socket: a replica's round calls as length-prefixed frames over TCP.
 
 A message on a ``grpc.aio`` stream passes through gRPC's poller thread and the event
-loop at each end, several thread hops each way; a socket is read and written by the
-replica's model thread itself (:mod:`specserve.serving.socket_plane`), so a call
-costs its bytes, its conversion and its batch. ``bench.rpc_overhead`` times both. So
-the orchestrator sends ``Propose`` and ``Verify`` to each replica over one TCP
+loop at each end, several thread hops each way; on a socket the event loop writes
+the bytes itself and wakes on the reply. ``bench.rpc_overhead`` times both. So the
+orchestrator sends ``Propose`` and ``Verify`` to each replica over one TCP
 connection (TLS when the replica serves TLS, with the same certificates, and the
 same client-certificate check under ``--tls-ca``), and everything else over gRPC.
-This module holds the protocol and the helpers both ends share.
 
 **Protocol** (docs/api.md#the-data-plane-socket). Every frame is a 4-byte
 little-endian length and that many bytes.
@@ -22,7 +20,7 @@ little-endian length and that many bytes.
    and the unary request), and each replica frame one answer, a
    ``ProposeStreamResponse`` / ``VerifyStreamResponse``, exactly as on the gRPC
    stream methods (:mod:`specserve.serving.call_stream`: the same code serves
-   both: calls coalesce with every other caller's and fail per call).
+   both, so calls coalesce with every other caller's and fail per call).
 3. An answer with request id 0 and an error ends the connection: a frame that
    does not parse (``INVALID_ARGUMENT``), one past the size limit (the server's
    ``--max-message-bytes``, refused before it is read), or a graceful shutdown
@@ -43,6 +41,7 @@ half a minute rather than never.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import ssl
@@ -51,7 +50,8 @@ from typing import Any
 
 import grpc
 
-from specserve.serving.malformed import Oversized, RateLimitedWarning
+from specserve.serving.call_stream import InFlightBytes, StreamMethod, serve_calls
+from specserve.serving.malformed import Malformed, Oversized, RateLimitedWarning, tolerant
 from specserve.serving.tls import ServerTls
 from specserve.v1 import common_pb2
 
@@ -109,3 +109,128 @@ def error_frame(answer_type: Callable[..., Any], code: grpc.StatusCode, text: st
     """The frame that ends a connection: request id 0, an error."""
     error = common_pb2.StreamCallError(code=code.value[0], message=text)
     return frame(answer_type(request_id=0, error=error).SerializeToString())
+
+
+class DataSocketServer:
+    """Serves one :class:`StreamMethod` on a TCP port (see the module docstring)."""
+
+    def __init__(
+        self,
+        method: StreamMethod[Any, Any],
+        request_type: Any,
+        *,
+        max_bytes: int,
+        draining: asyncio.Event,
+        bytes_in_flight: int,
+        replica_budget: InFlightBytes | None = None,
+    ) -> None:
+        self.method = method
+        self.parse = tolerant(request_type.FromString)
+        self.max_bytes = max_bytes
+        # Request bytes one connection may have in flight before it is read no further.
+        self.bytes_in_flight = bytes_in_flight
+        self.replica_budget = replica_budget  # shared with the replica's other connections
+        self.draining = draining
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[Any]] = set()
+
+    async def start(self, host: str, port: int, tls: ServerTls | None) -> int:
+        """Listen on ``host:port`` (0: any free port); the bound port."""
+        context = server_context(tls) if tls is not None else None
+        self._server = await asyncio.start_server(
+            self._serve, host, port, ssl=context, reuse_address=True
+        )
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        """Stop listening; connections end once their calls are answered (``draining``
+        must be set) or within a second."""
+        if self._server is not None:
+            self._server.close()
+        if self._connections:
+            _, slow = await asyncio.wait(self._connections, timeout=1.0)
+            for task in slow:
+                task.cancel()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        tune(writer.get_extra_info("socket"))
+        try:
+            if await self._hello(reader, writer):
+                await self._calls(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, TimeoutError):
+            pass  # the client went away (or never spoke): nothing to answer
+        finally:
+            self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        hello = await asyncio.wait_for(read_frame(reader, 1024), HELLO_TIMEOUT_S)
+        wanted = self.method.unary_method
+        if hello == wanted.encode():
+            writer.write(frame(b""))
+            return True
+        if hello is not None:
+            said = repr(hello[:200]) if isinstance(hello, bytes) else "a frame too long"
+            writer.write(
+                error_frame(
+                    self.method.answer_type,
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"this replica's data-plane socket serves {wanted}; the hello named {said}",
+                )
+            )
+        return False
+
+    async def _calls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        budget = InFlightBytes(self.bytes_in_flight, self.replica_budget)
+
+        async def read() -> Any:
+            await budget.room()  # past the budget, TCP backpressure
+            data = await read_frame(reader, self.max_bytes)
+            if data is None or isinstance(data, Oversized):
+                return data
+            message = self.parse(data)  # type: ignore[misc]
+            if not isinstance(message, Malformed):
+                budget.hold(message, len(data))
+            return message
+
+        async def write(answer: Any) -> None:
+            data = answer if isinstance(answer, bytes) else answer.SerializeToString()
+            writer.write(frame(data))
+            await writer.drain()  # returns at once unless the client stopped reading
+
+        async def refuse(bad: Malformed | Oversized) -> None:
+            writer.write(error_frame(self.method.answer_type, *self._refusal(writer, bad)))
+
+        await serve_calls(self.method, read, write, refuse, self.draining, "socket", budget.done)
+        if self.draining.is_set():
+            writer.write(
+                error_frame(
+                    self.method.answer_type,
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the replica is shutting down; the calls sent before this were "
+                    "answered, send the rest to another replica",
+                )
+            )
+        await writer.drain()
+
+    def _refusal(
+        self, writer: asyncio.StreamWriter, bad: Malformed | Oversized
+    ) -> tuple[grpc.StatusCode, str]:
+        if isinstance(bad, Oversized):
+            return grpc.StatusCode.INVALID_ARGUMENT, (
+                f"a frame of {bad.size} bytes exceeds this replica's limit of {bad.limit} "
+                "(--max-message-bytes); the connection ends"
+            )
+        _warning.warn(
+            f"{self.method.unary_method} socket: refused a frame of {bad.size} bytes from "
+            f"{writer.get_extra_info('peername')} that is not a {bad.message} ({bad.why})"
+        )
+        return grpc.StatusCode.INVALID_ARGUMENT, (
+            f"a frame of {bad.size} bytes does not parse as a {bad.message} message; "
+            "the connection ends"
+        )

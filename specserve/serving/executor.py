@@ -1,21 +1,20 @@
 """The model executor: one dedicated thread owns the model, its caches and every call on them.
 
-Model work never runs on a server's event loop. The model thread runs an event loop
-of its own (:attr:`ModelExecutor.model_loop`) whose callbacks are the batches:
-servicers ``await`` :meth:`ModelExecutor.submit` from any loop (a hop to the model
-thread and back), while whatever is served on the model loop itself (the data-plane
-socket, :mod:`specserve.serving.socket_plane`) reads its calls between batches and
-queues them with :meth:`ModelExecutor.enqueue`, answered on the model thread: no
-thread hop on a round's critical path. Which queued jobs run together as one
-batched call, one forward, is :mod:`specserve.serving.job_queue`'s rule (a shared
-coalescing key, disjoint sessions, at most ``max_batch_sessions``, a window of
-``window_s`` only while waiting brings company); after each batch the loop reads
-what arrived meanwhile before the next one forms.
+Model work never runs on the event loop. Servicers ``await`` :meth:`ModelExecutor.submit`,
+which queues a job; the model thread takes jobs in arrival order. Jobs that share a
+coalescing ``key`` (all ``Verify`` and ``Prefill`` calls; all ``Propose`` calls) and
+arrive within ``window_s`` of the first one run as ONE batched call — one forward —
+as long as they name disjoint sessions and stay under ``max_batch_sessions``. Jobs
+that queued up while the thread was busy join the next batch at once; the window
+only delays a batch whose first job has waited less than ``window_s``, and only
+while waiting has brought company (:mod:`specserve.serving.batch_window`: one
+caller alone does not wait, bar a probe now and then).
 
-Idle work: a backend with an ``idle_step()`` method (returning whether it did work)
-gets it called whenever no job is queued, one step at a time, the queue and sockets
-checked between steps (a call arriving meanwhile waits one step at most); it starts
-again after each batch and never runs while jobs wait, nor once closing began. A
+Idle work: a backend with an ``idle_step()`` method (returning whether it did work; it
+is called again until it returns False) gets it called whenever no job is queued, one
+step at a time, the queue checked between steps, so a call that arrives during idle
+work waits for at most one step. Idle work starts again after each batch (a batch may
+give the backend new work) and never runs while jobs wait, nor once closing began. A
 draft replica drafts ahead this way (:mod:`specserve.engine.draft_ahead`).
 
 On :meth:`ModelExecutor.close` the queued jobs finish, then the backend's
@@ -33,16 +32,20 @@ Failure handling:
   :class:`~specserve.serving.errors.Unavailable`, and the state listener (the
   server's health service) reports NOT_SERVING.
 
-Telemetry: a job with a ``kind`` (``propose``, ``verify``) is counted in
-:attr:`ModelExecutor.stats` (batch size, queue wait, compute time), and when its
-caller was in a trace (the context captured at :meth:`ModelExecutor.submit`) the
-batch runs in a span ``specserve.<name>.<kind>``, child of the first traced
-caller's span, linking the others'.
+Telemetry: a job submitted with a ``kind`` (``propose``, ``verify``) is counted
+in :attr:`ModelExecutor.stats` (batch size, queue wait, compute time), and when
+its caller was in a trace the batch runs in a span on the model thread
+(``specserve.<name>.<kind>``): the caller's OpenTelemetry context is captured at
+:meth:`ModelExecutor.submit` and re-attached there. A coalesced batch serves
+several callers, so its span is the child of the first traced caller's span and
+links to the others'.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import enum
 import logging
 import threading
@@ -57,11 +60,12 @@ from specserve.engine.errors import EngineError
 from specserve.serving.batch_stats import BatchStats
 from specserve.serving.batch_window import WindowGate
 from specserve.serving.errors import Unavailable
-from specserve.serving.executor_job import Done, Job, Submission, batch_span
-from specserve.serving.job_queue import JobQueue
+from specserve.serving.executor_job import Done, Job
 from specserve.serving.progress import ModelProgress
+from specserve.telemetry import attributes as attr
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer(__name__)
 
 B = TypeVar("B")  # the loaded backend (model + caches)
 P = TypeVar("P")  # one job's payload
@@ -91,25 +95,22 @@ class ModelExecutor(Generic[B]):
     ) -> None:
         self.name = name
         self.window_s = window_s
+        self._new_gate = gate
         self.max_batch_sessions = max_batch_sessions
         self._on_state: Callable[[State], None] | None = None
-        self._lock = threading.Lock()  # the queue, the state's checks, the pump flag
-        self._queue = JobQueue(window_s, max_batch_sessions, gate)
+        self._cv = threading.Condition()
+        self._queue: collections.deque[Job] = collections.deque()
         self._state = State.LOADING
         self._closing = False
         self._error: BaseException | None = None
         self._backend: B | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that started it
-        # The model thread's own loop: it runs the batches, and the I/O of whatever is
-        # served on it (the data-plane socket), between batches.
-        self.model_loop = asyncio.new_event_loop()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._pump_pending = False  # a _pump is scheduled on the model loop
-        self._window_timer: asyncio.TimerHandle | None = None
         self.ready = threading.Event()  # set once loading ended, either way
         self.stats = BatchStats()
         self.progress = ModelProgress()  # reported by GetLoad: a hung thread stops it
         self._running = False  # the model thread is inside a batch
+        self._gates: dict[str, WindowGate] = {}  # per coalescing key (model thread only)
         self._idle_step: Callable[[], bool] | None = None  # the backend's, if it has one
         self._idle_pending = False  # the backend may have idle work (model thread sets it)
         self.idle_steps = 0  # idle steps that did work
@@ -117,7 +118,7 @@ class ModelExecutor(Generic[B]):
     # -- life cycle (event loop side) -------------------------------------------------
 
     def start(self, load: Callable[[], B], on_state: Callable[[State], None] | None = None) -> None:
-        """Start the model thread: it runs ``load()`` and then its loop, serving the queue.
+        """Start the model thread: it runs ``load()`` and then serves the queue.
 
         ``on_state`` hears every state change, on the event loop that called ``start``.
         """
@@ -131,15 +132,11 @@ class ModelExecutor(Generic[B]):
 
     async def close(self) -> None:
         """Let the queued jobs finish, then stop the thread (waits without blocking the loop)."""
-        with self._lock:
+        with self._cv:
             self._closing = True
-            self._queue.closing = True
-            if self._thread is not None:
-                self._kick()
+            self._cv.notify_all()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        else:
-            self.model_loop.close()
         self._set_state(State.CLOSED)
 
     @property
@@ -173,9 +170,9 @@ class ModelExecutor(Generic[B]):
 
     def busy(self) -> bool:
         """Whether the model thread runs a batch or has jobs waiting."""
-        return self._running or bool(len(self._queue))
+        return self._running or bool(self._queue)
 
-    # -- submitting ---------------------------------------------------------------------
+    # -- submitting (event loop side) -----------------------------------------------
 
     async def submit(
         self,
@@ -195,24 +192,11 @@ class ModelExecutor(Generic[B]):
         if kind is not None and trace.get_current_span().get_span_context().is_valid:
             ctx = otel_context.get_current()
         job = Job(op, payload, key, frozenset(sessions), loop.create_future(), loop, kind, ctx)
-        self.enqueue(job)
-        assert job.future is not None
-        return await job.future
-
-    async def run(self, call: Submission[R]) -> R:
-        """Run a prepared call on the model thread and finish it (from any event loop)."""
-        done = await self.submit(
-            call.op, call.payload, key=call.key, sessions=call.sessions, kind=call.kind
-        )
-        return call.finish(done)
-
-    def enqueue(self, job: Job) -> None:
-        """Queue ``job`` (raises :class:`Unavailable` unless serving). From the model
-        loop, a job with ``on_done`` is answered on the model thread, no hop."""
-        with self._lock:
+        with self._cv:
             self._check_open()
-            self._queue.push(job)
-            self._kick()
+            self._queue.append(job)
+            self._cv.notify()
+        return await job.future
 
     def _check_open(self) -> None:
         if self._closing or self._state is State.CLOSED:
@@ -225,31 +209,9 @@ class ModelExecutor(Generic[B]):
                 "it is NOT_SERVING until restarted"
             )
 
-    def _kick(self) -> None:
-        """Have the model loop look at the queue soon (caller holds the lock)."""
-        if self._pump_pending:
-            return
-        self._pump_pending = True
-        if self._thread is not None and threading.get_ident() == self._thread.ident:
-            self.model_loop.call_soon(self._pump)
-        else:
-            self.model_loop.call_soon_threadsafe(self._pump)
-
     # -- the model thread -------------------------------------------------------------
 
     def _main(self, load: Callable[[], B]) -> None:
-        asyncio.set_event_loop(self.model_loop)
-        loaded = self._load(load)
-        with self._lock:
-            self._kick()  # jobs or a close may have come while loading
-        try:
-            self.model_loop.run_forever()
-        finally:
-            if loaded:
-                self._close_backend()
-            self.model_loop.close()
-
-    def _load(self, load: Callable[[], B]) -> bool:
         try:
             self._backend = load()
             watched = getattr(self._backend, "progress_modules", None)
@@ -263,61 +225,28 @@ class ModelExecutor(Generic[B]):
             self._error = e
             self._set_state(State.FAILED)
             self.ready.set()
-            return False
+            return
         idle_step = getattr(self._backend, "idle_step", None)
         self._idle_step = idle_step if callable(idle_step) else None
         self._set_state(State.READY)
         self.ready.set()
-        return True
-
-    def _pump(self) -> None:
-        """On the model loop: run the next batch, or wait for its window, or one idle
-        step, or stop the loop once closing found the queue empty. After a batch or an
-        idle step it runs again once the loop has read what arrived meanwhile."""
-        with self._lock:
-            self._pump_pending = False
-            taken = self._queue.take()
-            stop = self._closing and taken is None
-        if isinstance(taken, list):
+        while (batch := self._next_batch()) is not None:
+            if not batch:
+                self._run_idle_step()
+                continue
             self._running = True
             try:
-                self._execute(taken)
+                self._execute(batch)
             finally:
                 self._running = False
                 self.progress.step()
             self._idle_pending = self._idle_step is not None and self._state is State.READY
-            self._again()
-        elif isinstance(taken, float):
-            self._wake_at(taken)
-        elif stop:
-            self.model_loop.stop()
-        elif self._idle_pending:
-            self._run_idle_step()
-            if self._idle_pending:
-                self._again()
-
-    def _again(self) -> None:
-        """Pump again after the loop's next poll for I/O (a zero-delay timer runs after
-        the poll's callbacks: calls that arrived during the batch join the next one)."""
-        with self._lock:
-            if not self._pump_pending:
-                self._pump_pending = True
-                self.model_loop.call_later(0, self._pump)
-
-    def _wake_at(self, when: float) -> None:
-        """Pump when a held batch's window ends (a job's arrival pumps sooner)."""
-        if self._window_timer is not None:
-            self._window_timer.cancel()
-        delay = max(0.0, when - time.monotonic())
-        self._window_timer = self.model_loop.call_later(delay, self._again)
+        self._close_backend()
 
     def _run_idle_step(self) -> None:
         """One step of the backend's idle work. A typed engine error ends idle work until
         the next batch; any other exception is a device failure, as in a batch."""
         assert self._idle_step is not None
-        if self._closing or self._state is not State.READY:
-            self._idle_pending = False
-            return
         try:
             self._idle_pending = bool(self._idle_step())
         except EngineError as e:
@@ -343,6 +272,59 @@ class ModelExecutor(Generic[B]):
         except Exception:  # shutting down anyway: say so, do not hang or mask the exit
             log.exception("closing the %s backend failed", self.name)
 
+    def _next_batch(self) -> list[Job] | None:
+        """The next batch; ``[]`` when the queue is empty and the backend has idle work
+        (one step of it runs, then the queue is looked at again); None once closing."""
+        with self._cv:
+            while not self._queue and not self._closing:
+                if self._idle_pending:
+                    return []
+                self._cv.wait()
+            if not self._queue:
+                return None
+            first = self._queue.popleft()
+            batch = [first]
+            if first.key is None:
+                return batch
+            sessions = set(first.sessions)
+            self._take_matching(batch, sessions)  # queued while the thread was busy
+            deadline = first.enqueued + self.window_s
+            gate = self._gates.get(first.key)
+            if gate is None:
+                gate = self._gates[first.key] = self._new_gate()
+            if self._wants_company(sessions, deadline) and gate.should_wait():
+                before = len(batch)
+                while self._wants_company(sessions, deadline):
+                    self._cv.wait(max(0.0, deadline - time.monotonic()))
+                    self._take_matching(batch, sessions)
+                gate.waited(len(batch) > before)
+            return batch
+
+    def _wants_company(self, sessions: set[str], deadline: float) -> bool:
+        """Whether the batch may still wait for calls to join it (caller holds the lock)."""
+        full = len(sessions) >= self.max_batch_sessions
+        return not full and not self._closing and time.monotonic() < deadline
+
+    def _take_matching(self, batch: list[Job], sessions: set[str]) -> None:
+        """Move queued jobs that can join ``batch`` into it (caller holds the lock).
+
+        A job never overtakes an earlier queued job that names one of its sessions,
+        so calls about one session run in the order they arrived.
+        """
+        key = batch[0].key
+        kept: collections.deque[Job] = collections.deque()
+        passed: set[str] = set()  # sessions of the jobs left in the queue so far
+        for job in self._queue:
+            fits = len(sessions) + len(job.sessions) <= self.max_batch_sessions
+            free = sessions.isdisjoint(job.sessions) and passed.isdisjoint(job.sessions)
+            if job.key == key and fits and free:
+                batch.append(job)
+                sessions |= job.sessions
+            else:
+                kept.append(job)
+                passed |= job.sessions
+        self._queue = kept
+
     def _execute(self, batch: list[Job]) -> None:
         if self._state is State.FAILED:
             for job in batch:
@@ -351,7 +333,7 @@ class ModelExecutor(Generic[B]):
         started = time.monotonic()
         t0 = time.perf_counter_ns()
         try:
-            with batch_span(self.name, batch):
+            with self._batch_span(batch):
                 results = batch[0].op(self._backend, [job.payload for job in batch])
         except EngineError as e:
             if len(batch) > 1:  # find whose request it was: re-run each job alone
@@ -375,6 +357,24 @@ class ModelExecutor(Generic[B]):
             self.stats.observe(batch[0].kind, sessions, waits, compute_ns / 1e9)
         for job, value, wait in zip(batch, results, waits, strict=True):
             job.resolve(Done(value, compute_ns, sessions, len(batch), wait))
+
+    def _batch_span(self, batch: list[Job]) -> contextlib.AbstractContextManager[object]:
+        """The batch's span, under the first traced caller, linking the others (if any)."""
+        traced = [job.context for job in batch if job.context is not None]
+        kind = batch[0].kind
+        if not traced or kind is None:
+            return contextlib.nullcontext()
+        links = [trace.Link(trace.get_current_span(c).get_span_context()) for c in traced[1:]]
+        return tracer.start_as_current_span(
+            attr.forward_span(self.name, kind),
+            context=traced[0],
+            links=links,
+            attributes={
+                attr.OP: kind,
+                attr.BATCH_SIZE: sum(len(job.sessions) for job in batch),
+                attr.BATCH_CALLS: len(batch),
+            },
+        )
 
     def _set_state(self, state: State) -> None:
         if self._state is state:

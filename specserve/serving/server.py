@@ -34,12 +34,16 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specserve.serving.call_stream import IN_FLIGHT_FRAMES, REPLICA_IN_FLIGHT_FRAMES, StreamMethod
+from specserve.serving.call_stream import (
+    IN_FLIGHT_FRAMES,
+    REPLICA_IN_FLIGHT_FRAMES,
+    InFlightBytes,
+    StreamMethod,
+)
+from specserve.serving.data_socket import DataSocketServer
 from specserve.serving.errors import ErrorInterceptor, Overloaded
 from specserve.serving.executor import ModelExecutor, State
-from specserve.serving.in_flight import InFlightBytes
 from specserve.serving.reflection import enable_reflection
-from specserve.serving.socket_plane import SocketPlane
 from specserve.serving.tls import ServerTls, warn_if_exposed
 from specserve.telemetry.config import TelemetryConfig
 from specserve.telemetry.process import ProcessTelemetry, setup_telemetry
@@ -126,7 +130,7 @@ class RunningServer(Generic[B]):
         self.metrics_port: int | None = None  # set once a metrics endpoint serves
         self.health_server: grpc.aio.Server | None = None  # --health-port's plaintext server
         self.health_port: int | None = None
-        self.data_socket: SocketPlane | None = None  # the data-plane socket, once serving
+        self.data_socket: DataSocketServer | None = None  # the data-plane socket, once serving
         self.data_port = 0  # its bound port (0: none), which GetLoad reports
         # The request bytes the calls in flight hold (every data-plane socket and stream,
         # and unary Propose / Verify / Prefill), against one budget.
@@ -174,22 +178,23 @@ class RunningServer(Generic[B]):
         gRPC stream) may hold before it is read no further."""
         return IN_FLIGHT_FRAMES * self.options.max_message_bytes
 
-    def serve_data_plane(self, method: StreamMethod[Any, Any], request_type: Any) -> None:
-        """Serve ``method`` on the data-plane socket, on the model thread
-        (:mod:`specserve.serving.socket_plane`), at ``options.data_port`` with the gRPC
-        port's TLS; nothing when that is None. Bound now; served once the model loaded."""
+    async def serve_data_plane(self, method: StreamMethod[Any, Any], request_type: Any) -> None:
+        """Serve ``method`` on the data-plane socket (:mod:`specserve.serving.data_socket`)
+        at ``options.data_port``, with the gRPC port's TLS; nothing when that is None."""
         if self.options.data_port is None:
             return
-        plane = SocketPlane(
+        socket = DataSocketServer(
             method,
             request_type,
-            self.executor,
             max_bytes=self.options.max_message_bytes,
+            draining=self.draining,
             bytes_in_flight=self.bytes_in_flight,
             replica_budget=self.in_flight,
         )
-        self.data_port = plane.bind(self.options.host, self.options.data_port, self.options.tls)
-        self.data_socket = plane
+        self.data_port = await socket.start(
+            self.options.host, self.options.data_port, self.options.tls
+        )
+        self.data_socket = socket
 
     def watch(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` alongside the server until it stops (e.g. a health watch that may

@@ -17,7 +17,6 @@ from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk
 from specserve.engine.verifier import VerifyInput
 from specserve.serving.call_stream import StreamMethod, serve_call_stream
 from specserve.serving.errors import check_strict
-from specserve.serving.executor_job import Done, Submission
 from specserve.serving.server import RunningServer
 from specserve.target_service.backend import TargetBackend, Verified
 from specserve.target_service.metrics import TargetCounts
@@ -53,10 +52,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.executor = running.executor
         self.counts = TargetCounts()
         self.verify_stream = StreamMethod(
-            "/specserve.v1.TargetService/Verify",
-            self.verify,
-            target_pb2.VerifyStreamResponse,
-            prepare=self.prepare_verify,
+            "/specserve.v1.TargetService/Verify", self.verify, target_pb2.VerifyStreamResponse
         )
 
     async def Prefill(
@@ -65,7 +61,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         with self.running.holding(request):
             backend = self.executor.backend
             inputs = target_wire.prefill_inputs(request, backend.vocab, backend.limit)
-            return await self.executor.run(self._verify_call(inputs, strict=False))
+            return await self._verify(inputs, strict=False)
 
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
@@ -86,30 +82,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         )
 
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
-        """One Verify call, unary or on a gRPC stream; errors raise (mapped by the caller)."""
-        return await self.executor.run(self.prepare_verify(request))
-
-    def prepare_verify(
-        self, request: target_pb2.VerifyRequest
-    ) -> Submission[target_pb2.VerifyResponse]:
-        """A Verify call validated and converted for the model thread (any thread)."""
+        """One Verify call, unary or on the stream; errors raise (mapped by the caller)."""
         backend = self.executor.backend
         inputs = target_wire.verify_inputs(request, backend.vocab, backend.limit)
-        return self._verify_call(inputs, strict=request.strict)
+        return await self._verify(inputs, strict=request.strict)
 
-    def _verify_call(
+    async def _verify(
         self, inputs: list[VerifyInput], *, strict: bool
-    ) -> Submission[target_pb2.VerifyResponse]:
-        def finish(done: Done[Verified]) -> target_pb2.VerifyResponse:
-            return self._verified(inputs, strict, done)
-
-        sessions = frozenset(x.session_id for x in inputs)
-        return Submission(_run_verify, inputs, "verify", sessions, "verify", finish)
-
-    def _verified(
-        self, inputs: list[VerifyInput], strict: bool, done: Done[Verified]
     ) -> target_pb2.VerifyResponse:
-        """The response to a Verify / Prefill whose batch ran (in the call's span)."""
+        done = await self.executor.submit(
+            _run_verify,
+            inputs,
+            key="verify",
+            sessions=[x.session_id for x in inputs],
+            kind="verify",
+        )
         outcomes = done.value.outcomes
         self.counts.record(inputs, outcomes)
         span = trace.get_current_span()  # the call's server span

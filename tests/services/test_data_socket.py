@@ -1,13 +1,12 @@
 """The data-plane socket, both ends, against a scripted in-process replica.
 
-The replica is a real :class:`SocketPlane` on loopback, served on a real model
-executor's loop, beside a gRPC server that answers ``GetLoad`` (where the client
-learns the socket's port) and serves the same calls on ``ProposeStream`` (the
-fallback). Calls are answered by the session id they name: ``ok-*`` echoes it,
-``slow-*`` after 0.3 s, ``hang-*`` after 1 s (the model thread is busy meanwhile),
-``refuse`` NOT_FOUND. No model is involved: what is tested is the protocol (hello,
-frames, the frames that end a connection), and that :class:`ReplicaStream` drives
-the socket with the rules it has for a gRPC stream.
+The replica is a real :class:`DataSocketServer` on loopback, beside a gRPC server
+that answers ``GetLoad`` (where the client learns the socket's port) and serves the
+same calls on ``ProposeStream`` (the fallback). Calls are answered by the session id
+they name: ``ok-*`` echoes it, ``slow-*`` after 0.3 s, ``hang-*`` never, ``refuse``
+NOT_FOUND. No model is involved: what is tested is the protocol (hello, frames,
+the frames that end a connection), and that :class:`ReplicaStream` drives the
+socket with the rules it has for a gRPC stream.
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import threading
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,58 +23,42 @@ import pytest
 
 from specserve.engine.errors import NotFound
 from specserve.serving import data_socket
-from specserve.serving.call_stream import IN_FLIGHT_FRAMES, StreamMethod, serve_call_stream
-from specserve.serving.data_socket import frame, read_frame
+from specserve.serving.call_stream import (
+    IN_FLIGHT_FRAMES,
+    InFlightBytes,
+    StreamMethod,
+    serve_call_stream,
+)
+from specserve.serving.data_socket import DataSocketServer, frame, read_frame
 from specserve.serving.errors import ErrorInterceptor
-from specserve.serving.executor import ModelExecutor
-from specserve.serving.executor_job import Done, Submission
-from specserve.serving.in_flight import InFlightBytes
 from specserve.serving.replica_stream import ReplicaStream
 from specserve.serving.socket_call import SocketCall, SocketDial
-from specserve.serving.socket_plane import SocketPlane
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 PROPOSE = "/specserve.v1.DraftService/Propose"
-PAUSES = {"slow-": 0.3, "hang-": 1.0}  # the model thread's time on such a call
-
-
-def _answer(backend: object, names: list[str]) -> list[str]:
-    """The batched op: each call's pause, on the model thread, then its name back."""
-    for name in names:
-        time.sleep(next((s for p, s in PAUSES.items() if name.startswith(p)), 0.0))
-    return names
 
 
 class Scripted(draft_pb2_grpc.DraftServiceServicer):
     """GetLoad (with the socket's port, or 0) and ProposeStream over the same method."""
 
-    def __init__(self, executor: ModelExecutor[object]) -> None:
-        self.executor = executor
+    def __init__(self) -> None:
         self.data_port = 0
-        self.draining = asyncio.Event()  # the gRPC stream's graceful end
+        self.draining = asyncio.Event()
         self.seen: list[str] = []
-        self.finished_on: set[str] = set()  # the threads that built answers
-        self.method = StreamMethod(
-            PROPOSE, self.propose, draft_pb2.ProposeStreamResponse, prepare=self.prepare
-        )
+        self.method = StreamMethod(PROPOSE, self.propose, draft_pb2.ProposeStreamResponse)
         self.stream_bytes_in_flight: int | None = None
         self.replica_budget: InFlightBytes | None = None  # shared by streams and sockets
 
-    def prepare(self, request: draft_pb2.ProposeRequest) -> Submission[Any]:
+    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
         name = request.sessions[0].session_id
         self.seen.append(name)
+        if name.startswith("slow-"):
+            await asyncio.sleep(0.3)
+        if name.startswith("hang-"):
+            await asyncio.Event().wait()
         if name == "refuse":
             raise NotFound("no such session here")
-
-        def finish(done: Done[str]) -> draft_pb2.ProposeResponse:
-            self.finished_on.add(threading.current_thread().name)
-            result = draft_pb2.DraftResult(session_id=done.value)
-            return draft_pb2.ProposeResponse(results=[result], batch_size=done.batch_sessions)
-
-        return Submission(_answer, name, "propose", frozenset([name]), "propose", finish)
-
-    async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        return await self.executor.run(self.prepare(request))
+        return draft_pb2.ProposeResponse(results=[draft_pb2.DraftResult(session_id=name)])
 
     async def GetLoad(self, request: Any, context: Any) -> common_pb2.LoadReport:
         return common_pb2.LoadReport(role="draft", data_port=self.data_port)
@@ -95,16 +76,10 @@ async def replica(
     max_bytes: int = 1 << 20,
     bytes_in_flight: int | None = None,
     replica_bytes: int | None = None,
-    window_s: float = 0.0,
 ) -> AsyncIterator[Any]:
-    """(address, servicer, socket plane or None) of a scripted replica on loopback;
-    ``replica_bytes``: a budget its sockets and gRPC streams share (None: none);
-    ``window_s``: its batch window (the first batch waits it out for company, reading
-    more calls meanwhile: calls held in flight without the model thread busy)."""
-    executor: ModelExecutor[object] = ModelExecutor("test", window_s=window_s)
-    executor.start(object)
-    assert await asyncio.to_thread(executor.ready.wait, 10)
-    servicer = Scripted(executor)
+    """(address, servicer, socket server or None) of a scripted replica on loopback;
+    ``replica_bytes``: a budget its sockets and gRPC streams share (None: none)."""
+    servicer = Scripted()
     if replica_bytes is not None:
         servicer.replica_budget = InFlightBytes(replica_bytes)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])  # as the replicas': bytes pass
@@ -113,15 +88,15 @@ async def replica(
     await server.start()
     plane = None
     if serve_socket:
-        plane = SocketPlane(
+        plane = DataSocketServer(
             servicer.method,
             draft_pb2.ProposeStreamRequest,
-            executor,
             max_bytes=max_bytes,
+            draining=servicer.draining,
             bytes_in_flight=bytes_in_flight or IN_FLIGHT_FRAMES * max_bytes,
             replica_budget=servicer.replica_budget,
         )
-        servicer.data_port = plane.bind("127.0.0.1", 0, None)
+        servicer.data_port = await plane.start("127.0.0.1", 0, None)
     try:
         yield f"127.0.0.1:{port}", servicer, plane
     finally:
@@ -129,12 +104,11 @@ async def replica(
         if plane is not None:
             await plane.close()
         await server.stop(0)
-        await executor.close()
 
 
 @contextlib.asynccontextmanager
 async def dialled(*, serve_socket: bool = True, **backoff: float) -> AsyncIterator[Any]:
-    """(stream, servicer, socket plane or None): a ReplicaStream dialling the replica's
+    """(stream, servicer, socket server or None): a ReplicaStream dialling the replica's
     socket (the orchestrator's), closed afterwards."""
     async with (
         replica(serve_socket=serve_socket) as (address, servicer, plane),
@@ -188,21 +162,6 @@ def test_calls_go_over_the_socket_and_each_gets_its_own_answer() -> None:
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
             assert "no such session" in (e.value.details() or "")
             assert answered(await stream.call(request("ok-after"), 10)) == "ok-after"
-
-    asyncio.run(body())
-
-
-def test_socket_calls_are_answered_on_the_model_thread_and_arrivals_join_the_next_batch() -> None:
-    async def body() -> None:
-        async with dialled() as (stream, servicer, _):
-            first = asyncio.ensure_future(stream.call(request("slow-1"), 10))
-            await asyncio.sleep(0.1)  # the model thread is in slow-1's batch: nothing is read
-            assert servicer.seen == ["slow-1"]
-            later = [asyncio.ensure_future(stream.call(request(f"ok-{i}"), 10)) for i in range(3)]
-            assert (await first).batch_size == 1
-            sizes = [(await call).batch_size for call in later]
-            assert sizes == [3, 3, 3]  # read when the batch ended, run as one
-            assert servicer.finished_on == {"test-model"}  # no hop back to a server loop
 
     asyncio.run(body())
 
@@ -299,7 +258,7 @@ def test_a_stream_past_its_bytes_in_flight_is_read_no_further_until_answers_free
     over: str,
 ) -> None:
     async def body() -> None:
-        async with replica(bytes_in_flight=250_000, window_s=0.5) as (address, servicer, _):
+        async with replica(bytes_in_flight=250_000) as (address, servicer, _):
             servicer.stream_bytes_in_flight = 250_000
             calls = [big_call(f"slow-{i}") for i in range(1, 5)]
             if over == "socket":
@@ -342,7 +301,7 @@ def test_many_connections_together_hold_no_more_than_the_replicas_bytes_in_fligh
 ) -> None:
     async def body() -> None:
         # Each connection alone may hold 1 MB; the replica's connections together 250 kB.
-        async with replica(bytes_in_flight=1_000_000, replica_bytes=250_000, window_s=0.5) as (
+        async with replica(bytes_in_flight=1_000_000, replica_bytes=250_000) as (
             address,
             servicer,
             _,
@@ -398,13 +357,11 @@ def test_a_connection_that_says_nothing_is_closed(monkeypatch: pytest.MonkeyPatc
 
 def test_a_graceful_shutdown_answers_the_calls_in_flight_then_ends_unavailable() -> None:
     async def body() -> None:
-        async with dialled() as (stream, servicer, plane):
+        async with dialled() as (stream, servicer, _):
             slow = asyncio.ensure_future(stream.call(request("slow-1"), 10))
             await asyncio.sleep(0.1)
             servicer.draining.set()
-            closing = asyncio.ensure_future(plane.close())
             assert answered(await slow) == "slow-1"  # answered before the end
-            await closing
             await asyncio.sleep(0.1)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stream.call(request("ok-late"), 2)
@@ -419,8 +376,8 @@ def test_a_dropped_connection_fails_the_calls_in_flight_and_the_next_call_redial
             assert answered(await stream.call(request("ok-1"), 10)) == "ok-1"
             hung = asyncio.ensure_future(stream.call(request("hang-1"), 10))
             await asyncio.sleep(0.1)
-            for connection in list(plane.connections):  # the connection drops under the call
-                connection.transport.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
+            for task in list(plane._connections):
+                task.cancel()  # the connection drops under the call
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await hung
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -9,15 +9,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from specserve.serving import executor_job as executor_module
+from specserve.serving import executor as executor_module
 from tests.services.conftest import run
 from tests.services.test_executor import Backend, started
 
 
 @pytest.fixture
 def exporter(monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
-    """Spans the executor makes go here (the batch span's module tracer, not the global
-    provider)."""
+    """Spans the executor makes go here (its module tracer, not the global provider)."""
     exp = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exp))
