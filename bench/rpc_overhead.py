@@ -47,6 +47,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -135,6 +137,14 @@ def sessions(name: str, batch: int, seed: int) -> list[DecodeState]:
     ]
 
 
+def revision(tree: str) -> str:
+    """The commit a checkout is at (what the results name instead of its path)."""
+    out = subprocess.run(
+        ["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return out.stdout.strip() or "an unknown revision"
+
+
 async def _timed(call: Callable[[], Awaitable[object]]) -> int:
     t0 = time.perf_counter_ns()
     await call()
@@ -142,6 +152,7 @@ async def _timed(call: Callable[[], Awaitable[object]]) -> int:
 
 
 BARE = ("unary", "stream", "socket")  # the bare echo's transports
+BASELINE = ", baseline"  # the label suffix of --baseline's servers' rounds
 
 
 async def bare_round(echo: tuple[EchoClient, EchoClient], kind: str, sizes: RoundSizes) -> int:
@@ -163,29 +174,46 @@ async def bare_round(echo: tuple[EchoClient, EchoClient], kind: str, sizes: Roun
 
 
 async def measure(
-    target: str, draft: str, bare: str, transports: Sequence[str], rounds: int, warmup: int
+    target: str,
+    draft: str,
+    bare: str,
+    transports: Sequence[str],
+    rounds: int,
+    warmup: int,
+    baseline: tuple[str, str] | None = None,
 ) -> tuple[dict[tuple[str, int], Series], dict[str, list[int]], dict[str, dict[int, list[int]]]]:
     """Per-(transport, batch) round series; three single-call references (ns): ``bare`` =
     health Check on a bare grpc.aio server, ``empty`` = GetLoad (no model thread), ``hop``
     = Release of an unknown session (a round trip through the model thread, no model
-    work); and per batch the bare unary and stream rounds of the same bytes (ns)."""
-    out = {(t, b): Series() for t in transports for b in BATCHES}
+    work); and per batch the bare unary and stream rounds of the same bytes (ns).
+    ``baseline``: (target, draft) servers of another checkout, driven the same way in
+    the same loop, each transport labelled ``"<transport>, baseline"`` (an ablation:
+    ratios in one run, both pairs under the same traffic)."""
+    labels = list(transports)
+    if baseline is not None:
+        labels += [t + BASELINE for t in transports]
+    out = {(t, b): Series() for t in labels for b in BATCHES}
     floor: dict[str, list[int]] = {"bare": [], "empty": [], "hop": []}
     bare_rounds: dict[str, dict[int, list[int]]] = {k: {b: [] for b in BATCHES} for k in BARE}
     async with (
         grpc.aio.insecure_channel(target) as tc,
         grpc.aio.insecure_channel(draft) as dc,
         grpc.aio.insecure_channel(bare) as bc,
+        grpc.aio.insecure_channel(baseline[0] if baseline else target) as btc,
+        grpc.aio.insecure_channel(baseline[1] if baseline else draft) as bdc,
     ):
         calls: list[RpcTiming] = []
         stubs = {t: round_stubs(t, tc, dc, (target, draft)) for t in transports}
+        if baseline is not None:
+            for t in transports:
+                stubs[t + BASELINE] = round_stubs(t, btc, bdc, baseline)
         clients = {
             t: RoundClient(target_stub, draft_stub, on_rpc=calls.append)
             for t, (target_stub, draft_stub) in stubs.items()
         }
         batches = {
             (t, b): sessions(f"{t}-b{b}", b, seed=b + 1000 * i)
-            for i, t in enumerate(transports)
+            for i, t in enumerate(labels)
             for b in BATCHES
         }
         stub = target_pb2_grpc.TargetServiceStub(tc)
@@ -203,7 +231,7 @@ async def measure(
                 if measured:
                     floor[name].append(elapsed)
             for b in BATCHES:
-                for t in transports:
+                for t in labels:
                     calls.clear()
                     await clients[t].round(batches[(t, b)])
                     if measured:
@@ -222,12 +250,17 @@ async def measure(
     return out, floor, bare_rounds
 
 
-def servers(name: str, threads: int) -> tuple[ServerProcess, ServerProcess]:
+def servers(
+    name: str, threads: int, tree: str | None = None
+) -> tuple[ServerProcess, ServerProcess]:
+    """The (target, draft) server processes for ``name``; from checkout ``tree`` (its
+    code first on the path) when given, else this one."""
     serving = ["--threads", str(threads), "--batch-window-ms", "0"]
+    env = {"PYTHONPATH": os.path.abspath(tree)} if tree else None
     if name == "stub":
         return (
-            ServerProcess("target", ["target", *serving], module="bench.rpc_stub"),
-            ServerProcess("draft", ["draft", *serving], module="bench.rpc_stub"),
+            ServerProcess("target", ["target", *serving], module="bench.rpc_stub", env=env),
+            ServerProcess("draft", ["draft", *serving], module="bench.rpc_stub", env=env),
         )
     serving += ["--kv-budget", "512MiB"]
     return (
@@ -247,6 +280,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default="stub,tiny", help="comma-separated: stub, tiny")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per server")
     parser.add_argument("--no-write", action="store_true", help="print, do not write results")
+    parser.add_argument(
+        "--baseline",
+        metavar="CHECKOUT",
+        help="also run the stub servers of another checkout of specserve (e.g. a git "
+        "worktree of an older commit) and time their socket rounds in the same loop",
+    )
     args = parser.parse_args(argv)
     env = environment()
     headline_transport = orchestrator_transport()
@@ -257,18 +296,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds = args.rounds if name == "stub" else args.tiny_rounds
         target, draft = servers(name, args.threads)
         bare = ServerProcess("bare", [], module="bench.bare_grpc")
+        processes = [target, draft, bare]
+        if args.baseline and name == "stub":
+            processes += servers(name, args.threads, args.baseline)
         with contextlib.ExitStack() as started:
-            for process in (target, draft, bare):  # a loaded machine imports slowly
+            for process in processes:  # a loaded machine imports slowly
                 started.callback(process.stop)
                 process.start(timeout_s=START_TIMEOUT_S)
-            for process in (target, draft, bare):
+            for process in processes:
                 process.wait_serving(START_TIMEOUT_S)
+            baseline = (processes[3].address, processes[4].address) if processes[3:] else None
             series, floor, bare_rounds = asyncio.run(
                 measure(
-                    target.address, draft.address, bare.address, transports, rounds, args.warmup
+                    target.address,
+                    draft.address,
+                    bare.address,
+                    transports,
+                    rounds,
+                    args.warmup,
+                    baseline,
                 )
             )
         results[name] = {
+            "baseline_revision": revision(args.baseline) if baseline else None,
             "rounds": rounds,
             "warmup": args.warmup,
             "rows": report.summarize(series, bare_rounds),
@@ -281,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections.append(report.handling_section(BATCHES, cost))
     setup = {"k": K, "support": SUPPORT, "vocab": VOCAB, "transport": headline_transport}
     argv_list = list(argv) if argv is not None else sys.argv[1:]
+    if args.baseline:  # a path of this machine: the results name the commit instead
+        argv_list = ["--baseline=CHECKOUT" if a.startswith("--baseline=") else a for a in argv_list]
+        argv_list = ["CHECKOUT" if a == args.baseline else a for a in argv_list]
     md = report.markdown(sections, unmeasurable, setup, env, argv_list)
     print(md)
     if not args.no_write:

@@ -122,7 +122,24 @@ unary RPC of ours (`GetLoad`, answered on the event loop)
 a round trip through the model thread with no work (`Release` of an unknown id)
 {pct(floor["hop"], 0.5):.3f} ms p50 / {pct(floor["hop"], 0.9):.3f} ms p90.
 Round overhead over the orchestrator's transport ({transport}): {"; ".join(verdicts)}.
-"""
+{_baseline(rows, result.get("baseline_revision"))}"""
+
+
+def _baseline(rows: list[dict], revision: str | None) -> str:
+    """The ablation line: this code's socket rounds against ``--baseline``'s (the two
+    pairs of servers had the same traffic, interleaved round by round)."""
+    if revision is None:
+        return ""
+    pairs = []
+    for r in rows:
+        if r["transport"] == "socket, baseline":
+            mine = next(x for x in rows if x["transport"] == "socket" and x["batch"] == r["batch"])
+            new, old = mine["round_ms"]["p50"], r["round_ms"]["p50"]
+            pairs.append(f"batch {r['batch']}: {new:.3f} ms against {old:.3f} ({new / old:.2f}x)")
+    return (
+        f"Ablation (`--baseline`): this code's socket rounds against the servers of commit "
+        f"{revision}, interleaved in the same loop: {'; '.join(pairs)}.\n"
+    )
 
 
 def handling_section(batches: Sequence[int], cost: dict[str, list[float]]) -> str:

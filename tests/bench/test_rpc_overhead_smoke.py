@@ -47,3 +47,17 @@ def test_a_short_run_measures_every_batch_size_and_the_references(
         assert set(headline[key]) == {"8", "32"}
         assert all(v > 0 for v in headline[key].values())
     assert set(headline["target_met"]) == {"8", "32"}
+
+
+def test_baseline_runs_another_checkouts_servers_in_the_same_loop(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    checkout = str(Path(rpc_overhead.__file__).resolve().parents[1])  # this one, as its own
+    argv = ["--models", "stub", "--rounds", "2", "--warmup", "1", "--no-write"]
+    assert rpc_overhead.main([*argv, "--baseline", checkout]) == 0
+    md = capsys.readouterr().out
+    for batch in rpc_overhead.BATCHES:
+        assert f"\n| {batch} | unary, baseline | **" in md  # the same traffic as this code's
+        assert f"\n| {batch} | socket, baseline | **" in md
+    assert "Ablation (`--baseline`): this code's socket rounds against the servers of commit" in md
+    assert checkout not in md  # named by its commit, not its path
