@@ -153,6 +153,7 @@ async def _timed(call: Callable[[], Awaitable[object]]) -> int:
 
 BARE = ("unary", "stream", "socket")  # the bare echo's transports
 BASELINE = ", baseline"  # the label suffix of --baseline's servers' rounds
+AFTER_IDLE = ", after idle"  # the label suffix of the rounds after --idle-ms asleep
 
 
 async def bare_round(echo: tuple[EchoClient, EchoClient], kind: str, sizes: RoundSizes) -> int:
@@ -181,6 +182,7 @@ async def measure(
     rounds: int,
     warmup: int,
     baseline: tuple[str, str] | None = None,
+    idle: tuple[str, float] | None = None,
 ) -> tuple[dict[tuple[str, int], Series], dict[str, list[int]], dict[str, dict[int, list[int]]]]:
     """Per-(transport, batch) round series; three single-call references (ns): ``bare`` =
     health Check on a bare grpc.aio server, ``empty`` = GetLoad (no model thread), ``hop``
@@ -188,13 +190,21 @@ async def measure(
     work); and per batch the bare unary and stream rounds of the same bytes (ns).
     ``baseline``: (target, draft) servers of another checkout, driven the same way in
     the same loop, each transport labelled ``"<transport>, baseline"`` (an ablation:
-    ratios in one run, both pairs under the same traffic)."""
+    ratios in one run, both pairs under the same traffic). ``idle``: (transport, seconds):
+    also rounds over that transport after the client slept that long, labelled
+    ``"<transport>, after idle"`` (every process idle meanwhile, as while a device
+    computes), and the bare socket echo's round after the same sleep."""
     labels = list(transports)
     if baseline is not None:
         labels += [t + BASELINE for t in transports]
+    if idle is not None:
+        labels.append(idle[0] + AFTER_IDLE)
+        if baseline is not None:
+            labels.append(idle[0] + BASELINE + AFTER_IDLE)
     out = {(t, b): Series() for t in labels for b in BATCHES}
     floor: dict[str, list[int]] = {"bare": [], "empty": [], "hop": []}
-    bare_rounds: dict[str, dict[int, list[int]]] = {k: {b: [] for b in BATCHES} for k in BARE}
+    bare_kinds = [*BARE, "socket" + AFTER_IDLE] if idle is not None else list(BARE)
+    bare_rounds: dict[str, dict[int, list[int]]] = {k: {b: [] for b in BATCHES} for k in bare_kinds}
     async with (
         grpc.aio.insecure_channel(target) as tc,
         grpc.aio.insecure_channel(draft) as dc,
@@ -207,6 +217,10 @@ async def measure(
         if baseline is not None:
             for t in transports:
                 stubs[t + BASELINE] = round_stubs(t, btc, bdc, baseline)
+        if idle is not None:
+            stubs[idle[0] + AFTER_IDLE] = stubs[idle[0]]
+            if baseline is not None:
+                stubs[idle[0] + BASELINE + AFTER_IDLE] = stubs[idle[0] + BASELINE]
         clients = {
             t: RoundClient(target_stub, draft_stub, on_rpc=calls.append)
             for t, (target_stub, draft_stub) in stubs.items()
@@ -232,13 +246,17 @@ async def measure(
                     floor[name].append(elapsed)
             for b in BATCHES:
                 for t in labels:
+                    if idle is not None and t.endswith(AFTER_IDLE):
+                        await asyncio.sleep(idle[1])
                     calls.clear()
                     await clients[t].round(batches[(t, b)])
                     if measured:
                         out[(t, b)].add(calls)
                 sizes = round_sizes(calls)
-                for kind in BARE:
-                    elapsed = await bare_round(echo, kind, sizes)
+                for kind in bare_kinds:
+                    if kind.endswith(AFTER_IDLE) and idle is not None:
+                        await asyncio.sleep(idle[1])
+                    elapsed = await bare_round(echo, kind.removesuffix(AFTER_IDLE), sizes)
                     if measured:
                         bare_rounds[kind][b].append(elapsed)
         for (t, _), states in batches.items():
@@ -281,6 +299,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per server")
     parser.add_argument("--no-write", action="store_true", help="print, do not write results")
     parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=12.0,
+        help="also time the orchestrator's transport after this long with nothing to do "
+        "(0: not), as when a device computes between calls",
+    )
+    parser.add_argument(
         "--baseline",
         metavar="CHECKOUT",
         help="also run the stub servers of another checkout of specserve (e.g. a git "
@@ -315,10 +340,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rounds,
                     args.warmup,
                     baseline,
+                    (headline_transport, args.idle_ms / 1000) if args.idle_ms > 0 else None,
                 )
             )
         results[name] = {
             "baseline_revision": revision(args.baseline) if baseline else None,
+            "idle_ms": args.idle_ms,
             "rounds": rounds,
             "warmup": args.warmup,
             "rows": report.summarize(series, bare_rounds),

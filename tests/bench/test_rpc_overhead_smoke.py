@@ -33,6 +33,9 @@ def test_a_short_run_measures_every_batch_size_and_the_references(
         assert f"\n| {batch} | unary | **" in md  # unary is always measured
         assert f"\n| {batch} | {transport} | **" in md
     assert "bare grpc.aio server" in md and "`GetLoad`" in md
+    for batch in rpc_overhead.BATCHES:  # and again after --idle-ms asleep
+        assert f"\n| {batch} | {transport}, after idle | **" in md
+    assert "ms with nothing to do (every process asleep" in md
     for kind, reason in unavailable().items():
         if reason is not None:  # said, not silently skipped
             assert f"The {kind} transport was not measured: {reason}" in md
@@ -59,5 +62,6 @@ def test_baseline_runs_another_checkouts_servers_in_the_same_loop(
     for batch in rpc_overhead.BATCHES:
         assert f"\n| {batch} | unary, baseline | **" in md  # the same traffic as this code's
         assert f"\n| {batch} | socket, baseline | **" in md
+        assert f"\n| {batch} | {orchestrator_transport()}, baseline, after idle | **" in md
     assert "Ablation (`--baseline`): this code's socket rounds against the servers of commit" in md
     assert checkout not in md  # named by its commit, not its path
