@@ -135,8 +135,8 @@ def add_server_arguments(
         type=parse_bytes,
         default=_env(env, "MAX_IN_FLIGHT_BYTES", None),  # a string: parsed like the flag
         help="request bytes the calls in flight may hold together: past it no data-plane "
-        "connection is read further and a unary Propose / Verify / Prefill is refused "
-        "(default 16x --max-message-bytes)",
+        "connection is read further and a unary Propose / Verify / Prefill / ImportKv is "
+        "refused (default 16x --max-message-bytes)",
     )
     g.add_argument(
         "--grace-s",

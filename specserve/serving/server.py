@@ -75,7 +75,7 @@ class ServerOptions:
     health_port: int | None = None  # a plaintext port serving health alone (probes); 0 = any
     data_port: int | None = 0  # the data-plane socket's port; 0 = any free one; None = none
     # request bytes the replica's calls in flight may hold together (data-plane
-    # connections and unary Propose / Verify / Prefill); None = REPLICA_IN_FLIGHT_FRAMES
+    # connections and unary Propose / Verify / Prefill / ImportKv); None = REPLICA_IN_FLIGHT_FRAMES
     # maximal messages
     max_in_flight_bytes: int | None = None
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
@@ -133,7 +133,7 @@ class RunningServer(Generic[B]):
         self.data_socket: DataSocketServer | None = None  # the data-plane socket, once serving
         self.data_port = 0  # its bound port (0: none), which GetLoad reports
         # The request bytes the calls in flight hold (every data-plane socket and stream,
-        # and unary Propose / Verify / Prefill), against one budget.
+        # and unary Propose / Verify / Prefill / ImportKv), against one budget.
         self.in_flight = InFlightBytes(options.replica_in_flight_bytes)
         # Set when a graceful shutdown begins: the data-plane streams answer what they
         # hold and end (specserve.serving.call_stream), so the grace is not waited out.
@@ -156,7 +156,7 @@ class RunningServer(Generic[B]):
 
     @contextlib.contextmanager
     def holding(self, request: Any) -> Iterator[None]:
-        """A unary Propose / Verify / Prefill's request held against the replica's
+        """A unary Propose / Verify / Prefill / ImportKv request held against the replica's
         in-flight budget while it runs; refused (:class:`Overloaded`) while the calls in
         flight hold the whole budget (its bytes are read already: holding it waiting
         would let any number of calls pile up)."""

@@ -144,8 +144,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def ImportKv(
         self, request: target_pb2.ImportKvRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.ImportKvResponse:
-        call = target_wire.import_input(request, self.executor.backend.vocab)
-        done = await self.executor.submit(_run_import, call, sessions=[call.session_id])
+        with self.running.holding(request):  # chunks of KV: the largest requests there are
+            call = target_wire.import_input(request, self.executor.backend.vocab)
+            done = await self.executor.submit(_run_import, call, sessions=[call.session_id])
         return target_pb2.ImportKvResponse(
             tokens=done.value,
             compute_ns=done.compute_ns,

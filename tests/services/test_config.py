@@ -187,7 +187,7 @@ def test_a_replicas_sockets_and_streams_hold_their_calls_against_one_budget() ->
 
 
 def test_a_unary_call_past_the_replicas_budget_is_refused_resource_exhausted() -> None:
-    """Unary Propose / Verify / Prefill hold their request against the same budget; with
+    """Unary Propose / Verify / Prefill / ImportKv hold their request against the same budget; with
     the budget held by calls in flight, one is refused (its bytes are read already), and
     served again once they are answered."""
 
@@ -232,6 +232,18 @@ def test_a_unary_call_past_the_replicas_budget_is_refused_resource_exhausted() -
                     running.in_flight.done(others)
                     await call()  # room again: served
                     assert running.in_flight.total == 0
+                # ImportKv too (chunks of KV: the largest requests a replica takes)
+                empty_import = target_pb2.ImportKvRequest(session_id="i", tokens=[1, 2])
+                others = object()
+                target.in_flight.hold(others, 1 << 20)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await tstub.ImportKv(empty_import)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                target.in_flight.done(others)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await tstub.ImportKv(empty_import)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # read: no chunks
+                assert target.in_flight.total == 0
         finally:
             await draft.stop(0)
             await target.stop(0)
