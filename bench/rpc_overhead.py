@@ -209,12 +209,13 @@ async def measure(
         grpc.aio.insecure_channel(target) as tc,
         grpc.aio.insecure_channel(draft) as dc,
         grpc.aio.insecure_channel(bare) as bc,
-        grpc.aio.insecure_channel(baseline[0] if baseline else target) as btc,
-        grpc.aio.insecure_channel(baseline[1] if baseline else draft) as bdc,
+        contextlib.AsyncExitStack() as more,
     ):
         calls: list[RpcTiming] = []
         stubs = {t: round_stubs(t, tc, dc, (target, draft)) for t in transports}
         if baseline is not None:
+            btc = await more.enter_async_context(grpc.aio.insecure_channel(baseline[0]))
+            bdc = await more.enter_async_context(grpc.aio.insecure_channel(baseline[1]))
             for t in transports:
                 stubs[t + BASELINE] = round_stubs(t, btc, bdc, baseline)
         if idle is not None:
@@ -309,9 +310,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--baseline",
         metavar="CHECKOUT",
         help="also run the stub servers of another checkout of specserve (e.g. a git "
-        "worktree of an older commit) and time their socket rounds in the same loop",
+        "worktree of an older commit) and drive them with the same rounds, interleaved",
     )
     args = parser.parse_args(argv)
+    if args.idle_ms < 0:
+        parser.error(f"--idle-ms must be >= 0 (0: off), got {args.idle_ms:g}")
+    if args.baseline and not os.path.isfile(os.path.join(args.baseline, "bench", "rpc_stub.py")):
+        parser.error("--baseline must name a checkout of specserve (it has bench/rpc_stub.py)")
     env = environment()
     headline_transport = orchestrator_transport()
     unmeasurable = unavailable()
@@ -321,16 +326,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds = args.rounds if name == "stub" else args.tiny_rounds
         target, draft = servers(name, args.threads)
         bare = ServerProcess("bare", [], module="bench.bare_grpc")
-        processes = [target, draft, bare]
-        if args.baseline and name == "stub":
-            processes += servers(name, args.threads, args.baseline)
+        others = servers(name, args.threads, args.baseline) if args.baseline else ()
+        if name != "stub":
+            others = ()  # the ablation runs on the stub servers alone
         with contextlib.ExitStack() as started:
-            for process in processes:  # a loaded machine imports slowly
+            for process in (target, draft, bare, *others):  # a loaded machine imports slowly
                 started.callback(process.stop)
                 process.start(timeout_s=START_TIMEOUT_S)
-            for process in processes:
+            for process in (target, draft, bare, *others):
                 process.wait_serving(START_TIMEOUT_S)
-            baseline = (processes[3].address, processes[4].address) if processes[3:] else None
+            baseline = (others[0].address, others[1].address) if others else None
             series, floor, bare_rounds = asyncio.run(
                 measure(
                     target.address,

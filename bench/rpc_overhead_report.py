@@ -122,13 +122,13 @@ unary RPC of ours (`GetLoad`, answered on the event loop)
 a round trip through the model thread with no work (`Release` of an unknown id)
 {pct(floor["hop"], 0.5):.3f} ms p50 / {pct(floor["hop"], 0.9):.3f} ms p90.
 Round overhead over the orchestrator's transport ({transport}): {"; ".join(verdicts)}.
-{_after_idle(rows, transport, result)}{_baseline(rows, result.get("baseline_revision"))}"""
+{_after_idle(rows, transport, result)}{_baseline(rows, transport, result["baseline_revision"])}"""
 
 
 def _after_idle(rows: list[dict], transport: str, result: dict[str, Any]) -> str:
     """The idle line: the same transport's rounds, and the bare socket echo's, after every
     process slept ``idle_ms`` (what a wake from idle costs on this machine)."""
-    bare = result.get("bare_round_samples_ns", {}).get("socket, after idle", {})
+    bare = result["bare_round_samples_ns"].get("socket, after idle", {})
     pairs = []
     for r in rows:
         if r["transport"] != transport + ", after idle":
@@ -136,10 +136,9 @@ def _after_idle(rows: list[dict], transport: str, result: dict[str, Any]) -> str
         b = r["batch"]
         hot = next(x for x in rows if x["transport"] == transport and x["batch"] == b)
         cold, warm = r["round_ms"]["p50"], hot["round_ms"]["p50"]
-        echo = pct(bare.get(b) or bare.get(str(b)) or [0], 0.5)
         pairs.append(
             f"batch {b}: {cold:.3f} ms against {warm:.3f} (+{cold - warm:.3f}); the bare "
-            f"socket echo {echo:.3f} against {r['bare_socket_round_ms']['p50']:.3f}"
+            f"socket echo {pct(bare[b], 0.5):.3f} against {r['bare_socket_round_ms']['p50']:.3f}"
         )
     if not pairs:
         return ""
@@ -150,23 +149,22 @@ def _after_idle(rows: list[dict], transport: str, result: dict[str, Any]) -> str
     )
 
 
-def _baseline(rows: list[dict], revision: str | None) -> str:
-    """The ablation line: this code's socket rounds against ``--baseline``'s (the two
-    pairs of servers had the same traffic, interleaved round by round)."""
+def _baseline(rows: list[dict], transport: str, revision: str | None) -> str:
+    """The ablation line: this code's rounds over ``transport`` against ``--baseline``'s
+    (the two pairs of servers had the same traffic, interleaved round by round)."""
     if revision is None:
         return ""
+    p50 = {(r["transport"], r["batch"]): r["round_ms"]["p50"] for r in rows}
     pairs = []
-    for r in rows:
-        if r["transport"] in ("socket, baseline", "socket, baseline, after idle"):
-            label = r["transport"].replace(", baseline", "")
-            mine = next(x for x in rows if x["transport"] == label and x["batch"] == r["batch"])
-            when = "after idle, " if label != "socket" else ""
-            new, old = mine["round_ms"]["p50"], r["round_ms"]["p50"]
-            pairs.append(f"{when}batch {r['batch']}: {new:.3f} ms against {old:.3f}")
-            pairs[-1] += f" ({new / old:.2f}x)"
+    for when, mine in (("", transport), ("after idle, ", transport + ", after idle")):
+        theirs = mine.replace(transport, transport + ", baseline", 1)
+        for (label, b), old in p50.items():
+            if label == theirs:
+                new = p50[(mine, b)]
+                pairs.append(f"{when}batch {b}: {new:.3f} ms against {old:.3f} ({new / old:.2f}x)")
     return (
-        f"Ablation (`--baseline`): this code's socket rounds against the servers of commit "
-        f"{revision}, interleaved in the same loop: {'; '.join(pairs)}.\n"
+        f"Ablation (`--baseline`): this code's {transport} rounds against the servers of "
+        f"commit {revision}, interleaved in the same loop: {'; '.join(pairs)}.\n"
     )
 
 

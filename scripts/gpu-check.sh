@@ -2,8 +2,8 @@
 # The checks only a CUDA machine can run, in one go, each with its own time limit:
 # the `gpu` tests, the stack on CUDA, the engine's round on the GPU (writes
 # bench/results/device_round_cuda.{md,json}), and the RPC overhead on the GPU host's
-# CPUs, hot and after 12 ms asleep (printed, not written). Run from the repository root with a
-# Python that has a CUDA build of torch and the project's dependencies.
+# CPUs, hot and after 12 ms asleep (printed, not written). Run from the repository
+# root with a Python that has a CUDA build of torch and the project's dependencies.
 # Usage: scripts/gpu-check.sh [OUT_DIR]   (logs go to OUT_DIR, default ./gpu-check)
 set -uo pipefail
 out="${1:-gpu-check}"

@@ -65,3 +65,18 @@ def test_baseline_runs_another_checkouts_servers_in_the_same_loop(
         assert f"\n| {batch} | {orchestrator_transport()}, baseline, after idle | **" in md
     assert "Ablation (`--baseline`): this code's socket rounds against the servers of commit" in md
     assert checkout not in md  # named by its commit, not its path
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--idle-ms", "-1"], "--idle-ms must be >= 0"),
+        (["--baseline", "no-such-checkout"], "--baseline must name a checkout of specserve"),
+    ],
+)
+def test_bad_flags_get_the_usage_error(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        rpc_overhead.main(["--models", "stub", "--no-write", *flags])
+    assert e.value.code == 2 and said in capsys.readouterr().err
