@@ -51,10 +51,13 @@ from bench.serving_stack import (
     OrchestratorSetting,
     Run,
     Stream,
+    declared_devices,
     measure,
     run_streams,
     serving_stack,
 )
+from specserve.engine.devices import check_device_name
+from specserve.engine.errors import InvalidArgument
 from specserve.engine.model_spec import ModelSpec
 
 __all__ = ["LocalRun", "Run", "Stream", "main"]
@@ -134,6 +137,8 @@ def local_runs(
             target_dtype=args["target_dtype"],
             draft_dtype=args["draft_dtype"],
             threads=args["threads"],
+            target_device=args["device"],
+            draft_device=args["device"],
         )
     )
     if args["emulate_devices"]:
@@ -157,7 +162,11 @@ def local_runs(
 
 
 def run_local_in_child(args: argparse.Namespace, prompt_list: list[list[int]]) -> list[LocalRun]:
-    settings = {**model_settings(args), "emulate_devices": args.emulate_devices}
+    settings = {
+        **model_settings(args),
+        "emulate_devices": args.emulate_devices,
+        "device": args.device,
+    }
     return in_child(local_runs, settings, prompt_list, args.new_tokens)
 
 
@@ -219,6 +228,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="every forward takes this device time, CPU idle (bench.emulated_device)",
     )
     p.add_argument(
+        "--device",
+        default="cpu",
+        help="where both servers and the local loop compute: cpu, cuda or cuda:N (a real "
+        "device, both servers on it; not with --emulate-devices)",
+    )
+    p.add_argument(
         "--target-timeout-s",
         type=float,
         default=600.0,
@@ -243,6 +258,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     args.concurrency = sorted(set(args.concurrency))
+    try:
+        check_device_name(args.device)
+    except InvalidArgument as e:
+        p.error(str(e))
+    if args.emulate_devices and args.device != "cpu":
+        p.error("--emulate-devices emulates the device on this CPU: leave --device out")
     chosen = ["plain", *(v for v in args.variants.split(",") if v and v != "plain")]
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown:
@@ -251,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     widest = max(args.concurrency)
     prompt_list = prompts(args.target, args.reps * widest)
     env = environment()
+    env["declared_devices"] = declared_devices(args)
     probe = LoadProbe(children=True)  # the servers are ours
     started = time.monotonic()
     local = (

@@ -226,6 +226,14 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, A
             f"and every target forward {args.emulate_devices[1]:g} ms of device time with the "
             "CPU idle (`bench.emulated_device`), in the servers and in the local loop alike.",
         ]
+    device = getattr(args, "device", "cpu")
+    if device != "cpu":
+        lines += [
+            "",
+            f"**Device:** both servers and the local loop compute on `{device}` "
+            f"({env.get('accelerator') or 'no accelerator name recorded'}); the "
+            f"orchestrator declares its devices `{env.get('declared_devices', 'shared')}`.",
+        ]
     lines += [
         "",
         "## Throughput and latency",

@@ -70,6 +70,8 @@ from bench.serving_stack import (
     serving_stack,
 )
 from bench.steady_load import SteadyRun, run_steady, steady_prompts, summarize, tails
+from specserve.engine.devices import check_device_name
+from specserve.engine.errors import InvalidArgument
 from specserve.telemetry.receiver import TraceReceiver
 
 ORCHESTRATOR = "separate"
@@ -119,14 +121,19 @@ class Setting:
 
 
 def local_runs(
-    models: dict[str, Any], setting: Setting, prompt_list: list[list[int]], new_tokens: int
+    models: dict[str, Any],
+    setting: Setting,
+    prompt_list: list[list[int]],
+    new_tokens: int,
+    device: str = "cpu",
 ) -> list[LocalRun]:
-    """Single-session local decoding of each prompt, variants interleaved (child process)."""
+    """Single-session local decoding of each prompt, variants interleaved (child process),
+    both models on ``device``."""
     from bench.emulated_device import emulate_local
     from specserve.engine.sampling import SamplingParams
     from specserve.local import LocalConfig, LocalRunner
 
-    runner = LocalRunner(LocalConfig(**models))
+    runner = LocalRunner(LocalConfig(**models, target_device=device, draft_device=device))
     emulate_local(runner, setting.draft_ms, setting.target_ms)
     for drafter, k in VARIANTS.values():  # untimed warm-up
         warm = prompt_list[0][:32]
@@ -151,7 +158,8 @@ def local_runs(
 def run_local_in_child(
     args: argparse.Namespace, setting: Setting, prompt_list: list[list[int]]
 ) -> list[LocalRun]:
-    return in_child(local_runs, model_settings(args), setting, prompt_list, args.new_tokens)
+    models = model_settings(args)
+    return in_child(local_runs, models, setting, prompt_list, args.new_tokens, args.device)
 
 
 # -- the stack -------------------------------------------------------------------------------
@@ -197,6 +205,7 @@ def stack_namespace(args: argparse.Namespace, setting: Setting) -> argparse.Name
         draft_dtype=args.draft_dtype,
         threads=args.threads,
         emulate_devices=(setting.draft_ms, setting.target_ms),
+        device=args.device,
         target_timeout_s=args.target_timeout_s,
         logs=None,
         store=args.store,
@@ -253,6 +262,11 @@ def run_stack(
 # -- main ------------------------------------------------------------------------------------
 
 
+def results_stem(device: str) -> str:
+    """``emulated_gpu`` for the models on a CPU, ``emulated_gpu_cuda`` on a GPU."""
+    return "emulated_gpu" if device == "cpu" else "emulated_gpu_cuda"
+
+
 def int_list(text: str) -> list[int]:
     return sorted({int(x) for x in text.split(",") if x})
 
@@ -277,12 +291,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-dtype", default="float32")
     p.add_argument("--threads", type=int, default=1, help="torch threads per server and local")
     p.add_argument("--target-timeout-s", type=float, default=600.0)
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the models compute (cpu, cuda, cuda:N): on a GPU the device time is "
+        "the emulated one where the forward's own launch is shorter; results then go to "
+        "emulated_gpu_cuda.*",
+    )
     add_deployment_flags(p)
     p.add_argument("--no-write", action="store_true", help="print, do not write results")
     args = p.parse_args(argv)
     try:
         args.settings = [Setting.parse(s) for s in args.settings.split(",") if s]
     except ValueError as e:
+        p.error(str(e))
+    try:
+        check_device_name(args.device)
+    except InvalidArgument as e:
         p.error(str(e))
     if 1 not in args.sessions:
         p.error("--sessions must include 1: the stack is compared with the local loop there")
@@ -328,10 +353,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "args": {**vars(args), "settings": [s.label for s in args.settings]},
         "environment": env,
     }
-    markdown = report.markdown(data, argv_list)
+    stem = results_stem(args.device)
+    markdown = report.markdown(data, argv_list, stem)
     print(markdown)
     if not args.no_write:
-        md_path, _ = write_results("emulated_gpu", markdown, data)
+        md_path, _ = write_results(stem, markdown, data)
         report.plot(data, md_path.with_suffix(".png"))
     return data
 

@@ -271,7 +271,8 @@ def fidelity_section(fidelity: dict[str, Any] | None) -> list[str]:
     return [*lines, ""]
 
 
-def markdown(data: dict[str, Any], argv: list[str]) -> str:
+def markdown(data: dict[str, Any], argv: list[str], stem: str = "emulated_gpu") -> str:
+    """The results page; ``stem`` names its plot (``<stem>.png`` beside it)."""
     args, env, h = data["args"], data["environment"], data["headline"]
     lines = [
         "# Rounds at accelerator speed (emulated devices)",
@@ -294,11 +295,19 @@ def markdown(data: dict[str, Any], argv: list[str]) -> str:
         "## Against the targets",
         "",
     ]
+    if args.get("device", "cpu") != "cpu":
+        lines[3:3] = [
+            "",
+            f"**Device:** both servers and the local loop run their models on "
+            f"`{args['device']}` ({env.get('accelerator')}): every kernel is real and a "
+            "forward lasts the emulated device time, or its own launches and copies where "
+            "those take longer.",
+        ]
     for t in h["targets"]:
         verdict = "**met**" if t["met"] else "**not met**"
         lines.append(f"- {t['claim']}: {t['measured']:.2f}x (target >= {t['target']:g}x) {verdict}")
     equal = "every stream equal to plain decoding's" if h["greedy_equal"] else "**streams differ**"
-    lines += [f"- Greedy equality: {equal}.", "", "![where a round goes](emulated_gpu.png)", ""]
+    lines += [f"- Greedy equality: {equal}.", "", f"![where a round goes]({stem}.png)", ""]
     for label, s in data["settings"].items():
         lines += setting_section(label, s)
     lines += fidelity_section(data.get("fidelity"))

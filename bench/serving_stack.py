@@ -121,12 +121,17 @@ def orchestrator_env(
 def server_flags(args: argparse.Namespace) -> tuple[dict[str, list[str]], str | None]:
     """The target's and the draft's command lines (role -> flags) and the module that runs
     them (None: the servers themselves; ``bench.emulated_device`` with emulated devices).
-    ``args.draft_flags``, where present, are more flags of the draft server."""
+    ``args.draft_flags``, where present, are more flags of the draft server;
+    ``args.device``, where present and not ``cpu``, the device both servers compute on."""
     threads = ["--threads", str(args.threads)]
     flags = {
         "target": ["--model", args.target, "--dtype", args.target_dtype, *threads],
         "draft": ["--model", args.draft, "--dtype", args.draft_dtype, *threads],
     }
+    device = getattr(args, "device", "cpu")
+    if device != "cpu":  # a real accelerator: both servers on it
+        for role in flags:
+            flags[role] += ["--device", device]
     flags["draft"] += list(getattr(args, "draft_flags", ()))
     module = None
     if args.emulate_devices:
