@@ -18,6 +18,7 @@ from specserve.orchestrator.policy import (
     SessionView,
     WarmWhere,
 )
+from specserve.orchestrator.policy.explore import Schedule
 
 
 def view(sid: str = "a", **kw: object) -> SessionView:
@@ -351,3 +352,26 @@ def test_a_one_step_plain_round_is_timed_as_a_token_of_a_multi_step_round() -> N
         shared.observe("t", s, BatchPlan(depth, k), outcome)
     fit = shared.fit("t")
     assert fit is not None and fit.plain(3) == pytest.approx(0.018, rel=1e-6)
+
+
+def test_a_flip_to_plain_re_times_drafting_within_its_own_bound() -> None:
+    """While drafting wins, each lost re-timing of plain decoding doubles the wait (up to
+    ``explore_every * max_backoff``). When the predictions then choose plain (a turn's
+    first drafts rejected), drafting is re-timed within its own bound on separate
+    devices (``explore_every`` rounds), not after plain's backoff: a session whose text
+    turns predictable wins speculation back within a few tokens."""
+    config = PolicyConfig(devices=Devices.SEPARATE, explore_every=8, max_backoff=8)
+    schedule = Schedule()
+    for _ in range(400):  # drafting predicted best; every plain re-timing loses
+        if schedule.next_round(config, True) is False:
+            schedule.timed(False)
+    assert schedule.interval == 64  # plain's backoff, earned
+    waited = 0
+    while schedule.next_round(config, False) is not True:
+        waited += 1
+        assert waited <= 8, "drafting was not re-timed within explore_every rounds"
+    flipped = Schedule()
+    for _ in range(400):  # on shared cores drafting backs off as plain does: no change
+        if flipped.next_round(replace(config, devices=Devices.SHARED), True) is False:
+            flipped.timed(False)
+    assert flipped.interval == 64
