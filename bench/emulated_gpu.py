@@ -205,7 +205,7 @@ def stack_namespace(args: argparse.Namespace, setting: Setting) -> argparse.Name
         draft_dtype=args.draft_dtype,
         threads=args.threads,
         emulate_devices=(setting.draft_ms, setting.target_ms),
-        device=args.device,
+        device=getattr(args, "device", "cpu"),  # benchmarks built on these flags lack it
         target_timeout_s=args.target_timeout_s,
         logs=None,
         store=args.store,

@@ -9,16 +9,13 @@ import pytest
 
 from bench import concurrency, emulated_gpu, serving_stack
 
+MODELS = {"target": "tiny:3", "draft": "tiny:3:noise=0.05", "threads": 1}
+
 
 def stack_args(device: str | None, emulate: tuple[float, float] | None) -> argparse.Namespace:
-    args = argparse.Namespace(
-        target="tiny:3",
-        draft="tiny:3:noise=0.05",
-        target_dtype="float32",
-        draft_dtype="float32",
-        threads=1,
-        emulate_devices=emulate,
-    )
+    """What :func:`serving_stack.server_flags` reads (``device`` None: not set at all)."""
+    args = argparse.Namespace(**MODELS, target_dtype="float32", draft_dtype="float32")
+    args.emulate_devices = emulate
     if device is not None:
         args.device = device
     return args

@@ -93,6 +93,11 @@ def test_ratios_wrong_streams_and_targets() -> None:
     assert "**not met** (1: 0.50x, 2: 1.00x)" in text and "(0.20x)" in text
     assert "| 0.80x (2.00, 0.80, 0.80) |" in text  # the median, then each repetition's
     assert not math.isnan(rows[(PLAIN, 2)]["itl_p50_ms"])
+    assert "**Device:**" not in text  # a CPU run names no device
+    args.device = "cuda"
+    env |= {"accelerator": "NVIDIA H100", "declared_devices": "separate"}
+    on_gpu = markdown(summary, args, env)
+    assert "compute on `cuda` (NVIDIA H100)" in on_gpu and "devices `separate`" in on_gpu
 
 
 def test_rounds_by_k_cap_add_up_over_repetitions() -> None:
