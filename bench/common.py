@@ -9,6 +9,7 @@ puts ``NAME.md`` and ``NAME.json`` under ``bench/results/``.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import datetime as dt
 import json
@@ -266,6 +267,18 @@ def in_child(fn: Callable[..., T], *args: Any) -> T:
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         return pool.submit(fn, *args).result()
+
+
+def device_name(text: str) -> str:
+    """An argparse ``type`` for ``--device``: cpu, cuda or cuda:N (whether or not this
+    machine has it), else a usage error with the engine's sentence."""
+    from specserve.engine.devices import check_device_name
+    from specserve.engine.errors import InvalidArgument
+
+    try:
+        return check_device_name(text)
+    except InvalidArgument as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_range(text: str) -> list[int]:

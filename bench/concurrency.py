@@ -44,7 +44,14 @@ from pathlib import Path
 from typing import Any
 
 from bench import concurrency_report as report
-from bench.common import LoadProbe, environment, in_child, model_settings, write_results
+from bench.common import (
+    LoadProbe,
+    device_name,
+    environment,
+    in_child,
+    model_settings,
+    write_results,
+)
 from bench.serving_stack import (
     EMBEDDED,
     STORES,
@@ -56,8 +63,6 @@ from bench.serving_stack import (
     run_streams,
     serving_stack,
 )
-from specserve.engine.devices import check_device_name
-from specserve.engine.errors import InvalidArgument
 from specserve.engine.model_spec import ModelSpec
 
 __all__ = ["LocalRun", "Run", "Stream", "main"]
@@ -229,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument(
         "--device",
+        type=device_name,
         default="cpu",
         help="where both servers and the local loop compute: cpu, cuda or cuda:N (a real "
         "device, both servers on it; not with --emulate-devices)",
@@ -258,10 +264,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     args.concurrency = sorted(set(args.concurrency))
-    try:
-        check_device_name(args.device)
-    except InvalidArgument as e:
-        p.error(str(e))
     if args.emulate_devices and args.device != "cpu":
         p.error("--emulate-devices emulates the device on this CPU: leave --device out")
     chosen = ["plain", *(v for v in args.variants.split(",") if v and v != "plain")]

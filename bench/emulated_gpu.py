@@ -56,7 +56,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import emulated_gpu_report as report
-from bench.common import LoadProbe, environment, in_child, model_settings, write_results
+from bench.common import (
+    LoadProbe,
+    device_name,
+    environment,
+    in_child,
+    model_settings,
+    write_results,
+)
 from bench.concurrency import LocalRun, prompt_ids, prompts
 from bench.emulated_fidelity import cpu_bound, forward_cpu_ms, prefill_cpu_ms
 from bench.emulated_gpu_phases import round_phases, traced_environment
@@ -70,8 +77,6 @@ from bench.serving_stack import (
     serving_stack,
 )
 from bench.steady_load import SteadyRun, run_steady, steady_prompts, summarize, tails
-from specserve.engine.devices import check_device_name
-from specserve.engine.errors import InvalidArgument
 from specserve.telemetry.receiver import TraceReceiver
 
 ORCHESTRATOR = "separate"
@@ -293,6 +298,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--target-timeout-s", type=float, default=600.0)
     p.add_argument(
         "--device",
+        type=device_name,
         default="cpu",
         help="where the models compute (cpu, cuda, cuda:N): on a GPU the device time is "
         "the emulated one where the forward's own launch is shorter; results then go to "
@@ -304,10 +310,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     try:
         args.settings = [Setting.parse(s) for s in args.settings.split(",") if s]
     except ValueError as e:
-        p.error(str(e))
-    try:
-        check_device_name(args.device)
-    except InvalidArgument as e:
         p.error(str(e))
     if 1 not in args.sessions:
         p.error("--sessions must include 1: the stack is compared with the local loop there")

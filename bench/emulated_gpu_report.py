@@ -271,6 +271,18 @@ def fidelity_section(fidelity: dict[str, Any] | None) -> list[str]:
     return [*lines, ""]
 
 
+def _device(args: dict[str, Any], env: dict[str, Any]) -> list[str]:
+    """The paragraph naming the accelerator the models ran on (none on a CPU)."""
+    if args.get("device", "cpu") == "cpu":
+        return []
+    return [
+        "",
+        f"**Device:** both servers and the local loop run their models on `{args['device']}` "
+        f"({env.get('accelerator')}): every kernel is real and a forward lasts the emulated "
+        "device time, or its own launches and copies where those take longer.",
+    ]
+
+
 def markdown(data: dict[str, Any], argv: list[str], stem: str = "emulated_gpu") -> str:
     """The results page; ``stem`` names its plot (``<stem>.png`` beside it)."""
     args, env, h = data["args"], data["environment"], data["headline"]
@@ -291,18 +303,11 @@ def markdown(data: dict[str, Any], argv: list[str], stem: str = "emulated_gpu") 
         "count on the same prompts. The local loop (one session) ran in a child process "
         "before each setting's stack, on the prompts of the stack's single sessions. ITL: a "
         "message of n tokens g after the previous one counts n latencies of g / n.",
+        *_device(args, env),
         "",
         "## Against the targets",
         "",
     ]
-    if args.get("device", "cpu") != "cpu":
-        lines[3:3] = [
-            "",
-            f"**Device:** both servers and the local loop run their models on "
-            f"`{args['device']}` ({env.get('accelerator')}): every kernel is real and a "
-            "forward lasts the emulated device time, or its own launches and copies where "
-            "those take longer.",
-        ]
     for t in h["targets"]:
         verdict = "**met**" if t["met"] else "**not met**"
         lines.append(f"- {t['claim']}: {t['measured']:.2f}x (target >= {t['target']:g}x) {verdict}")

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from bench import concurrency, emulated_gpu, serving_stack
+from bench import concurrency, emulated_gpu, emulated_gpu_report, serving_stack
 
 MODELS = {"target": "tiny:3", "draft": "tiny:3:noise=0.05", "threads": 1}
 
@@ -62,3 +62,9 @@ def test_emulated_gpu_checks_the_device_and_names_its_results(
     assert emulated_gpu.stack_namespace(args, setting).device == "cuda"
     assert emulated_gpu.results_stem("cuda") == "emulated_gpu_cuda"
     assert emulated_gpu.results_stem("cpu") == "emulated_gpu"
+
+
+def test_emulated_gpu_results_name_the_accelerator_only_on_one() -> None:
+    on_gpu = emulated_gpu_report._device({"device": "cuda"}, {"accelerator": "NVIDIA H100"})
+    assert any("`cuda` (NVIDIA H100)" in line for line in on_gpu)
+    assert emulated_gpu_report._device({"device": "cpu"}, {}) == []
