@@ -210,7 +210,8 @@ def device_ms(text: str) -> tuple[float, float]:
     return float(draft), float(target)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns the results it writes (with ``--no-write``, prints only)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default=TARGET, help="target model (store name, dir, tiny:...)")
     p.add_argument("--draft", default=DRAFT, help="draft model (same tokenizer as the target)")
@@ -255,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--no-local", action="store_true", help="skip the local single-session loop")
     p.add_argument("--name", default="concurrency", help="results file stem")
+    p.add_argument("--no-write", action="store_true", help="print, do not write results")
     p.add_argument(
         "--logs",
         type=Path,
@@ -286,21 +288,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     env["others_cpu_share"] = probe.others_share()
     env["bench_minutes"] = (time.monotonic() - started) / 60
     summary = report.summarize(runs, local, [v.name for v in variants])
-    markdown = report.markdown(summary, args, env)
-    md_path, _ = write_results(
-        args.name,
-        markdown,
-        {
-            "headline": report.headline(summary),
-            "summary": summary,
-            "runs": runs,
-            "local": local,
-            "args": vars(args),
-            "environment": env,
-        },
-    )
-    report.plot(summary, md_path.with_suffix(".png"), args)
+    markdown = report.markdown(summary, args, env, list(argv) if argv is not None else None)
+    data = {
+        "headline": report.headline(summary),
+        "summary": summary,
+        "runs": runs,
+        "local": local,
+        "args": vars(args),
+        "environment": env,
+    }
+    if not args.no_write:
+        md_path, _ = write_results(args.name, markdown, data)
+        report.plot(summary, md_path.with_suffix(".png"), args)
     print(markdown)
+    return data
 
 
 if __name__ == "__main__":

@@ -203,7 +203,14 @@ def _stores(args: argparse.Namespace) -> str:
     return "embedded session stores"
 
 
-def markdown(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any]) -> str:
+def markdown(
+    summary: dict[str, Any],
+    args: argparse.Namespace,
+    env: dict[str, Any],
+    argv: list[str] | None = None,
+) -> str:
+    """The results page; ``argv``: the run's arguments, for its reproduce line (None: the
+    process's own)."""
     t = summary["targets"]
     widest = max(args.concurrency)
     lines = [
@@ -313,7 +320,7 @@ def markdown(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, A
         "Reproduce:",
         "",
         "```",
-        reproduce_command("bench.concurrency"),
+        reproduce_command("bench.concurrency", argv),
         "```",
         "",
         environment_md(env),
