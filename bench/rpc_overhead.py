@@ -275,11 +275,14 @@ def servers(
     """The (target, draft) server processes for ``name``; from checkout ``tree`` (its
     code first on the path) when given, else this one."""
     serving = ["--threads", str(threads), "--batch-window-ms", "0"]
-    env = {"PYTHONPATH": os.path.abspath(tree)} if tree else None
+    root = os.path.abspath(tree) if tree else None
+    env = {"PYTHONPATH": root} if root else None  # cwd alone: `-m` puts it first on the path
     if name == "stub":
         return (
-            ServerProcess("target", ["target", *serving], module="bench.rpc_stub", env=env),
-            ServerProcess("draft", ["draft", *serving], module="bench.rpc_stub", env=env),
+            ServerProcess(
+                "target", ["target", *serving], module="bench.rpc_stub", env=env, cwd=root
+            ),
+            ServerProcess("draft", ["draft", *serving], module="bench.rpc_stub", env=env, cwd=root),
         )
     serving += ["--kv-budget", "512MiB"]
     return (

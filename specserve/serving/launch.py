@@ -39,12 +39,17 @@ class ServerProcess:
         host: str = "127.0.0.1",
         module: str | None = None,
         tls: ClientTls | None = None,
+        cwd: str | None = None,
     ) -> None:
+        """``cwd``: the child's working directory (None: this process's). ``python -m``
+        puts it first on the child's path, before ``PYTHONPATH``: a server run from
+        another checkout needs that checkout as ``cwd``."""
         assert module is not None or role in MODULES, role
         self.role = role
         self.module = module or MODULES[role]
         self.args = list(args)
         self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
         self.host = host
         self.tls = tls  # how health checks reach it (None: plaintext)
         self.port = 0
@@ -73,7 +78,9 @@ class ServerProcess:
             str(port_file),
         ]
         log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd
+        )
         log.close()
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():

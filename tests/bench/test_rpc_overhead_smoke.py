@@ -80,3 +80,24 @@ def test_bad_flags_get_the_usage_error(
     with pytest.raises(SystemExit) as e:
         rpc_overhead.main(["--models", "stub", "--no-write", *flags])
     assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_baseline_servers_run_the_other_checkouts_code(tmp_path: Path) -> None:
+    """`--baseline CHECKOUT`: the stub servers started from CHECKOUT import CHECKOUT's
+    modules, not this one's (``python -m`` puts the working directory first on the path,
+    before PYTHONPATH: the servers run from CHECKOUT)."""
+    (tmp_path / "bench").mkdir()  # a namespace package, as this checkout's
+    (tmp_path / "bench" / "rpc_stub.py").write_text(
+        "import pathlib, sys, time\n"  # stands in for the other checkout's stub server
+        "pathlib.Path(sys.argv[sys.argv.index('--port-file') + 1]).write_text(__file__)\n"
+        "time.sleep(30)\n"
+    )
+    target, _ = rpc_overhead.servers("stub", 1, str(tmp_path))
+    try:
+        target.start(timeout_s=60)
+    except ValueError:  # the port file holds the module's path, not a port
+        pass
+    finally:
+        target.stop()
+    ran = (Path(target.log_path).parent / "port").read_text()
+    assert Path(ran.strip()).resolve() == (tmp_path / "bench" / "rpc_stub.py").resolve()
