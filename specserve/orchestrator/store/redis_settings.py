@@ -93,10 +93,13 @@ class RedisSettings:
         return f"{scheme}://{self.host}:{self.port}/{self.db}"
 
     def client(self) -> Any:
-        """A ``redis.asyncio.Redis`` client for these settings (connects lazily)."""
+        """A ``redis.asyncio.Redis`` client for these settings (connects lazily; hiredis
+        packs its commands and parses its replies, :mod:`.redis_packing`)."""
         import redis.asyncio
         from redis.asyncio.retry import Retry
         from redis.backoff import ExponentialBackoff
+
+        from specserve.orchestrator.store.redis_packing import use_hiredis_packing
 
         kwargs: dict[str, Any] = {
             "host": self.host,
@@ -118,7 +121,7 @@ class RedisSettings:
                 ssl_check_hostname=self.tls_check_hostname,
                 ssl_cert_reqs="required",
             )
-        return redis.asyncio.Redis(**kwargs)
+        return use_hiredis_packing(redis.asyncio.Redis(**kwargs))
 
 
 def embedded_client() -> Any:
