@@ -272,17 +272,14 @@ async def measure(
 def servers(
     name: str, threads: int, tree: str | None = None
 ) -> tuple[ServerProcess, ServerProcess]:
-    """The (target, draft) server processes for ``name``; from checkout ``tree`` (its
-    code first on the path) when given, else this one."""
+    """The (target, draft) server processes for ``name``; run from checkout ``tree`` (so
+    its code comes first on their path) when given, else from here."""
     serving = ["--threads", str(threads), "--batch-window-ms", "0"]
-    root = os.path.abspath(tree) if tree else None
-    env = {"PYTHONPATH": root} if root else None  # cwd alone: `-m` puts it first on the path
+    root = os.path.abspath(tree) if tree else None  # `python -m` puts the cwd first on the path
     if name == "stub":
         return (
-            ServerProcess(
-                "target", ["target", *serving], module="bench.rpc_stub", env=env, cwd=root
-            ),
-            ServerProcess("draft", ["draft", *serving], module="bench.rpc_stub", env=env, cwd=root),
+            ServerProcess("target", ["target", *serving], module="bench.rpc_stub", cwd=root),
+            ServerProcess("draft", ["draft", *serving], module="bench.rpc_stub", cwd=root),
         )
     serving += ["--kv-budget", "512MiB"]
     return (
