@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,29 @@ class EchoClient:
         if self._socket is not None:
             self._socket[1].close()
             self._socket = None
+
+
+BARE = ("unary", "stream", "socket")  # the transports the echo offers
+
+
+async def bare_round(
+    echo: tuple[EchoClient, EchoClient], kind: str, sizes: tuple[tuple[int, int], tuple[int, int]]
+) -> int:
+    """One round's two messages, byte for byte, on the bare echo server (ns): the draft's
+    on the first client, the target's on the second, as unary calls, stream messages or
+    frames on the plain TCP echo (``kind``)."""
+    total = 0
+    for client, (request, response) in zip(echo, sizes, strict=True):
+        payload = echo_request(request, response)
+        call = {
+            "unary": client.unary_call,
+            "stream": client.stream_call,
+            "socket": client.socket_call,
+        }[kind]
+        t0 = time.perf_counter_ns()
+        await call(payload)
+        total += time.perf_counter_ns() - t0
+    return total
 
 
 async def serve(host: str, port: int, port_file: Path | None) -> None:

@@ -34,9 +34,12 @@ Two server variants (``--models``):
   of ms per call on the same cores as the transport.
 
 Servers run with ``--batch-window-ms 0``: the coalescing window (2 ms by default)
-is a deliberate wait for other callers, not serialisation or transport.
+is a deliberate wait for other callers, not serialisation or transport. A second pair
+of stub servers can be driven in the same loop: another checkout's (``--baseline``,
+an ablation) or this one's with every request's conversion memoized (``--floor``:
+what the framework, the transport and the hop cost with validation at ~0).
 
-    .venv/bin/python -m bench.rpc_overhead [--rounds 300] [--models stub,tiny]
+    .venv/bin/python -m bench.rpc_overhead [--rounds 300] [--models stub,tiny] [--floor]
 
 Writes ``bench/results/rpc_overhead.{md,json}``; the JSON's ``headline`` has
 ``round_overhead_p50_ms`` (and p90) keyed by batch size (``"8"``, ``"32"``).
@@ -59,7 +62,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench import rpc_overhead_report as report
-from bench.bare_grpc import EchoClient, echo_request
+from bench.bare_grpc import BARE, EchoClient, bare_round
 from bench.common import environment, write_results
 from bench.round_client import RoundClient, RpcTiming
 from bench.round_transport import (
@@ -151,27 +154,9 @@ async def _timed(call: Callable[[], Awaitable[object]]) -> int:
     return time.perf_counter_ns() - t0
 
 
-BARE = ("unary", "stream", "socket")  # the bare echo's transports
 BASELINE = ", baseline"  # the label suffix of --baseline's servers' rounds
+FLOOR = ", floor"  # the label suffix of --floor's servers' rounds
 AFTER_IDLE = ", after idle"  # the label suffix of the rounds after --idle-ms asleep
-
-
-async def bare_round(echo: tuple[EchoClient, EchoClient], kind: str, sizes: RoundSizes) -> int:
-    """One round's two messages, byte for byte, on the bare echo server (ns): the draft's
-    on the first client, the target's on the second, as unary calls, stream messages or
-    frames on the plain TCP echo (``kind``)."""
-    total = 0
-    for client, (request, response) in zip(echo, sizes, strict=True):
-        payload = echo_request(request, response)
-        call = {
-            "unary": client.unary_call,
-            "stream": client.stream_call,
-            "socket": client.socket_call,
-        }[kind]
-        t0 = time.perf_counter_ns()
-        await call(payload)
-        total += time.perf_counter_ns() - t0
-    return total
 
 
 async def measure(
@@ -183,6 +168,7 @@ async def measure(
     warmup: int,
     baseline: tuple[str, str] | None = None,
     idle: tuple[str, float] | None = None,
+    second: str = BASELINE,
 ) -> tuple[dict[tuple[str, int], Series], dict[str, list[int]], dict[str, dict[int, list[int]]]]:
     """Per-(transport, batch) round series; three single-call references (ns): ``bare`` =
     health Check on a bare grpc.aio server, ``empty`` = GetLoad (no model thread), ``hop``
@@ -190,17 +176,18 @@ async def measure(
     work); and per batch the bare unary and stream rounds of the same bytes (ns).
     ``baseline``: (target, draft) servers of another checkout, driven the same way in
     the same loop, each transport labelled ``"<transport>, baseline"`` (an ablation:
-    ratios in one run, both pairs under the same traffic). ``idle``: (transport, seconds):
+    ratios in one run, both pairs under the same traffic); ``second`` is the label suffix
+    of that pair (:data:`FLOOR` for ``--floor``'s servers). ``idle``: (transport, seconds):
     also rounds over that transport after the client slept that long, labelled
     ``"<transport>, after idle"`` (every process idle meanwhile, as while a device
     computes), and the bare socket echo's round after the same sleep."""
     labels = list(transports)
     if baseline is not None:
-        labels += [t + BASELINE for t in transports]
+        labels += [t + second for t in transports]
     if idle is not None:
         labels.append(idle[0] + AFTER_IDLE)
         if baseline is not None:
-            labels.append(idle[0] + BASELINE + AFTER_IDLE)
+            labels.append(idle[0] + second + AFTER_IDLE)
     out = {(t, b): Series() for t in labels for b in BATCHES}
     floor: dict[str, list[int]] = {"bare": [], "empty": [], "hop": []}
     bare_kinds = [*BARE, "socket" + AFTER_IDLE] if idle is not None else list(BARE)
@@ -217,11 +204,11 @@ async def measure(
             btc = await more.enter_async_context(grpc.aio.insecure_channel(baseline[0]))
             bdc = await more.enter_async_context(grpc.aio.insecure_channel(baseline[1]))
             for t in transports:
-                stubs[t + BASELINE] = round_stubs(t, btc, bdc, baseline)
+                stubs[t + second] = round_stubs(t, btc, bdc, baseline)
         if idle is not None:
             stubs[idle[0] + AFTER_IDLE] = stubs[idle[0]]
             if baseline is not None:
-                stubs[idle[0] + BASELINE + AFTER_IDLE] = stubs[idle[0] + BASELINE]
+                stubs[idle[0] + second + AFTER_IDLE] = stubs[idle[0] + second]
         clients = {
             t: RoundClient(target_stub, draft_stub, on_rpc=calls.append)
             for t, (target_stub, draft_stub) in stubs.items()
@@ -272,11 +259,13 @@ async def measure(
 def servers(
     name: str, threads: int, tree: str | None = None
 ) -> tuple[ServerProcess, ServerProcess]:
-    """The (target, draft) server processes for ``name``; run from checkout ``tree`` (so
-    its code comes first on their path) when given, else from here."""
+    """The (target, draft) server processes for ``name`` (``floor``: the stub servers with
+    their request conversion memoized); run from checkout ``tree`` (so its code comes
+    first on their path) when given, else from here."""
     serving = ["--threads", str(threads), "--batch-window-ms", "0"]
     root = os.path.abspath(tree) if tree else None  # `python -m` puts the cwd first on the path
-    if name == "stub":
+    if name in ("stub", "floor"):
+        serving += ["--memoize-conversion"] if name == "floor" else []
         return (
             ServerProcess("target", ["target", *serving], module="bench.rpc_stub", cwd=root),
             ServerProcess("draft", ["draft", *serving], module="bench.rpc_stub", cwd=root),
@@ -306,11 +295,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also time the orchestrator's transport after this long with nothing to do "
         "(0: not), as when a device computes between calls",
     )
-    parser.add_argument(
+    second = parser.add_mutually_exclusive_group()
+    second.add_argument(
         "--baseline",
         metavar="CHECKOUT",
         help="also run the stub servers of another checkout of specserve (e.g. a git "
         "worktree of an older commit) and drive them with the same rounds, interleaved",
+    )
+    second.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run stub servers whose request conversion is memoized (bench.rpc_stub "
+        "--memoize-conversion), driven the same way: the framework's floor",
     )
     args = parser.parse_args(argv)
     if args.idle_ms < 0:
@@ -327,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target, draft = servers(name, args.threads)
         bare = ServerProcess("bare", [], module="bench.bare_grpc")
         others = servers(name, args.threads, args.baseline) if args.baseline else ()
+        others = servers("floor", args.threads) if args.floor else others
         if name != "stub":
             others = ()  # the ablation runs on the stub servers alone
         with contextlib.ExitStack() as started:
@@ -346,10 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.warmup,
                     baseline,
                     (headline_transport, args.idle_ms / 1000) if args.idle_ms > 0 else None,
+                    FLOOR if args.floor else BASELINE,
                 )
             )
         results[name] = {
-            "baseline_revision": revision(args.baseline) if baseline else None,
+            "baseline_revision": revision(args.baseline) if baseline and args.baseline else None,
+            "floor": bool(baseline) and args.floor,
             "idle_ms": args.idle_ms,
             "rounds": rounds,
             "warmup": args.warmup,

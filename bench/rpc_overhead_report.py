@@ -122,7 +122,7 @@ unary RPC of ours (`GetLoad`, answered on the event loop)
 a round trip through the model thread with no work (`Release` of an unknown id)
 {pct(floor["hop"], 0.5):.3f} ms p50 / {pct(floor["hop"], 0.9):.3f} ms p90.
 Round overhead over the orchestrator's transport ({transport}): {"; ".join(verdicts)}.
-{_after_idle(rows, transport, result)}{_baseline(rows, transport, result["baseline_revision"])}"""
+{_after_idle(rows, transport, result)}{_baseline(rows, transport, result)}"""
 
 
 def _after_idle(rows: list[dict], transport: str, result: dict[str, Any]) -> str:
@@ -149,19 +149,30 @@ def _after_idle(rows: list[dict], transport: str, result: dict[str, Any]) -> str
     )
 
 
-def _baseline(rows: list[dict], transport: str, revision: str | None) -> str:
+def _baseline(rows: list[dict], transport: str, result: dict[str, Any]) -> str:
     """The ablation line: this code's rounds over ``transport`` against ``--baseline``'s
-    (the two pairs of servers had the same traffic, interleaved round by round)."""
-    if revision is None:
+    or ``--floor``'s (the two pairs of servers had the same traffic, interleaved round by
+    round)."""
+    revision, floor = result["baseline_revision"], result.get("floor", False)
+    if revision is None and not floor:
         return ""
+    second = ", floor" if floor else ", baseline"
     p50 = {(r["transport"], r["batch"]): r["round_ms"]["p50"] for r in rows}
     pairs = []
     for when, mine in (("", transport), ("after idle, ", transport + ", after idle")):
-        theirs = mine.replace(transport, transport + ", baseline", 1)
+        theirs = mine.replace(transport, transport + second, 1)
         for (label, b), old in p50.items():
             if label == theirs:
                 new = p50[(mine, b)]
                 pairs.append(f"{when}batch {b}: {new:.3f} ms against {old:.3f} ({new / old:.2f}x)")
+    if floor:
+        return (
+            f"Floor (`--floor`): this code's {transport} rounds against the same stub servers "
+            "with every request's conversion memoized (`bench.rpc_stub --memoize-conversion`: "
+            "validation, conversion and the draft's response building at ~0; what is left "
+            "is the framework, the transport and the hop to the model thread), interleaved "
+            f"in the same loop: {'; '.join(pairs)}.\n"
+        )
     return (
         f"Ablation (`--baseline`): this code's {transport} rounds against the servers of "
         f"commit {revision}, interleaved in the same loop: {'; '.join(pairs)}.\n"

@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 
-from bench import rpc_overhead
+from bench import rpc_overhead, rpc_stub
 from bench.round_transport import orchestrator_transport, unavailable
+from specserve.v1 import target_pb2
+from specserve.wire import draft_wire, target_wire
+from specserve.wire.common_wire import SessionLimit
 
 
 def test_a_short_run_measures_every_batch_size_and_the_references(
@@ -72,6 +75,7 @@ def test_baseline_runs_another_checkouts_servers_in_the_same_loop(
     [
         (["--idle-ms", "-1"], "--idle-ms must be >= 0"),
         (["--baseline", "no-such-checkout"], "--baseline must name a checkout of specserve"),
+        (["--baseline", ".", "--floor"], "not allowed with argument"),
     ],
 )
 def test_bad_flags_get_the_usage_error(
@@ -101,3 +105,51 @@ def test_baseline_servers_run_the_other_checkouts_code(tmp_path: Path) -> None:
         target.stop()
     ran = (Path(target.log_path).parent / "port").read_text()
     assert Path(ran.strip()).resolve() == (tmp_path / "bench" / "rpc_stub.py").resolve()
+
+
+def test_floor_drives_memoized_stub_servers_in_the_same_loop(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--models", "stub", "--rounds", "2", "--warmup", "1", "--no-write", "--floor"]
+    assert rpc_overhead.main(argv) == 0
+    md = capsys.readouterr().out
+    transport = orchestrator_transport()
+    for batch in rpc_overhead.BATCHES:
+        assert f"\n| {batch} | {transport}, floor | **" in md
+    assert "Floor (`--floor`): this code's" in md
+    assert "batch 8: " in md.split("Floor (`--floor`)")[1]
+
+
+def test_memoized_conversion_reuses_the_first_request_of_each_size() -> None:
+    calls: list[int] = []
+
+    def convert(request: list[int], vocab: int) -> list[int]:
+        calls.append(len(request))
+        return list(request)
+
+    once = rpc_stub._memoized(convert, lambda r, *_: len(r))
+    assert once([1, 2], 9) == [1, 2]
+    assert once([3, 4], 9) == [1, 2]  # the first of its size, reused
+    assert once([5], 9) == [5]
+    assert calls == [2, 1]
+
+
+def test_memoize_conversion_replaces_the_servicers_conversions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for module, name in (
+        (target_wire, "verify_inputs"),
+        (draft_wire, "draft_calls"),
+        (draft_wire, "propose_response"),
+    ):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    rpc_stub.memoize_conversion()
+    limit = SessionLimit(1 << 20, 1 << 20)
+
+    def request(sid: str) -> target_pb2.VerifyRequest:
+        session = target_pb2.VerifySession(session_id=sid, new_tokens=[5])
+        return target_pb2.VerifyRequest(sessions=[session])
+
+    first = target_wire.verify_inputs(request("a"), rpc_stub.VOCAB, limit)
+    again = target_wire.verify_inputs(request("b"), rpc_stub.VOCAB, limit)
+    assert again is first and first[0].session_id == "a"  # the servicer's call, memoized
