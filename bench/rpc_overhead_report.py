@@ -58,8 +58,9 @@ def summarize(series: Mapping[tuple[str, int], Any], bare: Mapping[str, Any]) ->
 
 def headline(rows: list[dict], transport: str) -> dict[str, Any]:
     """What the README quotes: the round overhead over ``transport`` by batch size, with
-    the bare references and whether each target is met."""
+    the bare references, whether each target is met and (``--floor``) the floor's."""
     mine = {str(r["batch"]): r for r in rows if r["transport"] == transport}
+    floor = {str(r["batch"]): r for r in rows if r["transport"] == transport + ", floor"}
     return {
         "transport": transport,
         "round_overhead_p50_ms": {b: r["round_ms"]["p50"] for b, r in mine.items()},
@@ -73,6 +74,7 @@ def headline(rows: list[dict], transport: str) -> dict[str, Any]:
             for b, r in mine.items()
             if int(b) in TARGET_P50_MS
         },
+        "floor_round_overhead_p50_ms": {b: r["round_ms"]["p50"] for b, r in floor.items()},
     }
 
 

@@ -108,11 +108,20 @@ def test_baseline_servers_run_the_other_checkouts_code(tmp_path: Path) -> None:
 
 
 def test_floor_drives_memoized_stub_servers_in_the_same_loop(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    argv = ["--models", "stub", "--rounds", "2", "--warmup", "1", "--no-write", "--floor"]
+    written: dict[str, Any] = {}
+
+    def capture(name: str, markdown: str, data: dict[str, Any]) -> tuple[Path, Path]:
+        written.update(data)
+        return Path("unused.md"), Path("unused.json")
+
+    monkeypatch.setattr(rpc_overhead, "write_results", capture)
+    argv = ["--models", "stub", "--rounds", "2", "--warmup", "1", "--floor"]
     assert rpc_overhead.main(argv) == 0
     md = capsys.readouterr().out
+    floor = written["headline"]["floor_round_overhead_p50_ms"]
+    assert set(floor) == {"8", "32"} and all(v > 0 for v in floor.values())
     transport = orchestrator_transport()
     for batch in rpc_overhead.BATCHES:
         assert f"\n| {batch} | {transport}, floor | **" in md
