@@ -11,6 +11,11 @@ decoding). :func:`prefill_cpu_ms` times one prompt's prefill on each model: what
 session joining a running batch adds to a round (its target prefill, and under
 speculation its draft's warm-up). :func:`cpu_bound` says which of them pass a setting's
 device times.
+
+With ``device`` cuda (``bench.emulated_gpu --device cuda``) the models are loaded there
+and each forward is timed to a device synchronisation: the real forward's launches and
+kernels, which an emulated forward on that device also lasts at least. The names keep
+"cpu" (the JSON's keys); the sentences say what was timed.
 """
 
 from __future__ import annotations
@@ -26,14 +31,20 @@ KV_BUDGET_BYTES = 1 << 30
 TIMED_CALLS = 8  # timed calls per width and kind (after one untimed call)
 
 
-def _timed_forwards(model: Any) -> list[float]:
-    """Wrap ``model.forward`` so each call appends its seconds to the returned list."""
+def _timed_forwards(model: Any, device: str) -> list[float]:
+    """Wrap ``model.forward`` so each call appends its seconds to the returned list (on
+    CUDA from one device synchronisation to the next: the forward's kernels included)."""
     seconds: list[float] = []
     forward = model.forward
+    cuda = device.startswith("cuda")
 
     def timed(*args: Any, **kwargs: Any) -> Any:
+        if cuda:
+            torch.cuda.synchronize(device)
         started = time.perf_counter()
         out = forward(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - started)
         return out
 
@@ -51,27 +62,33 @@ def _median_ms(run: Callable[[], None], seconds: list[float]) -> float:
 
 
 def forward_cpu_ms(
-    models: dict[str, Any], prompt_list: Sequence[Sequence[int]], sessions: Sequence[int], k: int
+    models: dict[str, Any],
+    prompt_list: Sequence[Sequence[int]],
+    sessions: Sequence[int],
+    k: int,
+    device: str = "cpu",
 ) -> dict[str, dict[int, float]]:
-    """Median CPU ms of one forward of each kind at each width in ``sessions``, every
-    session holding one of ``prompt_list`` (run it in a child process: it loads both
-    models). Kinds: ``draft_step``, ``target_verify`` (``k + 1`` tokens a session),
-    ``target_step``."""
+    """Median ms of one forward of each kind at each width in ``sessions``, every
+    session holding one of ``prompt_list``, the models on ``device`` (run it in a child
+    process: it loads both models). Kinds: ``draft_step``, ``target_verify`` (``k + 1``
+    tokens a session), ``target_step``."""
     from specserve.serving.models import load_model
 
     if models["threads"]:
         torch.set_num_threads(models["threads"])
-    target = load_model(models["target"], models["target_dtype"]).model
-    draft = load_model(models["draft"], models["draft_dtype"]).model
+    target = load_model(models["target"], models["target_dtype"], device=device).model
+    draft = load_model(models["draft"], models["draft_dtype"], device=device).model
     out: dict[str, dict[int, float]] = {"draft_step": {}, "target_verify": {}, "target_step": {}}
     for n in sessions:
         held = [list(prompt_list[i % len(prompt_list)]) for i in range(n)]
-        for kind, ms in _width_cpu_ms(draft, target, held, k).items():
+        for kind, ms in _width_cpu_ms(draft, target, held, k, device).items():
             out[kind][n] = ms
     return out
 
 
-def _width_cpu_ms(draft: Any, target: Any, held: list[list[int]], k: int) -> dict[str, float]:
+def _width_cpu_ms(
+    draft: Any, target: Any, held: list[list[int]], k: int, device: str
+) -> dict[str, float]:
     """:func:`forward_cpu_ms` for one batch: a session per history in ``held``."""
     from specserve.engine.drafter import DraftInput
     from specserve.engine.model_drafter import ModelDrafter
@@ -98,8 +115,8 @@ def _width_cpu_ms(draft: Any, target: Any, held: list[list[int]], k: int) -> dic
             [VerifyInput(s, at, tok, Proposal([0] * drafts), greedy, 0) for s, at, tok in last]
         )
 
-    draft_seconds = _timed_forwards(drafter.model)
-    target_seconds = _timed_forwards(verifier.model)
+    draft_seconds = _timed_forwards(drafter.model, device)
+    target_seconds = _timed_forwards(verifier.model, device)
     try:
         return {
             "draft_step": _median_ms(draft_round, draft_seconds),
@@ -114,11 +131,12 @@ PREFILL_PROMPTS = 8  # prompts whose prefill is timed, one at a time
 
 
 def prefill_cpu_ms(
-    models: dict[str, Any], prompt_list: Sequence[Sequence[int]]
+    models: dict[str, Any], prompt_list: Sequence[Sequence[int]], device: str = "cpu"
 ) -> dict[str, float]:
-    """Median CPU ms of one prompt's prefill forward on the draft (``draft_prefill``) and
-    the target (``target_prefill``) over the first :data:`PREFILL_PROMPTS` prompts, and
-    their median length in tokens (``tokens``). Run it in a child process."""
+    """Median ms of one prompt's prefill forward on the draft (``draft_prefill``) and
+    the target (``target_prefill``), both on ``device``, over the first
+    :data:`PREFILL_PROMPTS` prompts, and their median length in tokens (``tokens``).
+    Run it in a child process."""
     from specserve.engine.drafter import DraftInput
     from specserve.engine.model_drafter import ModelDrafter
     from specserve.engine.rejection import Proposal
@@ -130,13 +148,14 @@ def prefill_cpu_ms(
         torch.set_num_threads(models["threads"])
     greedy = SamplingParams()
     drafter = ModelDrafter(
-        load_model(models["draft"], models["draft_dtype"]).model, KV_BUDGET_BYTES
+        load_model(models["draft"], models["draft_dtype"], device=device).model, KV_BUDGET_BYTES
     )
     verifier = TargetVerifier(
-        load_model(models["target"], models["target_dtype"]).model, KV_BUDGET_BYTES
+        load_model(models["target"], models["target_dtype"], device=device).model,
+        KV_BUDGET_BYTES,
     )
-    draft_seconds = _timed_forwards(drafter.model)
-    target_seconds = _timed_forwards(verifier.model)
+    draft_seconds = _timed_forwards(drafter.model, device)
+    target_seconds = _timed_forwards(verifier.model, device)
     prompts = [list(p) for p in prompt_list[:PREFILL_PROMPTS]]
     draft_ms, target_ms = [], []
     for i, prompt in enumerate([prompts[0], *prompts]):  # the first once untimed
@@ -159,11 +178,13 @@ def cpu_bound(
     draft_ms: float,
     target_ms: float,
     prefill_ms: dict[str, float] | None = None,
+    device: str = "cpu",
 ) -> list[str]:
-    """The (kind, width) whose CPU time passes the device time of its model, and the
-    prompt prefills (``prefill_ms``, :func:`prefill_cpu_ms`) that do, as sentences:
-    where the emulation runs at the CPU's speed, not the device's."""
-    device = {
+    """The (kind, width) whose own time (on ``device``) passes the device time of its
+    model, and the prompt prefills (``prefill_ms``, :func:`prefill_cpu_ms`) that do, as
+    sentences: where the emulation runs at the real forward's speed, not the device's."""
+    own = "of CPU" if device == "cpu" else f"on {device}"
+    emulated = {
         "draft_step": draft_ms,
         "target_verify": target_ms,
         "target_step": target_ms,
@@ -171,15 +192,15 @@ def cpu_bound(
         "target_prefill": target_ms,
     }
     out = [
-        f"{kind.replace('_', ' ')} at {n} sessions: {ms:.2f} ms of CPU > {device[kind]:g} ms"
+        f"{kind.replace('_', ' ')} at {n} sessions: {ms:.2f} ms {own} > {emulated[kind]:g} ms"
         for kind, widths in cpu_ms.items()
         for n, ms in widths.items()
-        if ms > device[kind]
+        if ms > emulated[kind]
     ]
     for kind in ("draft_prefill", "target_prefill"):
         ms = (prefill_ms or {}).get(kind)
-        if ms is not None and ms > device[kind]:
+        if ms is not None and ms > emulated[kind]:
             out.append(
-                f"{kind.replace('_', ' ')} of a prompt: {ms:.2f} ms of CPU > {device[kind]:g} ms"
+                f"{kind.replace('_', ' ')} of a prompt: {ms:.2f} ms {own} > {emulated[kind]:g} ms"
             )
     return out

@@ -326,10 +326,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     env = environment()
     probe = LoadProbe(children=True)  # the servers and the local child are ours
     started = time.monotonic()
-    cpu_ms = in_child(
-        forward_cpu_ms, model_settings(args), prompt_list[:widest], args.sessions, K_MAX
-    )
-    prefill_ms = in_child(prefill_cpu_ms, model_settings(args), prompt_list[:widest])
+    models, on = model_settings(args), args.device  # the real forwards, on the models' device
+    cpu_ms = in_child(forward_cpu_ms, models, prompt_list[:widest], args.sessions, K_MAX, on)
+    prefill_ms = in_child(prefill_cpu_ms, models, prompt_list[:widest], on)
     per_setting = {}
     for setting in args.settings:
         singles = [prompt_list[(i * block) % len(prompt_list)] for i in range(args.reps)]
@@ -345,10 +344,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "headline": report.headline(per_setting),
         "settings": per_setting,
         "fidelity": {
+            "device": on,
             "cpu_ms": cpu_ms,
             "prefill_cpu_ms": prefill_ms,
             "cpu_bound": {
-                s.label: cpu_bound(cpu_ms, s.draft_ms, s.target_ms, prefill_ms)
+                s.label: cpu_bound(cpu_ms, s.draft_ms, s.target_ms, prefill_ms, on)
                 for s in args.settings
             },
         },

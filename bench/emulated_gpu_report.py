@@ -229,17 +229,20 @@ def _ahead(args: dict[str, Any]) -> str:
 
 
 def fidelity_section(fidelity: dict[str, Any] | None) -> list[str]:
-    """The tiny models' own CPU time per forward, and where it passes the device time."""
+    """The tiny models' own time per forward (CPU, or the real forward on the GPU the
+    models ran on), and where it passes the device time."""
     if not fidelity:
         return []
-    cpu = fidelity["cpu_ms"]
+    cpu, device = fidelity["cpu_ms"], fidelity.get("device", "cpu")
+    own = "CPU time" if device == "cpu" else f"time on {device}"
+    how = "" if device == "cpu" else " (synchronised: the real forward's launches and kernels)"
     widths = sorted({int(n) for kind in cpu.values() for n in kind})
     lines = [
         "## Emulation fidelity",
         "",
-        "A forward lasts the longer of its device time and the tiny model's own CPU time. "
-        "The CPU time alone, measured in a child process on the same prompts (median ms per "
-        "forward):",
+        f"A forward lasts the longer of its device time and the tiny model's own {own}. "
+        f"That time alone{how}, measured in a child process on the same prompts (median ms "
+        "per forward):",
         "",
         "| forward | " + " | ".join(f"{n} sessions" for n in widths) + " |",
         "|---|" + "---:|" * len(widths),
@@ -252,22 +255,21 @@ def fidelity_section(fidelity: dict[str, Any] | None) -> list[str]:
     if prefill:
         lines += [
             f"One prompt's prefill (median of {prefill['tokens']:.0f} tokens): "
-            f"{prefill['draft_prefill']:.2f} ms of CPU on the draft, "
+            f"{prefill['draft_prefill']:.2f} ms ({own}) on the draft, "
             f"{prefill['target_prefill']:.2f} ms on the target. A session that joins a running "
             "batch adds its target prefill to that round, and under speculation its draft's "
-            "warm-up beside it; where these pass the device time, joins cost the CPU's time "
-            "(on two shared cores, both at once).",
+            "warm-up beside it; where these pass the device time, joins cost that time.",
             "",
         ]
     for label, bound in fidelity["cpu_bound"].items():
         if bound:
             lines.append(
-                f"- {label}: the CPU, not the emulated device, sets these forwards' time: "
+                f"- {label}: the real forwards, not the emulated device, set these forwards' time: "
                 + "; ".join(bound)
                 + "."
             )
         else:
-            lines.append(f"- {label}: every forward's CPU time stays under its device time.")
+            lines.append(f"- {label}: every forward's {own} stays under its device time.")
     return [*lines, ""]
 
 
