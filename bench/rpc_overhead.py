@@ -322,10 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         rounds = args.rounds if name == "stub" else args.tiny_rounds
         target, draft = servers(name, args.threads)
         bare = ServerProcess("bare", [], module="bench.bare_grpc")
-        others = servers(name, args.threads, args.baseline) if args.baseline else ()
-        others = servers("floor", args.threads) if args.floor else others
-        if name != "stub":
-            others = ()  # the ablation runs on the stub servers alone
+        paired = name == "stub" and (args.floor or args.baseline)  # beside the stub pair only
+        others = (
+            servers("floor" if args.floor else name, args.threads, args.baseline) if paired else ()
+        )
         with contextlib.ExitStack() as started:
             for process in (target, draft, bare, *others):  # a loaded machine imports slowly
                 started.callback(process.stop)
