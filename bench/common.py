@@ -20,7 +20,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -69,17 +69,81 @@ def cpu_id() -> str:
     return " ".join(f"{k} {v}" for k, v in fields.items()) or "unknown"
 
 
-def cpu_flags() -> dict[str, bool]:
-    """Which of :data:`FLAGS_OF_INTEREST` the CPU reports."""
-    flags: set[str] = set()
+def cpu_flag_set() -> set[str]:
+    """Every flag the first CPU of ``/proc/cpuinfo`` reports; empty where there is none
+    (not Linux, or no ``flags`` line, as on ARM)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+                return set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return set()
+
+
+def cpu_flags() -> dict[str, bool]:
+    """Which of :data:`FLAGS_OF_INTEREST` the CPU reports."""
+    flags = cpu_flag_set()
     return {f: f in flags for f in FLAGS_OF_INTEREST}
+
+
+# The ISA classes a result is filed under (bench.quantized's quantized_<class>), best first.
+ISA_CLASSES = ("avx512", "avx2", "baseline")
+# torch's CPU capability -> ISA class, where /proc/cpuinfo has no flags to read.
+_CAPABILITY_CLASS = {"AVX512": "avx512", "AVX2": "avx2"}
+
+
+def isa_class(flags: Iterable[str] | str | None = None) -> str:
+    """The CPU's ISA class, one of :data:`ISA_CLASSES`: ``"avx512"`` when ``avx512f`` is
+    among ``flags``, else ``"avx2"`` when ``avx2`` is, else ``"baseline"``.
+
+    ``flags`` is a set of ``/proc/cpuinfo`` flag names or their space-separated string;
+    ``None`` reads this machine's (:func:`cpu_flag_set`), falling back to torch's CPU
+    capability where there are none to read.
+    """
+    if flags is None:
+        flags = cpu_flag_set()
+        if not flags:
+            capability = torch.backends.cpu.get_cpu_capability()
+            return _CAPABILITY_CLASS.get(capability, "baseline")
+    have = set(flags.split()) if isinstance(flags, str) else set(flags)
+    if "avx512f" in have:
+        return "avx512"
+    return "avx2" if "avx2" in have else "baseline"
+
+
+# The extensions isa_description names: (/proc/cpuinfo flag, name).
+_AVX512_PARTS = (("avx512bw", "BW"), ("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16"))
+_AMX_PARTS = (("amx_int8", "INT8"), ("amx_bf16", "BF16"))
+_AVX2_PARTS = (("fma", "FMA"), ("avx_vnni", "AVX-VNNI"))
+
+
+def _named(have: set[str], names: Sequence[tuple[str, str]]) -> list[str]:
+    return [name for flag, name in names if flag in have]
+
+
+def isa_description(flags: Iterable[str] | str | None = None) -> str:
+    """The CPU's ISA in words, for a table's top line: its class (:func:`isa_class`) with
+    the extensions that decide which kernels can run, e.g. ``"AVX-512 (F, BW, VNNI,
+    BF16) + AMX (INT8, BF16)"``, ``"AVX2 + FMA (no AVX-512)"``, ``"AVX2 + FMA + AVX-VNNI
+    (no AVX-512)"`` or ``"baseline (no AVX2)"``. ``flags`` as for :func:`isa_class`."""
+    if flags is None:
+        flags = cpu_flag_set()
+        if not flags:
+            cls = isa_class()
+            return {"avx512": "AVX-512", "avx2": "AVX2 (no AVX-512)"}.get(cls, "baseline (no AVX2)")
+    have = set(flags.split()) if isinstance(flags, str) else set(flags)
+    cls = isa_class(have)
+    if cls == "avx512":
+        parts = ["F", *_named(have, _AVX512_PARTS)]
+        text = f"AVX-512 ({', '.join(parts)})"
+        if "amx_tile" in have:
+            amx = _named(have, _AMX_PARTS)
+            text += " + AMX" + (f" ({', '.join(amx)})" if amx else "")
+        return text
+    if cls == "avx2":
+        return " + ".join(["AVX2", *_named(have, _AVX2_PARTS)]) + " (no AVX-512)"
+    return "baseline (no AVX2)"
 
 
 def load_average() -> tuple[float, float, float] | None:
@@ -127,8 +191,8 @@ class LoadProbe:
 
 
 def environment() -> dict[str, Any]:
-    """What a results table must state: CPU, flags, threads, versions, date, load, and the
-    GPU where one is visible."""
+    """What a results table must state: CPU, flags, ISA class (:func:`isa_class`, and in
+    words), threads, versions, date, load, and the GPU where one is visible."""
     try:
         import transformers
 
@@ -143,6 +207,8 @@ def environment() -> dict[str, Any]:
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa": isa_class(),
+        "isa_description": isa_description(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": tf_version,
@@ -282,9 +348,37 @@ def device_name(text: str) -> str:
 
 
 def parse_range(text: str) -> list[int]:
-    """``"0-19"`` -> [0, 1, ..., 19]; ``"5"`` -> [5] (prompt ranges on the command line)."""
-    lo, _, hi = text.partition("-")
-    return list(range(int(lo), int(hi or lo) + 1))
+    """Numbers on the command line (prompt indices, row counts): ``"0-19"`` -> [0, 1, ...,
+    19]; ``"5"`` -> [5]; a comma-separated list of both, ``"1,2,3,5,9"``, ``"1-3,5,9"``
+    -> [1, 2, 3, 5, 9], in the order written, a number written twice kept once.
+
+    Raises :class:`ValueError` with a sentence for anything else: an empty text or
+    item, a negative number or a word, a range whose end is below its start.
+    """
+    out: dict[int, None] = {}
+    for item in text.split(","):
+        lo, dash, hi = (part.strip() for part in item.partition("-"))
+        if not (lo.isdecimal() and (hi.isdecimal() if dash else True)):
+            raise ValueError(
+                f"{text!r} is not a list of numbers and ranges such as 1,2,3,5,9 or 1-3,5,9 "
+                f"({item.strip()!r} is neither a number nor a range n-m)"
+            )
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if last < first:
+            raise ValueError(f"{text!r}: the range {item.strip()} ends below its start")
+        out.update(dict.fromkeys(range(first, last + 1)))
+    return list(out)
+
+
+def range_list(text: str) -> list[int]:
+    """An argparse ``type`` for an optional list of numbers: ``""`` (or blanks) -> [], else
+    :func:`parse_range`; what that refuses is a usage error with its sentence."""
+    if not text.strip():
+        return []
+    try:
+        return parse_range(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def reproduce_command(module: str, argv: list[str] | None = None) -> str:
