@@ -10,6 +10,16 @@ written here):
 * ``llama-speculative`` per prompt: greedy, ``--draft-max`` drafted tokens a round,
   ``--new-tokens`` tokens, end-of-generation ignored.
 
+Both run with llama.cpp's own defaults, weight repacking on; a run that crashes with
+repacking is run once more without it and its figures are marked as the next-best
+(``--llama-no-repack`` turns repacking off from the start). Every table names which.
+
+The CPU's ISA class (:func:`bench.common.isa_class`: avx512, avx2, baseline) names the
+results, ``bench/results/quantized_<class>.{md,json}``, one file per class; ``--isa
+avx2`` forces the AVX2 path on an AVX-512 machine: specserve's kernels through
+``SPECSERVE_CPU_ISA=AVX2`` (set before any kernel loads) and llama.cpp's AVX2-only
+build (``LLAMA_ISA=avx2 scripts/build-llama-cpp.sh``), filed as quantized_avx2.
+
 The specserve side is ``generate --local``: the engine's local loop (the same models,
 dtypes, KV budgets and measured round costs as :class:`specserve.local.LocalRunner`),
 with ``:weights=quantized`` specs: target-only, then speculative at each of ``--ks``
@@ -29,7 +39,8 @@ and drafts must have been accepted.
     .venv/bin/python -m bench.quantized --prompts 0-9 --prose 3 --new-tokens 128
 
 ``--tiny`` runs tiny random models (no GGUF file: the llama.cpp side is skipped with a
-sentence); the tests run it. Writes bench/results/quantized.{md,json} (``--name``).
+sentence); the tests run it. Writes bench/results/quantized_<class>.{md,json}
+(``--name`` overrides the stem).
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import argparse
 import gc
 import itertools
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,7 +59,14 @@ from typing import Any
 import torch
 
 from bench import llama_cpp
-from bench.common import LoadProbe, environment, median_time, parse_range
+from bench.common import (
+    LoadProbe,
+    environment,
+    isa_class,
+    median_time,
+    parse_range,
+    range_list,
+)
 from bench.quantized_report import markdown, summarize
 from specserve import model_store
 from specserve.engine.decode_state import DecodeState, StopCriteria
@@ -68,7 +87,48 @@ DRAFT = "qwen2.5-coder-0.5b-instruct:weights=quantized"
 TINY_TARGET, TINY_DRAFT = "tiny:3", "tiny:3:noise=0.3"
 PROSE = Path(__file__).resolve().parent / "prompts" / "prose.json"
 TARGET_ONLY = "specserve target-only"
+# What --isa avx2 sets before any kernel loads; specserve.engine.cpu_kernels reads it.
+ISA_ENV = "SPECSERVE_CPU_ISA"
+ISA_CHOICES = ("native", "avx2")
 _ids = itertools.count()
+
+
+def measured_isa(requested: str, cpu_isa: str) -> str:
+    """The ISA class a run measures (and is filed under): the CPU's class ``cpu_isa``
+    (:func:`bench.common.isa_class`) for ``--isa native``, ``"avx2"`` for ``--isa avx2``.
+
+    Raises :class:`ValueError` with a sentence for ``avx2`` on a CPU without AVX2."""
+    if requested not in ISA_CHOICES:
+        raise ValueError(f"--isa {requested}: one of {', '.join(ISA_CHOICES)}")
+    if requested == "native":
+        return cpu_isa
+    if cpu_isa == "baseline":
+        raise ValueError("--isa avx2: this CPU has no AVX2, so there is no AVX2 path to force")
+    return "avx2"
+
+
+def default_name(isa: str) -> str:
+    """The results file stem of a run measuring ISA class ``isa``: ``quantized_<isa>``
+    (quantized_avx2, quantized_avx512), one file per class."""
+    return f"quantized_{isa}"
+
+
+def apply_isa(requested: str | None) -> tuple[str, str | None]:
+    """Point specserve's CPU kernels at the ``--isa`` asked for, through :data:`ISA_ENV`
+    in ``os.environ``; returns the ``--isa`` in effect and the variable's value now.
+
+    ``avx2`` sets it to ``AVX2``; ``native`` removes it, so the kernels take the CPU's
+    best; not given (None), the environment decides and is left as it is: ``avx2`` when
+    it holds ``AVX2``, else ``native``. Must run before any specserve kernel is loaded in
+    this process (they are built once, on first use)."""
+    if requested == "avx2":
+        os.environ[ISA_ENV] = "AVX2"
+    elif requested == "native":
+        os.environ.pop(ISA_ENV, None)
+    value = os.environ.get(ISA_ENV)
+    if requested is None:
+        requested = "avx2" if (value or "").upper() == "AVX2" else "native"
+    return requested, value
 
 
 @dataclass(frozen=True)
@@ -227,7 +287,10 @@ def forward_curve(
     model: CausalLM, context: list[int], rows: list[int], reps: int
 ) -> dict[int, float]:
     """Milliseconds of one forward of r new tokens (all with logits, as a verify) after
-    ``context`` is cached, for each r in ``rows`` (median of ``reps``)."""
+    ``context`` is cached, for each r in ``rows`` (median of ``reps``); no rows (the
+    curve skipped): an empty dict, nothing run."""
+    if not rows:
+        return {}
     kv = _kv_pool(model, len(context) + max(rows))
     kv.reserve({"curve": len(context)})
     model([SeqInput("curve", context, num_logits=0)], kv)
@@ -248,9 +311,12 @@ def _stretch(ids: list[int], length: int) -> list[int]:
 
 
 def run_llama_bench(
-    tools: llama_cpp.Tools, files: dict[str, Path], args: argparse.Namespace
+    tools: llama_cpp.Tools,
+    files: dict[str, Path],
+    args: argparse.Namespace,
+    repacking: llama_cpp.Repacking,
 ) -> dict[str, Any]:
-    """``llama-bench`` on each model: its figures and peak RSS, by role."""
+    """``llama-bench`` on each model: its figures, peak RSS and repacking mode, by role."""
     return {
         role: llama_cpp.llama_bench(
             tools,
@@ -259,6 +325,7 @@ def run_llama_bench(
             prompt=args.pp,
             gen=args.new_tokens,
             reps=args.bench_reps,
+            repacking=repacking,
         )
         for role, path in files.items()
     }
@@ -279,14 +346,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--bench-reps", type=int, default=3, help="repetitions of llama-bench and prefill"
     )
-    p.add_argument("--curve-rows", default="1-9", help="forward cost curve rows ('' to skip)")
+    p.add_argument(
+        "--curve-rows",
+        type=range_list,
+        default=parse_range("1-9"),
+        help="forward cost curve rows: numbers and ranges, e.g. 1-9, 1,2,3,5,9 or 1-3,5,9 "
+        "('' to skip the curve)",
+    )
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--llama-cpp", type=Path, help="directory of the llama.cpp binaries")
+    p.add_argument(
+        "--isa",
+        choices=ISA_CHOICES,
+        help="which kernel build specserve uses: native (the CPU's best) or avx2, which "
+        f"forces the AVX2 path on an AVX-512 machine ({ISA_ENV}=AVX2) and runs llama.cpp's "
+        "AVX2-only build (LLAMA_ISA=avx2 scripts/build-llama-cpp.sh); default: avx2 when "
+        f"{ISA_ENV}=AVX2 is in the environment, else native",
+    )
+    p.add_argument(
+        "--llama-cpp", type=Path, help="directory of the llama.cpp binaries (default: the "
+        "build of --isa that scripts/build-llama-cpp.sh makes)",
+    )  # fmt: skip
     p.add_argument("--llama-ctx", type=int, default=4096, help="llama-speculative's context")
+    p.add_argument(
+        "--llama-no-repack",
+        action="store_true",
+        help="llama.cpp's weight repacking off, for a build whose repacking crashes (by "
+        "default it is on, llama.cpp's own default, and a run that crashes with it is run "
+        "once more without it, marked as the next-best)",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny random models; no llama.cpp side")
-    p.add_argument("--name", default="quantized", help="results file stem")
+    p.add_argument(
+        "--name", help="results file stem (default quantized_<ISA class>: quantized_avx2, "
+        "quantized_avx512)",
+    )  # fmt: skip
     p.add_argument("--no-write", action="store_true", help="print, do not write results")
     args = p.parse_args(argv)
+    try:
+        parse_range(args.prompts)
+    except ValueError as e:
+        p.error(f"argument --prompts: {e}")
+    # Before any model loads: the kernels are built once, on first use.
+    args.isa, kernel_isa_env = apply_isa(args.isa)
+    try:
+        isa = measured_isa(args.isa, isa_class())
+    except ValueError as e:
+        p.error(str(e))
+    if args.name is None:
+        args.name = default_name(isa)
     if args.tiny:
         args.target, args.draft, args.draft_dtype = TINY_TARGET, TINY_DRAFT, "float32"
     torch.set_num_threads(args.threads)
@@ -298,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if None in files.values():
         skipped = "llama.cpp side skipped: the models are not GGUF files (tiny random models)"
     else:
-        found = llama_cpp.find_tools(args.llama_cpp)
+        found = llama_cpp.find_tools(args.llama_cpp, isa=args.isa)
         if isinstance(found, str):
             print(found)
             return 2
@@ -307,10 +413,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     env = environment()
     probe = LoadProbe(children=True)
-    llama: dict[str, Any] = {"skipped": skipped, "bench": [], "speculative": []}
+    repacking = llama_cpp.Repacking(disabled=args.llama_no_repack)
+    llama: dict[str, Any] = {
+        "skipped": skipped,
+        "bench": [],
+        "speculative": [],
+        "build": None if tools is None else "given" if args.llama_cpp else args.isa,
+        "repack_disabled": args.llama_no_repack,
+        "repack_crashed": repacking.crashed,  # filled in as runs crash
+    }
     if tools is not None:
         print("llama-bench (before) ...", flush=True)
-        llama["bench"].append(run_llama_bench(tools, gguf, args))
+        llama["bench"].append(run_llama_bench(tools, gguf, args, repacking))
     side = load_specserve(args)
     prompts = make_prompts(side.tokenizer, args.prompts, args.prose)
     variants = [Variant(TARGET_ONLY, "none", 0)] + [
@@ -335,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run = llama_cpp.llama_speculative(
                 tools, gguf["target"], gguf["draft"], prompt.text,
                 new_tokens=args.new_tokens, draft_max=args.draft_max,
-                threads=args.threads, ctx=args.llama_ctx,
+                threads=args.threads, ctx=args.llama_ctx, repacking=repacking,
             )  # fmt: skip
             llama["speculative"].append(run)
             print(f"{prompt.label} llama-speculative: {run.tokens_per_s:.2f} tok/s", flush=True)
@@ -345,14 +459,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             if v is not variants[0] and tokens != variants[0].tokens[i]:
                 v.wrong.append(i)
             print(f"{prompt.label} {v.name}: {len(tokens) / v.seconds[-1]:.2f} tok/s", flush=True)
-    rows = parse_range(args.curve_rows) if args.curve_rows else []
-    curve = forward_curve(side.target, _stretch(prompts[0].ids, args.pp), rows, args.bench_reps)
+    curve = forward_curve(
+        side.target, _stretch(prompts[0].ids, args.pp), args.curve_rows, args.bench_reps
+    )
     side.rss["peak"] = resident_bytes()["VmHWM"]
     if tools is not None:
         print("llama-bench (after) ...", flush=True)
-        llama["bench"].append(run_llama_bench(tools, gguf, args))
+        llama["bench"].append(run_llama_bench(tools, gguf, args, repacking))
     env["other_processes_cpu_share"] = probe.others_share()
-    env["specserve_kernels_isa"] = torch.backends.cpu.get_cpu_capability()
+    env["isa_measured"] = isa
+    env["isa_forced"] = isa != env["isa"]
+    env["specserve_cpu_isa_env"] = kernel_isa_env
+    env["specserve_kernels_isa"] = kernel_isa_env or torch.backends.cpu.get_cpu_capability()
     result = summarize(args, prompts, variants, llama, prefill, curve, side.rss, env)
     md = markdown(result)
     if not args.no_write:

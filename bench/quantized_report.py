@@ -10,6 +10,11 @@ before and after the prompts): generation from an empty context, a little easier
 the prompts' 50-200 tokens of context, so the ratios against it are conservative for
 specserve. The issue's targets (#25): specserve target-only >= 1.0x llama.cpp's target
 tg, and specserve's best speculative >= 1.3x it.
+
+Every page opens with the CPU model and its ISA (class and extensions), whether the
+AVX2 path was forced on an AVX-512 CPU (``--isa avx2``), and which llama.cpp build ran;
+every llama.cpp figure names the weight repacking it ran with (:data:`REPACK_LABELS`),
+and a repacking crash is said in bold with the figures marked as the next-best.
 """
 
 from __future__ import annotations
@@ -20,12 +25,39 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from bench.common import environment_md, reproduce_command
+from bench.llama_cpp import REPACK_CRASHED, REPACK_MODES, REPACK_OFF, REPACK_ON
 
 if TYPE_CHECKING:
     from bench.quantized import Prompt, Variant
 
 TARGETS = (("target_only_over_llama_tg", 1.0), ("best_speculative_over_llama_tg", 1.3))
 GIB = float(1 << 30)
+# How each llama.cpp figure ran, in the tables.
+REPACK_LABELS = {
+    REPACK_ON: "weights repacked (llama.cpp's default)",
+    REPACK_OFF: "weights as stored (--llama-no-repack)",
+    REPACK_CRASHED: "weights as stored: repacking crashed, next-best",
+}
+# Which llama.cpp build ran (the "build" of bench.quantized's llama side).
+BUILD_LABELS = {
+    "native": "scripts/build-llama-cpp.sh's native build (GGML_NATIVE: this machine's ISA)",
+    "avx2": "scripts/build-llama-cpp.sh's AVX2-only build (LLAMA_ISA=avx2: AVX2 + FMA + "
+    "F16C, no AVX-512, no AMX)",
+    "given": "the binaries of --llama-cpp",
+}
+
+
+def _modes(modes: Sequence[str]) -> str | None:
+    """The repacking modes of several runs, in :data:`REPACK_MODES` order, " / " between;
+    None for no runs."""
+    seen = [m for m in REPACK_MODES if m in modes]
+    return " / ".join(seen) or None
+
+
+def _repack_label(mode: str | None) -> str:
+    if mode is None:
+        return "–"
+    return " / ".join(REPACK_LABELS.get(m, m) for m in mode.split(" / "))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -60,6 +92,7 @@ def _llama_bench(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "runs": {name: ts for name, ts in tests.items()},
             "peak_rss_bytes": max(run[role].peak_rss_bytes for run in runs),
             "info": runs[0][role].info,
+            "repack": _modes([run[role].repack for run in runs]),
         }
     return out
 
@@ -73,6 +106,7 @@ def _llama_speculative(runs: list[Any]) -> dict[str, Any] | None:
         "prefill_tokens_per_s": sum(r.prompt_tokens for r in runs) / sum(r.prefill_s for r in runs),
         "acceptance_rate": sum(r.accepted for r in runs) / drafted if drafted else None,
         "peak_rss_bytes": max(r.peak_rss_bytes for r in runs),
+        "repack": _modes([r.repack for r in runs]),
     }
 
 
@@ -96,6 +130,11 @@ def summarize(
     pp = bench.get("target", {}).get("tokens_per_s", {}).get(f"pp{args.pp}")
     best_tps = best["tokens_per_s"] if best else None
     headline: dict[str, Any] = {
+        "cpu": env.get("cpu"),
+        "isa": env.get("isa_measured", env.get("isa")),
+        "cpu_isa": env.get("isa"),
+        "isa_forced": bool(env.get("isa_forced")),
+        "llama_tg_target_repack": bench.get("target", {}).get("repack"),
         "llama_tg_target_tokens_per_s": tg,
         "specserve_target_only_tokens_per_s": target_only["tokens_per_s"],
         "target_only_over_llama_tg": _ratio(target_only["tokens_per_s"], tg),
@@ -144,7 +183,14 @@ def summarize(
             "forward_ms_by_rows": curve,
             "rss_bytes": rss,
         },
-        "llama_cpp": {"skipped": llama["skipped"], "bench": bench, "speculative": spec},
+        "llama_cpp": {
+            "skipped": llama["skipped"],
+            "build": llama.get("build"),
+            "repack_disabled": llama.get("repack_disabled", False),
+            "repack_crashed": dict(llama.get("repack_crashed", {})),
+            "bench": bench,
+            "speculative": spec,
+        },
         "per_prompt": per_prompt,
         # a path of this machine: its last part only
         "args": {k: v.name if k == "llama_cpp" and v else v for k, v in vars(args).items()},
@@ -165,12 +211,39 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f}%"
 
 
+def isa_line(result: dict[str, Any]) -> str:
+    """The page's first sentence: the CPU model, its ISA in words and class, which path
+    specserve's kernels took (the AVX2 path forced on an AVX-512 CPU said as such), and
+    which llama.cpp build ran."""
+    env, ll = result["environment"], result["llama_cpp"]
+    cpu = f"{env.get('cpu', 'unknown CPU')}, {env.get('isa_description', '?')}"
+    line = f"CPU: **{cpu}** (ISA class {env.get('isa', '?')})"
+    kernels = env.get("specserve_kernels_isa", "?")
+    if env.get("isa_forced"):
+        line += (
+            f". **AVX2 path forced on an AVX-512 CPU** (`--isa avx2`): specserve's kernels "
+            f"with SPECSERVE_CPU_ISA={env.get('specserve_cpu_isa_env')} (torch's own ops "
+            f"at its CPU capability, {env.get('torch_cpu_capability', '?')})"
+        )
+    else:
+        line += f"; specserve's kernels: {kernels}"
+    build = ll.get("build")
+    if ll.get("skipped") or build is None:
+        line += "; llama.cpp not run."
+    else:
+        line += f"; llama.cpp: {BUILD_LABELS.get(build, build)}."
+    return line
+
+
 def markdown(result: dict[str, Any]) -> str:
-    """The results page."""
+    """The results page: the CPU and ISA line (:func:`isa_line`) at its top, then the
+    headline, the tables, and the environment."""
     h, s, ll, a = result["headline"], result["specserve"], result["llama_cpp"], result["args"]
     met = {True: "met", False: "**not met**", None: "not measured"}
     lines = [
         "# specserve vs llama.cpp on the same GGUF files",
+        "",
+        isa_line(result),
         "",
         f"Target {a['target']} ({a['target_dtype']} compute), draft {a['draft']} "
         f"({a['draft_dtype']}); {a['threads']} threads each side; HumanEval prompts "
@@ -185,6 +258,23 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     if ll["skipped"]:
         lines += [f"**{ll['skipped']}.**", ""]
+    crashed = ll.get("repack_crashed") or {}
+    if crashed:
+        which = "; ".join(
+            f"{key} ({fail.splitlines()[0].rstrip(':')})" for key, fail in crashed.items()
+        )
+        lines += [
+            f"**llama.cpp's weight repacking crashed**: {which}. Each crashed run was run "
+            "once more with repacking off; those figures are the next-best (llama.cpp "
+            "multiplying the GGUF blocks as stored), marked so below.",
+            "",
+        ]
+    elif ll.get("repack_disabled"):
+        lines += [
+            "llama.cpp ran with weight repacking off (`--llama-no-repack`), not as its "
+            "users run it by default.",
+            "",
+        ]
     lines += [
         "## Headline",
         "",
@@ -208,48 +298,54 @@ def markdown(result: dict[str, Any]) -> str:
         "## Decode",
         "",
         "| variant | tok/s | end-to-end tok/s | acceptance | mean drafted / round "
-        "| mean acc. length | wrong |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| mean acc. length | wrong | llama.cpp weights |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
     ]
     spec = ll["speculative"]
+    spec_mode = _repack_label(spec.get("repack")) if spec else "–"
     if spec:
         lines.append(
             f"| llama-speculative (draft max {a['draft_max']}) | {spec['tokens_per_s']:.2f} | "
-            f"– | {_pct(spec['acceptance_rate'])} | {a['draft_max']} | – | – |"
+            f"– | {_pct(spec['acceptance_rate'])} | {a['draft_max']} | – | – | {spec_mode} |"
         )
     for role, b in ll["bench"].items():
+        mode = _repack_label(b.get("repack"))
         for test, tps in b["tokens_per_s"].items():
-            lines.append(f"| llama-bench {role} {test} | {tps:.2f} | – | – | – | – | – |")
+            lines.append(f"| llama-bench {role} {test} | {tps:.2f} | – | – | – | – | – | {mode} |")
     for r in s["variants"]:
         lines.append(
             f"| {r['variant']} | {r['tokens_per_s']:.2f} | "
             f"{r['end_to_end_tokens_per_s']:.2f} | {_pct(r['acceptance_rate'])} | "
             f"{_num(r['mean_drafted_per_round'])} | {_num(r['mean_acceptance_length'])} | "
-            f"{r['wrong_prompts'] or 'none'} |"
+            f"{r['wrong_prompts'] or 'none'} | – |"
         )
     lines += [
         "",
         "## Prefill and memory",
         "",
-        "| | specserve | llama.cpp |",
-        "|---|---:|---:|",
+        "| | specserve | llama.cpp | llama.cpp weights |",
+        "|---|---:|---:|---|",
     ]
     for role in ("target", "draft"):
-        pp = ll["bench"].get(role, {}).get("tokens_per_s", {}).get(f"pp{a['pp']}")
+        b = ll["bench"].get(role, {})
+        pp = b.get("tokens_per_s", {}).get(f"pp{a['pp']}")
         lines.append(
             f"| prefill {role}, {a['pp']} tokens (tok/s) | "
-            f"{s['prefill_tokens_per_s'][role]:.1f} | {_num(pp, '.1f')} |"
+            f"{s['prefill_tokens_per_s'][role]:.1f} | {_num(pp, '.1f')} | "
+            f"{_repack_label(b.get('repack'))} |"
         )
     rss, hr = s["rss_bytes"], h["rss_bytes"]
+    bench_mode = _repack_label(ll["bench"].get("target", {}).get("repack"))
     lines += [
         f"| resident, target alone | {_gib(rss['target_loaded'])} (process after loading "
         f"it; {_gib(rss['before_load'])} before) | {_gib(hr['llama_bench_target_peak'])} "
-        "(llama-bench peak) |",
+        f"(llama-bench peak) | {bench_mode} |",
         f"| resident, target + draft | {_gib(rss['target_and_draft_loaded'])} (process after "
-        f"loading both) | {_gib(hr['llama_speculative_peak'])} (llama-speculative peak) |",
+        f"loading both) | {_gib(hr['llama_speculative_peak'])} (llama-speculative peak) | "
+        f"{spec_mode} |",
         f"| resident, target + draft + KV caches | {_gib(rss['peak'])} (process peak; KV "
         f"pools {_gib(rss['kv_budget'])}) | {_gib(hr['llama_speculative_peak'])} "
-        f"(context {a['llama_ctx']} tokens) |",
+        f"(context {a['llama_ctx']} tokens) | {spec_mode} |",
         "",
         "specserve's figures are this benchmark's own process (the local loop, both models "
         "in one process, plus the Python, torch and tokenizer it needs); its KV pools are "
@@ -259,9 +355,17 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "## Target forward cost by new tokens (verify of k drafts = k + 1 rows)",
         "",
-        "| rows | " + " | ".join(str(r) for r in s["forward_ms_by_rows"]) + " |",
-        "|---|" + "---:|" * len(s["forward_ms_by_rows"]),
-        "| ms | " + " | ".join(f"{v:.1f}" for v in s["forward_ms_by_rows"].values()) + " |",
+    ]
+    curve = s["forward_ms_by_rows"]
+    if curve:
+        lines += [
+            "| rows | " + " | ".join(str(r) for r in curve) + " |",
+            "|---|" + "---:|" * len(curve),
+            "| ms | " + " | ".join(f"{v:.1f}" for v in curve.values()) + " |",
+        ]
+    else:
+        lines.append("Not measured: the curve was skipped (`--curve-rows ''`).")
+    lines += [
         "",
         "## Per prompt (tok/s)",
         "",
@@ -281,16 +385,19 @@ def markdown(result: dict[str, Any]) -> str:
         )
     info = ll["bench"].get("target", {}).get("info")
     if info:
+        build = BUILD_LABELS.get(ll.get("build") or "native", ll.get("build"))
         lines += [
             "",
-            "llama.cpp, built by `scripts/build-llama-cpp.sh` (CPU backend, GGML_NATIVE: this "
-            "machine's ISA, Release), as llama-bench reports it: "
+            f"llama.cpp: {build}, CPU backend, Release; as llama-bench reports it: "
             + ", ".join(f"{k} {v}" for k, v in info.items()),
         ]
     lines += ["", "Reproduce:", "", "```", result["reproduce"], "```", ""]
     env = result["environment"]
+    forced = " (forced by SPECSERVE_CPU_ISA)" if env.get("specserve_cpu_isa_env") else ""
     lines += [
         environment_md(env),
-        f"- specserve kernels: {env.get('specserve_kernels_isa')}",
+        f"- ISA: {env.get('isa_description')} (class {env.get('isa')}); measured as "
+        f"{env.get('isa_measured', env.get('isa'))}",
+        f"- specserve kernels: {env.get('specserve_kernels_isa')}{forced}",
     ]
     return "\n".join(lines)

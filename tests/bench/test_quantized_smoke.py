@@ -7,21 +7,25 @@ loading anything. The parsers read output in the tools' own formats (the printf
 lines of llama-speculative, the JSON of ``llama-bench -o json``), and a child's peak
 RSS is the child's.
 
-The llama.cpp tools run with repacking on; a run that crashes with it runs once more
-without it, and says so (fake tools here, no build); the AVX2-only build has its own
-tree.
+``--curve-rows ''`` skips the curve end to end (the page says so), a bad list is a
+usage error, and the results are filed under the ISA class measured
+(quantized_avx512, quantized_avx2: ``--isa avx2`` forces the AVX2 path and files
+there). The llama.cpp tools run with repacking on; a run that crashes with it runs once
+more without it, and says so (fake tools here, no build).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import stat
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench import llama_cpp, quantized
+from bench import common, llama_cpp, quantized
 from tests.support.tiny_gguf import DRAFT_TYPES, write_tiny_gguf
 
 
@@ -122,6 +126,74 @@ def test_a_childs_peak_rss_is_measured_and_a_failure_reported() -> None:
     assert failed.returncode == 1
     with pytest.raises(RuntimeError, match="no model"):
         failed.check()
+
+
+def test_a_tiny_run_without_the_curve_completes_and_is_filed_under_the_isa(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written: dict[str, Any] = {}
+
+    def write_results(name: str, md: str, data: dict[str, Any]) -> None:
+        written.update(name=name, md=md, data=data)
+
+    monkeypatch.setattr(common, "write_results", write_results)
+    monkeypatch.setenv(quantized.ISA_ENV, "placeholder")  # restored after the test
+    monkeypatch.delenv(quantized.ISA_ENV)  # no --isa, nothing in the environment: native
+    argv = [
+        *("--tiny", "--prompts", "0-0", "--prose", "0", "--new-tokens", "6"),
+        *("--ks", "3", "--bench-reps", "1", "--curve-rows", "", "--pp", "8", "--threads", "1"),
+    ]
+    assert quantized.main(argv) == 0
+    isa = common.isa_class()
+    assert written["name"] == f"quantized_{isa}"
+    data, md = written["data"], written["md"]
+    assert data["specserve"]["forward_ms_by_rows"] == {}
+    assert "Not measured: the curve was skipped (`--curve-rows ''`)." in md
+    assert "| ms | " not in md
+    assert data["headline"]["isa"] == isa and data["headline"]["isa_forced"] is False
+    env = data["environment"]
+    assert env["isa"] == env["isa_measured"] == isa and env["specserve_cpu_isa_env"] is None
+    top = md.split("\n")[2]  # the line under the title: CPU model and ISA
+    assert top.startswith(f"CPU: **{env['cpu']}, {env['isa_description']}** (ISA class {isa})")
+    assert md in capsys.readouterr().out
+
+
+def test_a_bad_curve_row_list_is_a_usage_error_before_anything_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for bad in ("1-x", "3-1", "1,,2"):
+        with pytest.raises(SystemExit) as stop:
+            quantized.main(["--tiny", "--curve-rows", bad, "--no-write"])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --curve-rows:" in err and repr(bad) in err
+    with pytest.raises(SystemExit):
+        quantized.main(["--tiny", "--prompts", "a-b", "--no-write"])
+    assert "argument --prompts:" in capsys.readouterr().err
+
+
+def test_the_default_result_name_is_the_isa_class_measured() -> None:
+    assert quantized.default_name(quantized.measured_isa("native", "avx512")) == (
+        "quantized_avx512"
+    )
+    assert quantized.default_name(quantized.measured_isa("native", "avx2")) == "quantized_avx2"
+    # The AVX2 path forced on an AVX-512 CPU is filed with the AVX2 machines.
+    assert quantized.default_name(quantized.measured_isa("avx2", "avx512")) == "quantized_avx2"
+    assert quantized.default_name(quantized.measured_isa("avx2", "avx2")) == "quantized_avx2"
+    with pytest.raises(ValueError, match="no AVX2"):
+        quantized.measured_isa("avx2", "baseline")
+
+
+def test_isa_sets_or_clears_the_kernels_variable_and_the_environment_decides_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(quantized.ISA_ENV, "AVX2")  # restored after the test
+    assert quantized.apply_isa(None) == ("avx2", "AVX2")  # left as it was
+    assert quantized.apply_isa("native") == ("native", None)
+    assert quantized.ISA_ENV not in os.environ
+    assert quantized.apply_isa(None) == ("native", None)
+    assert quantized.apply_isa("avx2") == ("avx2", "AVX2")
+    assert os.environ[quantized.ISA_ENV] == "AVX2"
 
 
 def test_the_avx2_build_of_llama_cpp_is_its_own_tree() -> None:
