@@ -1,6 +1,8 @@
-// CPU kernels of the specserve engine: float32 arithmetic (weights float32, bfloat16 or
-// GGML quantized blocks, the latter in cpu_kernels_quant.cpp, compiled after this source in
-// the same unit), AVX-512 or AVX2 + FMA, torch's intra-op threads. Compiled on first use by specserve/engine/cpu_kernels.py (which documents them)
+// CPU kernels of the specserve engine: float32 arithmetic (weights float32 or bfloat16;
+// GGML quantized blocks are multiplied by cpu_kernels_int8.cpp and dequantized by
+// cpu_kernels_quant.cpp, compiled after this source in the same unit), AVX-512 or AVX2 +
+// FMA, torch's intra-op threads. Compiled on first use by specserve/engine/cpu_kernels.py
+// (which documents them)
 // with -DSPECSERVE_AVX512 or -DSPECSERVE_AVX2; LIBNAME (the op namespace) comes from its
 // compiler flags too.
 #include <ATen/Parallel.h>
@@ -262,13 +264,8 @@ struct WeightRef {
 // bfloat16; a GGML type: uint8 blocks [out, bytes of K values]), contiguous where needed.
 WeightRef weight_ref(const at::Tensor& w, int64_t type, int64_t K);
 
-// The NB weight rows from row o of a quantized weight (cpu_kernels_quant.cpp).
-void rows_block_quant(bool small, WeightType type, int64_t R, const float* x, int64_t ldx,
-                      const uint8_t* w, int64_t ldw, int64_t K, int64_t o, int64_t out,
-                      float* yo, int64_t ldy, const float* bias);
-
-// The NB weight rows from row o of w, with the small-row or large-row blocking: the one
-// place a weight's element type is dispatched.
+// The NB weight rows from row o of a float32 or bfloat16 weight w, with the small-row or
+// large-row blocking.
 inline void rows_block_any(bool small, const WeightRef& w, int64_t R, const float* x,
                            int64_t ldx, int64_t K, int64_t o, float* yo, int64_t ldy,
                            const float* bias) {
@@ -279,13 +276,12 @@ inline void rows_block_any(bool small, const WeightRef& w, int64_t R, const floa
       rows_block<LARGE_NB, LARGE_RG>(R, x, ldx, wt, w.ldw, K, o, w.out, yo, ldy, bias);
     }
   };
+  TORCH_CHECK(w.type == kBF16 || w.type == kF32,
+              "quantized weights go to q8_linears / q8_gate_up_silu");
   if (w.type == kBF16) {
     run(static_cast<const BF16*>(w.data));
-  } else if (w.type == kF32) {
-    run(static_cast<const float*>(w.data));
   } else {
-    rows_block_quant(small, w.type, R, x, ldx, static_cast<const uint8_t*>(w.data), w.ldw, K, o,
-                     w.out, yo, ldy, bias);
+    run(static_cast<const float*>(w.data));
   }
 }
 
@@ -419,11 +415,15 @@ at::Tensor gate_up_silu(const at::Tensor& x, const at::Tensor& wg, const at::Ten
   return typed_gate_up_silu(x, wg, 0, wu, 0);
 }
 
-// The float32 values [rows, K] of quantized rows `blocks` of GGML `type`, as the kernels
-// widen them (cpu_kernels_quant.cpp).
+// Products of quantized weights with 8-bit activations, any row count (cpu_kernels_int8.cpp).
+std::vector<at::Tensor> q8_linears(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types,
+                                   const c10::List<std::optional<at::Tensor>>& bs);
+at::Tensor q8_gate_up_silu(const at::Tensor& x, const at::Tensor& wg, int64_t tg,
+                           const at::Tensor& wu, int64_t tu);
+
+// The float32 values [rows, K] of quantized rows `blocks` of GGML `type`, the reference
+// dequantization's bits (cpu_kernels_quant.cpp).
 at::Tensor dequantize_blocks(const at::Tensor& blocks, int64_t type, int64_t K);
-// The same into the caller's contiguous float32 buffer out [rows, K].
-void dequantize_into(const at::Tensor& blocks, int64_t type, int64_t K, at::Tensor& out);
 
 // a[0:n] . b[0:n] in one lane set, as tile_acc with one row and one weight row.
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -647,10 +647,9 @@ TORCH_LIBRARY(LIBNAME, m) {
   m.def("coupled_argmax(Tensor probs, Tensor keys) -> Tensor");
   m.def("linears(Tensor x, Tensor[] ws, Tensor?[] bs) -> Tensor[]");
   m.def("gate_up_silu(Tensor x, Tensor wg, Tensor wu) -> Tensor");
-  m.def("typed_linears(Tensor x, Tensor[] ws, int[] types, Tensor?[] bs) -> Tensor[]");
-  m.def("typed_gate_up_silu(Tensor x, Tensor wg, int tg, Tensor wu, int tu) -> Tensor");
+  m.def("q8_linears(Tensor x, Tensor[] ws, int[] types, Tensor?[] bs) -> Tensor[]");
+  m.def("q8_gate_up_silu(Tensor x, Tensor wg, int tg, Tensor wu, int tu) -> Tensor");
   m.def("dequantize(Tensor blocks, int type, int K) -> Tensor");
-  m.def("dequantize_into(Tensor blocks, int type, int K, Tensor(a!) out) -> ()");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def(
       "rope_cache_attention(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor inv_freq, "
@@ -661,10 +660,9 @@ TORCH_LIBRARY(LIBNAME, m) {
 TORCH_LIBRARY_IMPL(LIBNAME, CPU, m) {
   m.impl("linears", &linears);
   m.impl("gate_up_silu", &gate_up_silu);
-  m.impl("typed_linears", &typed_linears);
-  m.impl("typed_gate_up_silu", &typed_gate_up_silu);
+  m.impl("q8_linears", &q8_linears);
+  m.impl("q8_gate_up_silu", &q8_gate_up_silu);
   m.impl("dequantize", &dequantize_blocks);
-  m.impl("dequantize_into", &dequantize_into);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_cache_attention", &rope_cache_attention);
   m.impl("coupled_argmax", &coupled_argmax);

@@ -28,26 +28,26 @@ cache misses instead of ~10 us. The kernels here answer both:
 ``gate_up_silu(x, wg, wu)``
     ``silu(x @ wg.T) * (x @ wu.T)`` with the same tiles (same bits for both
     products), the activation applied per block: no gate/up tensors, no extra ops.
-``typed_linears(x, ws, types, bs)``, ``typed_gate_up_silu(x, wg, tg, wu, tu)``
-    The same with each weight's kind given: 0 for a float32 / bfloat16 tensor, a GGML
-    type (:class:`~specserve.engine.quant.GGMLType`) for uint8 quantized blocks
-    ``[out, bytes_per_row]`` (``cpu_kernels_qblocks.cpp`` widens, ``cpu_kernels_quant.cpp``
-    multiplies). The blocks are widened in registers with the reference dequantization's
-    float operations and meet ``x`` in the float32 tiles' FMAs, lanes and order: the bits
-    of the float32 kernel on the dequantized matrix. On AVX-512 a Q4_K sub-block's 16
-    possible values (``d1 * q - m1``) and a Q5_0 block's 32 are computed once as a
-    register table and each weight is a permute of it; a Q6_K half-block's 128 values
-    are assembled as bytes ``4 (q - 32)`` by a few byte-wide operations, and each vector
-    of 16 is then a sign extension, a conversion and a product with a quarter of its
-    scale (exact). Up to 9 rows (AVX2: 3) the widened weights stay in registers and
-    meet every row there (R x 4 accumulators up to 6 rows, R x 2 beyond); more, each
-    256-value chunk of a block of weight rows is widened once into L1 and every tile
-    of rows reads it there.
-``dequantize(blocks, type, K)``, ``dequantize_into(blocks, type, K, out)``
-    The float32 matrix of quantized rows, widened as above; the second writes a tile of
-    rows into the caller's buffer (products past
-    :data:`~specserve.engine.ops.MAX_KERNEL_ROWS` rows go to torch tile by tile,
-    :mod:`specserve.engine.tiled_products`).
+``q8_linears(x, ws, types, bs)``, ``q8_gate_up_silu(x, wg, tg, wu, tu)``
+    The same for GGML block-quantized weights (uint8 blocks ``[out, bytes_per_row]``,
+    ``types`` their GGML numbers, :class:`~specserve.engine.quant.GGMLType`), any row
+    count, multiplied as llama.cpp does (``cpu_kernels_int8.cpp``): each row of ``x`` is
+    quantized alone to 8-bit blocks (256 values with one float scale and the sums of
+    every 16 for Q4_K / Q6_K, 32 values for Q5_0 / Q8_0), and each weight block meets a
+    block of the row in exact int32 multiply-adds (AVX2 ``maddubs``/``madd``, or VNNI
+    ``vpdpwssd``/``vpdpbusd``, the same sums), then one float FMA per block into 8 lanes,
+    summed in a fixed order. A weight block is decoded once for up to 8 rows of ``x``;
+    blocks of 16 weight rows are the unit of the thread split and stay in L2 while
+    every tile of rows meets them. **Batch invariant**: a row's result is one function
+    of that row and the weight, whatever the row count, tiles or threads, so a verify
+    of k + 1 rows (or a chunked prefill) gives every row the bits of a one-token step.
+    The AVX2 and VNNI builds give the same bits too (same integers, same float ops).
+    Not the float32 model dequantized from the file: the activations are rounded to
+    8 bits per block (docs/exactness.md measures the difference).
+``dequantize(blocks, type, K)``
+    The float32 matrix of quantized rows (``cpu_kernels_qblocks.cpp`` and
+    ``cpu_kernels_quant.cpp``: the reference dequantization's float operations in
+    registers, bit for bit, in parallel).
 ``rms_norm(x, w, eps)``
     ``w * (x * rsqrt(mean(x^2) + eps))`` per row, one op instead of seven.
 ``rope_cache_attention(q, k, v, ...)``
@@ -58,9 +58,11 @@ cache misses instead of ~10 us. The kernels here answer both:
     the noise is hashed id by id and a logarithm taken only where a bound says the
     id could win, instead of ~20 torch ops over the vocabulary.
 
-One source serves two instruction sets, picked by torch's CPU capability: AVX-512
-(``-mavx512f -mavx512bw -mfma``) or AVX2 + FMA (``-mavx2 -mfma``), each build in its own cache
-directory. The 16 lanes of a dot product are one zmm register or two ymm ones, with
+One source serves three builds, picked by torch's CPU capability (so
+``ATEN_CPU_CAPABILITY=avx2`` forces the AVX2 build on an AVX-512 machine, as it does
+torch's own kernels): AVX-512 with VNNI (``-mavx512vnni -mavx512vl`` on top of the
+next), AVX-512 (``-mavx512f -mavx512bw -mfma``) or AVX2 + FMA (``-mavx2 -mfma``), each
+in its own cache directory. The 16 lanes of a dot product are one zmm register or two ymm ones, with
 smaller register tiles on AVX2 (16 ymm registers, not 32 zmm); the FMAs per lane and
 the fixed-order sum of the lanes are the same operations either way, so the two builds
 should give the same bits as well (by construction; not compared on one machine).
@@ -75,6 +77,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -85,13 +88,20 @@ import torch
 log = logging.getLogger(__name__)
 
 _LIB = "specserve_cpu"
-_SOURCES = ("cpu_kernels.cpp", "cpu_kernels_qblocks.cpp", "cpu_kernels_quant.cpp")
+_SOURCES = (
+    "cpu_kernels.cpp",
+    "cpu_kernels_qblocks.cpp",
+    "cpu_kernels_quant.cpp",
+    "cpu_kernels_int8.cpp",
+)
 
 # Compiler flags per torch CPU capability; the define picks the vector code in the source.
-CAPABILITIES = ("AVX512", "AVX2")
+CAPABILITIES = ("AVX512_VNNI", "AVX512", "AVX2")
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c", "-DSPECSERVE_AVX512"]
 _ISA_FLAGS = {
     # torch's AVX512 capability implies AVX512BW (byte and word operations) as well.
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c", "-DSPECSERVE_AVX512"],
+    "AVX512_VNNI": [*_AVX512, "-mavx512vl", "-mavx512vnni", "-DSPECSERVE_VNNI"],
+    "AVX512": _AVX512,
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DSPECSERVE_AVX2"],
 }
 
@@ -109,12 +119,10 @@ class Kernels:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     rope_cache_attention: Callable[..., torch.Tensor]
     coupled_argmax: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    # Quantized weights (specserve.engine.quant.matmul documents them): each weight comes
-    # with a type, 0 for a float32 / bfloat16 tensor or a GGML type for uint8 blocks.
-    typed_linears: Callable[..., list[torch.Tensor]]
-    typed_gate_up_silu: Callable[..., torch.Tensor]
+    # Quantized weights: uint8 blocks, each with its GGML type.
+    q8_linears: Callable[..., list[torch.Tensor]]
+    q8_gate_up_silu: Callable[..., torch.Tensor]
     dequantize: Callable[[torch.Tensor, int, int], torch.Tensor]
-    dequantize_into: Callable[[torch.Tensor, int, int, torch.Tensor], None]
 
 
 _lock = threading.Lock()
@@ -134,7 +142,8 @@ def _source_and_flags(capability: str) -> tuple[str, list[str], str]:
     # One build directory (and op namespace) per source version and instruction set:
     # torch's JIT cache is keyed by name, and a process that waits on another's build
     # of an older source (or for another CPU) would otherwise load that one.
-    digest = hashlib.sha256("\n".join([source, *flags]).encode()).hexdigest()[:12]
+    digest = hashlib.sha256("\n".join([source, *flags, torch.__version__]).encode())
+    digest = digest.hexdigest()[:12]
     return source, flags, f"{_LIB}_{digest}"
 
 
@@ -165,19 +174,35 @@ def compile_for(capability: str) -> str:
     return name
 
 
+def build_isa() -> str:
+    """The build this CPU runs: torch's capability ("AVX512", "AVX2", ...; it honours
+    ``ATEN_CPU_CAPABILITY``), refined to "AVX512_VNNI" where the CPU has VNNI.
+    ``SPECSERVE_CPU_ISA=AVX2`` (read when the kernels are first built, like torch's own
+    variable when it is imported) forces the AVX2 build on a wider CPU: how benchmarks
+    measure the AVX2 path on an AVX-512 machine."""
+    forced = os.environ.get("SPECSERVE_CPU_ISA", "").upper()
+    if forced == "AVX2" and torch.cpu._is_avx2_supported():
+        return "AVX2"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "AVX512" and torch.cpu._is_vnni_supported():
+        return "AVX512_VNNI"
+    return cap
+
+
 def _build() -> Kernels | None:
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in _ISA_FLAGS:
+    isa = build_isa()
+    if isa not in _ISA_FLAGS:
         log.info(
-            "the CPU has neither AVX-512 nor AVX2 (%s): the engine uses torch ops only", capability
+            "the CPU has neither AVX-512 nor AVX2 (%s): the engine uses torch ops only",
+            isa,
         )
         return None
     try:
-        name = compile_for(capability)
+        name = compile_for(isa)
     except Exception as exc:  # no source, compiler or headers, a failed build: fall back
         log.warning("CPU kernels unavailable (%s); the engine uses torch ops only", exc)
         return None
-    log.info("CPU kernels built for %s", capability)
+    log.info("CPU kernels built for %s", isa)
     lib = getattr(torch.ops, name)
     return Kernels(
         lib.linears.default,
@@ -185,10 +210,9 @@ def _build() -> Kernels | None:
         lib.rms_norm.default,
         lib.rope_cache_attention.default,
         lib.coupled_argmax.default,
-        lib.typed_linears.default,
-        lib.typed_gate_up_silu.default,
+        lib.q8_linears.default,
+        lib.q8_gate_up_silu.default,
         lib.dequantize.default,
-        lib.dequantize_into.default,
     )
 
 

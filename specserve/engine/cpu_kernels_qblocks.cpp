@@ -1,7 +1,7 @@
 // GGML blocks widened to float32 vectors: the vector helpers and one struct per block type
 // (Q8_0, Q5_0, Q4_K, Q6_K; GGUF's layout and the reference's float operations are in
 // specserve/engine/quant/formats.py). Compiled after cpu_kernels.cpp (its Vec, W, LANES)
-// and before cpu_kernels_quant.cpp (the products that use these), in one unit.
+// and before cpu_kernels_quant.cpp (the dequantization that uses these), in one unit.
 //
 // Exactness: a block's values come out as the reference dequantization's float32 values,
 // bit for bit: each operation below is the reference's (an exact product, or the one
@@ -33,11 +33,6 @@ inline Vec vfmsub(Vec a, Vec b, Vec c) { return _mm512_fmsub_ps(a, b, c); }
 inline Vec viota() {
   return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
-// Rows of x the widened weights meet in registers (more: the L1 buffer of qblock), and
-// quantized weight rows per register tile at R rows: R x qno(R) accumulators (at most 24)
-// stay in registers with the decoding temporaries beside them.
-constexpr int QREG_ROWS = 9;
-constexpr int qno(int R) { return R <= 6 ? 4 : R <= 8 ? 3 : 2; }
 #else
 using VecI = __m256i;
 inline VecI iload_u8(const uint8_t* p) {
@@ -58,8 +53,6 @@ inline VecI iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
 inline Vec itof(VecI a) { return _mm256_cvtepi32_ps(a); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vfmsub(Vec a, Vec b, Vec c) { return _mm256_fmsub_ps(a, b, c); }
-constexpr int QREG_ROWS = 3;
-constexpr int qno(int) { return 2; }
 #endif
 
 // The float16 at p as float32 (exact).

@@ -115,19 +115,19 @@ def _quantized(weights: Sequence[Weight]) -> bool:
 
 
 def _kernels_for(x: torch.Tensor, weights: Sequence[Weight]) -> Kernels | None:
-    """The kernels if they may compute ``x`` against ``weights``, else ``None``."""
-    if (
-        not _enabled[0]
-        or x.dtype != torch.float32
-        or not x.is_cpu
-        or x.dim() != 2
-        or x.shape[0] > MAX_KERNEL_ROWS
-    ):
+    """The kernels if they may compute ``x`` against ``weights``, else ``None``. Quantized
+    weights take the integer kernels at any row count; float ones up to
+    :data:`MAX_KERNEL_ROWS` rows."""
+    if not _enabled[0] or x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2:
         return None
     plain = [w for w in weights if not isinstance(w, QuantizedWeight)]
+    if plain and x.shape[0] > MAX_KERNEL_ROWS:
+        return None
     for w in plain:
         if w.dtype not in KERNEL_WEIGHT_DTYPES or not w.is_cpu:
             return None
+    if any(isinstance(w, QuantizedWeight) and not w.blocks.is_cpu for w in weights):
+        return None
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in plain)):
         return None  # the kernels have no backward
     return cpu_kernels.kernels()
@@ -155,9 +155,8 @@ def _torch_linear(
     if x.dim() == 2 and x.shape[0] > MAX_KERNEL_ROWS and tiled_products.applies(x, weight):
         quantized = isinstance(weight, QuantizedWeight)
         if quantized or not (_bfloat16_products[0] and weight.dtype == torch.bfloat16):
-            kern = cpu_kernels.kernels() if _enabled[0] else None
             bf16 = quantized and _bfloat16_products[0]
-            return tiled_products.tiled_linear(x, weight, bias, kern, bfloat16=bf16)
+            return tiled_products.tiled_linear(x, weight, bias, bfloat16=bf16)
     if isinstance(weight, QuantizedWeight):
         weight = dequantized(weight)
     if weight.dtype != x.dtype:
@@ -188,12 +187,15 @@ def linears(
     output buffer, of which the results are column views); otherwise one
     ``F.linear`` each. The results equal ``[linear(x, w, b) for w, b in ...]``.
     """
+    quantized = [isinstance(w, QuantizedWeight) for w in weights]
+    if any(quantized) and not all(quantized):  # mixed: each kind its own call
+        return [linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
     kern = _kernels_for(x, weights)
     if kern is None:
         return [_torch_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
-    if _quantized(weights):
+    if all(quantized):
         tensors, types = kernel_operands(weights)
-        return kern.typed_linears(x, tensors, types, biases)
+        return kern.q8_linears(x, tensors, types, biases)
     return kern.linears(x, weights, biases)
 
 
@@ -203,12 +205,12 @@ def gate_up_silu(
     up: Weight,  # [intermediate, hidden]
 ) -> torch.Tensor:  # [rows, intermediate]
     """``silu(x @ gate.T) * (x @ up.T)``, the first half of a SwiGLU MLP, in one call."""
-    if _quantized((gate, up)):
+    if isinstance(gate, QuantizedWeight) and isinstance(up, QuantizedWeight):
         kern = _kernels_for(x, (gate, up))
         if kern is not None:
             (g, u), (tg, tu) = kernel_operands((gate, up))
-            return kern.typed_gate_up_silu(x, g, tg, u, tu)
-    elif gate.dtype == up.dtype:
+            return kern.q8_gate_up_silu(x, g, tg, u, tu)
+    elif not _quantized((gate, up)) and gate.dtype == up.dtype:
         kern = _kernels_for(x, (gate, up))
         if kern is not None:
             return kern.gate_up_silu(x, gate, up)

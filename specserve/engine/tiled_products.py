@@ -7,7 +7,7 @@ be widened whole for every such call: 0.93 GB of float32 for the 1.5B's quantize
 head, 55 MB for each of its gate/up projections. Instead :func:`tiled_linear` cuts the
 output into tiles of :func:`tile_rows` weight rows (about :data:`TILE_FLOATS` values);
 each tile's float32 values are written into one buffer that all tiles of the call
-reuse (the kernels' ``dequantize_into`` for blocks, a copy for bfloat16; a float32
+reuse (the reference dequantization for blocks, a copy for bfloat16; a float32
 weight's tile is a view of it) and multiplied by every row of ``x`` with one
 ``torch.addmm`` into the tile's columns of the result.
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.engine.cpu_kernels import Kernels
 from specserve.engine.quant.formats import dequantize
 from specserve.engine.quant.weight import QuantizedWeight
 
@@ -70,16 +69,12 @@ def _is_float32(weight: Weight) -> bool:
 
 
 def _write_tile(
-    kern: Kernels | None, weight: Weight, o0: int, o1: int, buf: torch.Tensor
+    weight: Weight, o0: int, o1: int, buf: torch.Tensor
 ) -> torch.Tensor:  # [o1 - o0, in] float32: a view of buf, or of a float32 weight
     """The float32 values of weight rows ``[o0, o1)``."""
     if isinstance(weight, QuantizedWeight):
-        tile, blocks = buf[: o1 - o0], weight.blocks[o0:o1]
-        if kern is not None:
-            kern.dequantize_into(blocks, int(weight.ggml_type), weight.in_features, tile)
-        else:
-            tile.copy_(dequantize(blocks, weight.ggml_type, weight.in_features))
-        return tile
+        tile = buf[: o1 - o0]
+        return tile.copy_(dequantize(weight.blocks[o0:o1], weight.ggml_type, weight.in_features))
     if weight.dtype == torch.float32:
         return weight[o0:o1]
     return buf[: o1 - o0].copy_(weight[o0:o1])  # bfloat16 -> float32: exact
@@ -89,11 +84,9 @@ def tiled_linear(
     x: torch.Tensor,  # [rows, in] float32
     weight: Weight,  # [out, in]
     bias: torch.Tensor | None,  # [out] float32
-    kern: Kernels | None,
     bfloat16: bool = False,
 ) -> torch.Tensor:  # [rows, out] float32
-    """``x @ weight.T + bias`` tile by tile (module doc); ``kern`` widens quantized blocks
-    where given (the reference dequantization otherwise: the same values).
+    """``x @ weight.T + bias`` tile by tile (module doc).
 
     ``bfloat16``: multiply in bfloat16 instead (each tile and ``x`` rounded to bfloat16,
     float32 results; :func:`~specserve.engine.ops.bfloat16_products`, a draft's prefill):
@@ -104,11 +97,11 @@ def tiled_linear(
     buf = torch.empty(0 if _is_float32(weight) else rows, in_features)
     x16 = x.bfloat16() if bfloat16 else x
     if rows == out_features and not bfloat16:  # one tile: one F.linear call, as untiled
-        return F.linear(x, _write_tile(kern, weight, 0, out_features, buf), bias)
+        return F.linear(x, _write_tile(weight, 0, out_features, buf), bias)
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     for o0 in range(0, out_features, rows):
         o1 = min(o0 + rows, out_features)
-        tile = _write_tile(kern, weight, o0, o1, buf)
+        tile = _write_tile(weight, o0, o1, buf)
         if bfloat16:
             y[:, o0:o1] = torch.mm(x16, tile.bfloat16().t())
             if bias is not None:

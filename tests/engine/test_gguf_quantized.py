@@ -103,14 +103,19 @@ def test_tied_head_shares_the_embedding_blocks(files: dict[str, Path]) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_quantized_forward_equals_dequantized_forward(files: dict[str, Path], arch: str) -> None:
-    """The quantized model's logits are the float32 model's on the dequantized weights,
-    bit for bit: a 40-token prefill, and one-token steps (kernels off: until the quantized
-    kernels exist, a quantized product is the float32 product on the dequantized weight)."""
+def test_quantized_forward_is_close_to_the_dequantized_one(
+    files: dict[str, Path], arch: str
+) -> None:
+    """With the integer kernels the quantized model's logits are the float32 model's on
+    the dequantized weights up to the 8-bit activations' rounding (a 40-token prefill, same
+    top-1 on most rows); with the kernels off a quantized product is the float32 product
+    on the dequantized weight, bit for bit."""
     quantized, _ = load_model(files[arch], weights="quantized", huge_pages=False)
     dequantized, _ = load_model(files[arch], weights="dequantized", huge_pages=False)
     long_prompt = [(7 * i + 3) % 256 for i in range(40)]
-    assert torch.equal(logits(quantized, long_prompt), logits(dequantized, long_prompt))
+    got, want = logits(quantized, long_prompt), logits(dequantized, long_prompt)
+    assert ((got - want).abs().max() / want.std()) < 0.1
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
     with ops.kernels_enabled(False):
         assert torch.equal(logits(quantized), logits(dequantized))
 
@@ -226,7 +231,8 @@ def test_quantized_tensor_parallel_shards_sum_to_the_full_product() -> None:
         )
         weight = QuantizedWeight(GGMLType.Q8_0, (8, in_features), blocks)
         x = torch.randn(3, in_features, generator=gen)
-        full = x @ weight.dequantize().T
+        # a row split inside a block: float32 slices, against the float32 product
+        full = ops.linear(x, weight) if expect_blocks else x @ weight.dequantize().T
         parts = []
         for rank in range(2):
             proj = nn.Linear(in_features, 8, bias=False)
@@ -237,7 +243,8 @@ def test_quantized_tensor_parallel_shards_sum_to_the_full_product() -> None:
             parts.append(
                 ops.linear(x[:, rank * in_features // 2 :][:, : in_features // 2], proj.weight)
             )
-        torch.testing.assert_close(parts[0] + parts[1], full)
+        # whole activation blocks on each rank: the same 8-bit values, summed in two parts
+        torch.testing.assert_close(parts[0] + parts[1], full, rtol=1e-5, atol=1e-5)
         rows = []
         for rank in range(2):
             proj = nn.Linear(in_features, 8, bias=False)
@@ -287,4 +294,5 @@ def test_a_gguf_file_loads_quantized_by_default_where_the_kernels_read_blocks(
     if has_kernels:
         assert default_weight_form(torch.device("cpu")) is WeightForm.QUANTIZED
         dequantized, _ = load_model(files["qwen2"], huge_pages=False, weights="dequantized")
-        assert torch.equal(logits(model), logits(dequantized))
+        got, want = logits(model), logits(dequantized)  # the integer kernels: close
+        assert not torch.equal(got, want) and (got - want).abs().max() < 0.1 * want.std()

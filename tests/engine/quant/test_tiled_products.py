@@ -1,6 +1,8 @@
-"""Products of many rows (prefill) with quantized and bfloat16 weights go tile by tile:
-bit for bit the float32 weight's product (which takes the same tiles), with the kernels
-and without, and never a whole float32 copy of the weight."""
+"""Products of many rows (prefill) go tile by tile where torch multiplies them: bfloat16
+weights (with the kernels and without) and quantized weights without the kernels (with
+them, the integer kernels take every row count: test_kernels.py): bit for bit the float32
+weight's product (which takes the same tiles), and never a whole float32 copy of the
+weight."""
 
 from __future__ import annotations
 
@@ -49,8 +51,9 @@ def test_tile_rows() -> None:
 @pytest.mark.usefixtures("small_tiles")
 @pytest.mark.parametrize(("ggml_type", "out", "k"), SHAPES)
 def test_a_prefill_of_quantized_weights_is_the_float32_weights_bits(
-    kernels: bool, ggml_type: GGMLType, out: int, k: int
+    ggml_type: GGMLType, out: int, k: int
 ) -> None:
+    kernels = False
     w = random_weight(ggml_type, out, k, seed=out + k)
     wide = w.dequantize()
     bias = torch.randn(out, generator=torch.Generator().manual_seed(1))
@@ -80,11 +83,10 @@ def test_a_prefill_of_bfloat16_weights_is_their_float32_copys_bits(kernels: bool
 
 
 @pytest.mark.usefixtures("small_tiles")
-def test_a_prefill_never_widens_a_whole_quantized_matrix(
-    kernels: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Past the kernels' rows the product dequantizes tiles of at most ``tile_rows`` rows
-    into one buffer; a whole-matrix dequantization fails this test."""
+def test_a_prefill_never_widens_a_whole_quantized_matrix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the kernels, past MAX_KERNEL_ROWS rows the product dequantizes tiles of at
+    most ``tile_rows`` rows into one buffer; a whole-matrix dequantization fails this test."""
+    kernels = False
     w = random_weight(GGMLType.Q4_K, 200, 512, seed=5)
     wide = w.dequantize()
     x = torch.randn(40, 512, generator=torch.Generator().manual_seed(6))
@@ -107,15 +109,15 @@ def test_a_prefill_never_widens_a_whole_quantized_matrix(
         assert torch.equal(ops.gate_up_silu(x, w, w), ops.gate_up_silu(x, wide, wide))
     rows = tiled_products.tile_rows(200, 512)
     assert rows == 48
-    if not kernels:  # the reference dequantizer, once per tile
-        assert widened == [48, 48, 48, 48, 8] * 3
+    assert widened == [48, 48, 48, 48, 8] * 3  # the reference dequantizer, once per tile
 
 
 @pytest.mark.usefixtures("small_tiles")
-def test_bfloat16_products_round_a_quantized_prefills_tiles(kernels: bool) -> None:
-    """Inside ``ops.bfloat16_products`` (a draft's prefill) the tiles of a quantized
-    weight multiply in bfloat16: close to the float32 product, not its bits; outside,
-    the float32 bits again."""
+def test_bfloat16_products_round_a_quantized_prefills_tiles() -> None:
+    """Inside ``ops.bfloat16_products`` (a draft's prefill without the integer kernels)
+    the tiles of a quantized weight multiply in bfloat16: close to the float32 product,
+    not its bits; outside, the float32 bits again."""
+    kernels = False
     w = random_weight(GGMLType.Q5_0, 200, 320, seed=8)
     bias = torch.randn(200, generator=torch.Generator().manual_seed(9))
     x = torch.randn(64, 320, generator=torch.Generator().manual_seed(10))
