@@ -6,8 +6,8 @@ synthetic GGML blocks of the types llama.cpp's Q4_K_M gives each tensor (Q4_K; Q
 ``attn_v`` and ``ffn_down`` in the layers it gives more bits, and for the tied
 embedding / LM head), fills a KV cache of ``--context`` tokens, then runs one-token
 (and ``--rows``-token verify) forwards under ``torch.profiler``: per op, the CPU time
-per step, so the share of the quantized products (``typed_linears``,
-``typed_gate_up_silu``) against norms, attention, RoPE and Python glue shows.
+per step, so the share of the quantized products (``q8_linears``,
+``q8_gate_up_silu``) against norms, attention, RoPE and Python glue shows.
 
 No real model is loaded. ``python -m bench.quant_decode_profile --threads 2`` prints a
 table per row count (nothing is written).
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (int(r) for r in args.rows.split(",")):
         table = profile(model, rows, args.context, args.steps)
         wall = table[0][1]
-        products = sum(ms for op, ms in table if "typed_" in op)
+        products = sum(ms for op, ms in table if "q8_" in op)
         print(f"\n{rows} row(s): {wall:.1f} ms per forward; quantized products {products:.1f} ms "
               f"({100 * products / wall:.0f}%), the rest {wall - products:.1f} ms")  # fmt: skip
         print("| op | ms per forward |\n| --- | ---: |")

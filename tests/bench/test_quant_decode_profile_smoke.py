@@ -26,4 +26,4 @@ def test_a_tiny_profile_names_the_quantized_products() -> None:
     assert isinstance(model.lm_head.weight, QuantizedWeight)
     table = qdp.profile(model, rows=2, context=40, steps=1)
     assert table[0][0] == "total (wall)" and table[0][1] > 0
-    assert any("typed_linears" in op for op, _ in table[1:]), table
+    assert any("q8_linears" in op for op, _ in table[1:]), table
