@@ -38,7 +38,18 @@ cache misses instead of ~10 us. The kernels here answer both:
     ``vpdpwssd``/``vpdpbusd``, the same sums), then one float FMA per block into 8 lanes,
     summed in a fixed order. A weight block is decoded once for up to 8 rows of ``x``;
     blocks of 16 weight rows are the unit of the thread split and stay in L2 while
-    every tile of rows meets them. **Batch invariant**: a row's result is one function
+    every tile of rows meets them.
+``repack_q4_k_x8(blocks, K)``, ``repack_q6_k_x8(blocks, K)``
+    Q4_K and Q6_K weights as the engine multiplies them (:func:`specserve.engine.ops`
+    repacks each once, at its first product): 8 weight rows interleaved 4 bytes at a
+    time (llama.cpp's repacking idea, our own layout: ``cpu_kernels_int8.cpp``), rows
+    padded to a multiple of 8, the same bytes per row. A 32-byte load then holds 4
+    values of 8 rows, meets 4 activations of one row broadcast, and several such
+    products add up in int16 before one multiply by the 8 rows' scales: about half the
+    instructions per row of the row-major layout, so a verify of 5 rows costs ~1.4x a
+    one-row step instead of ~2x (1.5B Q4_K_M, AVX2, 2 threads). The 8 lanes of a result
+    are the 8 rows' outputs; each sees its blocks in order, with the same operations for
+    any row count (batch invariant, as above; the type code is the GGML type | 1 << 16). **Batch invariant**: a row's result is one function
     of that row and the weight, whatever the row count, tiles or threads, so a verify
     of k + 1 rows (or a chunked prefill) gives every row the bits of a one-token step.
     The AVX2 and VNNI builds give the same bits too (same integers, same float ops).
@@ -122,6 +133,8 @@ class Kernels:
     # Quantized weights: uint8 blocks, each with its GGML type.
     q8_linears: Callable[..., list[torch.Tensor]]
     q8_gate_up_silu: Callable[..., torch.Tensor]
+    repack_q4_k_x8: Callable[[torch.Tensor, int], torch.Tensor]
+    repack_q6_k_x8: Callable[[torch.Tensor, int], torch.Tensor]
     dequantize: Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
@@ -212,6 +225,8 @@ def _build() -> Kernels | None:
         lib.coupled_argmax.default,
         lib.q8_linears.default,
         lib.q8_gate_up_silu.default,
+        lib.repack_q4_k_x8.default,
+        lib.repack_q6_k_x8.default,
         lib.dequantize.default,
     )
 

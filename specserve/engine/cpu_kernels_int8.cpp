@@ -69,6 +69,7 @@ struct Q8Rows {
   std::vector<int8_t> q256, q32;  // [R, K] each, when that block size is needed
   std::vector<float> d256, d32;   // [R, K / 256], [R, K / 32]
   std::vector<int16_t> s256;      // [R, K / 16]
+  std::vector<int16_t> s32;       // [R, K / 32]: sums of 32 q, with the 256-value blocks
 };
 
 // The largest |x[i]| of n (a multiple of 8) floats; max is exact, so order is free.
@@ -104,6 +105,7 @@ void quantize_rows(const float* x, int64_t ldx, int64_t R, int64_t K, bool need2
   a.K = K;
   if (need256) {
     a.q256.resize(R * K), a.d256.resize(R * K / QK), a.s256.resize(R * K / 16);
+    a.s32.resize(R * K / 32);
   }
   if (need32) a.q32.resize(R * K), a.d32.resize(R * K / Q0);
   at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
@@ -118,6 +120,8 @@ void quantize_rows(const float* x, int64_t ldx, int64_t R, int64_t K, bool need2
           for (int i = 0; i < 16; ++i) sum += q[g * 16 + i];
           s[g] = static_cast<int16_t>(sum);
         }
+        for (int64_t g = 0; g < K / 32; ++g)
+          a.s32[r * (K / 32) + g] = static_cast<int16_t>(s[2 * g] + s[2 * g + 1]);
       }
       if (need32) {
         int8_t* q = a.q32.data() + r * K;
@@ -247,6 +251,260 @@ struct Q6KDot {
   }
 };
 
+// Q4_K repacked, 8 weight rows at a time (kQ4_K_X8, made by repack_q4_k_x8 at load): per
+// 256 values, X8_BYTES bytes for the 8 rows w:
+//   d[8], dmin[8]     float16                 (bytes 0-31)
+//   sc[8 i][8 w]      6-bit scales as bytes    (32-95)
+//   m[8 i][8 w]       6-bit mins as bytes      (96-159)
+//   qs[4 j][8 t][8 w][4]  bytes 32 j + 4 t .. + 3 of row w's qs (160-1183): low nibbles
+//                     values 64 j + 4 t .., of sub-block 2 j; high nibbles 32 later
+// A 32-byte load holds 4 values of 8 rows; it meets 4 activations of one row broadcast,
+// so each unsigned-by-signed pair sum is one row's. Eight such products of a sub-block
+// add up in int16 (|sum| <= 8 * 2 * 15 * 127 < 32768) before the one madd with the 8
+// rows' scales: 8 maddubs + 1 madd per 8 rows x 32 values x 1 row, where the row-major
+// layout needs a madd per maddubs. The 8 lanes of a result are the 8 weight rows' outputs
+// (no horizontal sums); each lane sees its blocks in order with the same float operations
+// for any row count.
+constexpr int X8_BYTES = 1184;
+constexpr int X8_TILE = 6;
+
+inline __m256i bcast32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Lanes (2 w, 2 w + 1) of the result: byte w of p (8 bytes), as int16.
+inline __m256i pairs16(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64((const __m128i*)p);
+  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+}
+
+struct Q4KX8Dot {
+  static constexpr bool ACT256 = true;
+  static constexpr int ROWS = 8;  // weight rows per call of dot
+  // out[r * ldo + w] (w < 8, r < R): weight rows of group g with activation row r0 + r.
+  template <int R>
+  static void dot(const uint8_t* g, int64_t nb, const Q8Rows& a, int64_t r0, float* out,
+                  int64_t ldo) {
+    const int64_t K = a.K;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = g + b * X8_BYTES;
+      prefetch_ahead(blk, X8_BYTES);
+      const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+      const __m256 vdmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + 16)));
+      const uint8_t* sc = blk + 32;
+      const uint8_t* mn = blk + 96;
+      const uint8_t* qs = blk + 160;
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+      // sub-block i = 2 j + h: nibble h of the bytes of j; 2 R + 4 registers in the loop
+      for (int i = 0; i < 8; ++i) {
+        const int j = i >> 1, h = i & 1;
+        __m256i acc16[R];
+        for (int r = 0; r < R; ++r) acc16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          const __m256i bits = load256(qs + (j * 8 + t) * 32);
+          const __m256i q4 = _mm256_and_si256(h ? _mm256_srli_epi16(bits, 4) : bits, m4);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* q8 = a.q256.data() + (r0 + r) * K + b * QK + 32 * i + 4 * t;
+            acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(q4, bcast32(q8)));
+          }
+        }
+        const __m256i scv = pairs16(sc + 8 * i);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) sumi[r] = madd_add(sumi[r], scv, acc16[r]);
+      }
+      // mins: lane w gets sum_i m[w][i] * (sum of row r's values of sub-block i)
+      __m256i mp[4];
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m128i a0 = _mm_loadl_epi64((const __m128i*)(mn + 16 * p));
+        const __m128i a1 = _mm_loadl_epi64((const __m128i*)(mn + 16 * p + 8));
+        mp[p] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a0, a1));
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int16_t* s32 = a.s32.data() + (r0 + r) * (K / 32) + b * 8;
+        __m256i summ = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p) {
+          int32_t pair;
+          std::memcpy(&pair, s32 + 2 * p, 4);
+          summ = madd_add(summ, mp[p], _mm256_set1_epi32(pair));
+        }
+        const __m256 v = _mm256_fmsub_ps(vd, _mm256_cvtepi32_ps(sumi[r]),
+                                         _mm256_mul_ps(vdmin, _mm256_cvtepi32_ps(summ)));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a.d256[(r0 + r) * (K / QK) + b]), v, acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+  }
+};
+
+// Q6_K repacked, 8 weight rows at a time (kQ6_K_X8, repack_q6_k_x8): per 256 values,
+// Q6_X8_BYTES bytes (8 x 210: no byte more than the rows themselves):
+//   d[8]                    float16                                 (bytes 0-15)
+//   sc[16 j][8 w]           int8 scales                             (16-143)
+//   ql[2 h][2 u][8 t][8 w][4]  row w's ql[64 h + 32 u + 4 t ..]       (144-1167)
+//   qh[2 h][8 t][8 w][4]       row w's qh[32 h + 4 t ..]              (1168-1679)
+// Value 128 h + 32 s + l (part s, l = 4 t + e) is the nibble s / 2 of ql[64 h + 32 (s % 2)
+// + l] with bits 2 s, 2 s + 1 of qh[32 h + l] above it: q in [0, 63], w = d sc (q - 32).
+// A product pair sum is at most 2 * 63 * 127, so two add up in int16 before the madd with
+// the 16-value sub-block's scales; the offset -32 is taken once per block from the
+// activation sums of 16.
+constexpr int Q6_X8_BYTES = 1680;
+
+struct Q6KX8Dot {
+  template <int R>
+  static void dot(const uint8_t* g, int64_t nb, const Q8Rows& a, int64_t r0, float* out,
+                  int64_t ldo) {
+    const int64_t K = a.K;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = g + b * Q6_X8_BYTES;
+      prefetch_ahead(blk, Q6_X8_BYTES);
+      const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+      const uint8_t* sc = blk + 16;
+      const uint8_t* ql = blk + 144;
+      const uint8_t* qh = blk + 1168;
+      __m256i sumi[R];
+      for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+      for (int hs = 0; hs < 8; ++hs) {  // half h, part s
+        const int h = hs >> 2, s = hs & 3;
+        for (int tp = 0; tp < 8; tp += 2) {  // t = tp, tp + 1: one half of a sub-block
+          __m256i q[2];
+#pragma GCC unroll 2
+          for (int e = 0; e < 2; ++e) {
+            const int t = tp + e;
+            const __m256i qlc = load256(ql + ((h * 2 + (s & 1)) * 8 + t) * 32);
+            const __m256i qhc = load256(qh + (h * 8 + t) * 32);
+            const __m256i nib = _mm256_and_si256(s < 2 ? qlc : _mm256_srli_epi16(qlc, 4), m4);
+            const __m256i hb = s == 0   ? _mm256_slli_epi16(qhc, 4)
+                               : s == 1 ? _mm256_slli_epi16(qhc, 2)
+                               : s == 2 ? qhc
+                                        : _mm256_srli_epi16(qhc, 2);
+            q[e] = _mm256_or_si256(nib, _mm256_and_si256(hb, m30));
+          }
+          const int j = 8 * h + 2 * s + (tp >> 2);
+          const __m128i sj = _mm_loadl_epi64((const __m128i*)(sc + 8 * j));
+          const __m256i scv = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sj, sj));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* q8 = a.q256.data() + (r0 + r) * K + b * QK + 128 * h + 32 * s + 4 * tp;
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast32(q8)),
+                                               _mm256_maddubs_epi16(q[1], bcast32(q8 + 4)));
+            sumi[r] = madd_add(sumi[r], scv, p);
+          }
+        }
+      }
+      // the offset: lane w gets 32 sum_j sc[w][j] * (sum of row r's 16 values of j)
+      __m256i off[R];
+      for (int r = 0; r < R; ++r) off[r] = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) {
+        const __m128i s0 = _mm_loadl_epi64((const __m128i*)(sc + 16 * p));
+        const __m128i s1 = _mm_loadl_epi64((const __m128i*)(sc + 16 * p + 8));
+        const __m256i scp = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s1));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int16_t* bs = a.s256.data() + (r0 + r) * (K / 16) + b * 16 + 2 * p;
+          int32_t pair;
+          std::memcpy(&pair, bs, 4);
+          off[r] = madd_add(off[r], scp, _mm256_set1_epi32(pair));
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i total = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(off[r], 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a.d256[(r0 + r) * (K / QK) + b]),
+                                 _mm256_mul_ps(vd, _mm256_cvtepi32_ps(total)), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+  }
+};
+
+// T::dot<n> for a run-time n in [1, G] (Q4KX8Dot, Q6KX8Dot).
+template <typename T, int G = X8_TILE>
+inline void x8_dot_n(int64_t n, const uint8_t* w, int64_t nb, const Q8Rows& a, int64_t r0,
+                     float* out, int64_t ldo) {
+  if (n == G) {
+    T::template dot<G>(w, nb, a, r0, out, ldo);
+  } else if constexpr (G > 1) {
+    x8_dot_n<T, G - 1>(n, w, nb, a, r0, out, ldo);
+  }
+}
+
+// Q6_K blocks [out, K / 256 * 210] -> the repacked layout [out padded to 8, K / 256 * 210]
+// (Q6KX8Dot); padding rows are zeros.
+at::Tensor repack_q6_k_x8(const at::Tensor& blocks_in, int64_t K) {
+  const at::Tensor blocks = blocks_in.contiguous();
+  const WeightRef wr = weight_ref(blocks, kQ6_K, K);
+  const int64_t nb = K / QK, out8 = (wr.out + 7) / 8 * 8;
+  at::Tensor y = at::empty({out8, nb * (Q6_X8_BYTES / 8)}, blocks.options());
+  uint8_t* yp = y.mutable_data_ptr<uint8_t>();
+  std::memset(yp, 0, y.numel());
+  const uint8_t* bp = static_cast<const uint8_t*>(wr.data);
+  at::parallel_for(0, out8 / 8, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* dst = yp + g * 8 * nb * (Q6_X8_BYTES / 8) + b * Q6_X8_BYTES;
+        for (int w = 0; w < 8 && g * 8 + w < wr.out; ++w) {
+          const uint8_t* src = bp + (g * 8 + w) * wr.ldw + b * Q6KDot::BYTES;
+          std::memcpy(dst + 2 * w, src + 208, 2);
+          for (int j = 0; j < 16; ++j) dst[16 + 8 * j + w] = src[192 + j];
+          for (int h = 0; h < 2; ++h)
+            for (int t = 0; t < 8; ++t) {
+              for (int u = 0; u < 2; ++u)
+                std::memcpy(dst + 144 + (((h * 2 + u) * 8 + t) * 8 + w) * 4,
+                            src + 64 * h + 32 * u + 4 * t, 4);
+              std::memcpy(dst + 1168 + ((h * 8 + t) * 8 + w) * 4, src + 128 + 32 * h + 4 * t, 4);
+            }
+        }
+      }
+  });
+  return y;
+}
+
+// Q4_K blocks [out, K / 256 * 144] -> the repacked layout [out padded to 8, K / 256 * 148]
+// (Q4KX8Dot); padding rows are zeros (scales 0: outputs 0).
+at::Tensor repack_q4_k_x8(const at::Tensor& blocks_in, int64_t K) {
+  const at::Tensor blocks = blocks_in.contiguous();
+  const WeightRef wr = weight_ref(blocks, kQ4_K, K);
+  const int64_t nb = K / QK, out8 = (wr.out + 7) / 8 * 8;
+  at::Tensor y = at::empty({out8, nb * (X8_BYTES / 8)}, blocks.options());
+  uint8_t* yp = y.mutable_data_ptr<uint8_t>();
+  std::memset(yp, 0, y.numel());
+  const uint8_t* bp = static_cast<const uint8_t*>(wr.data);
+  at::parallel_for(0, out8 / 8, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* dst = yp + g * 8 * nb * (X8_BYTES / 8) + b * X8_BYTES;
+        for (int w = 0; w < 8 && g * 8 + w < wr.out; ++w) {
+          const uint8_t* src = bp + (g * 8 + w) * wr.ldw + b * Q4KDot::BYTES;
+          std::memcpy(dst + 2 * w, src, 2);
+          std::memcpy(dst + 16 + 2 * w, src + 2, 2);
+          alignas(16) uint8_t sm[16];
+          Q4KDot::scales_mins(src, sm);
+          for (int i = 0; i < 8; ++i) {
+            dst[32 + 8 * i + w] = sm[i];
+            dst[96 + 8 * i + w] = sm[8 + i];
+          }
+          for (int j = 0; j < 4; ++j)
+            for (int t = 0; t < 8; ++t)
+              std::memcpy(dst + 160 + ((j * 8 + t) * 8 + w) * 4, src + 16 + 32 * j + 4 * t, 4);
+        }
+      }
+  });
+  return y;
+}
+
 // The 32-value block types: a block decodes to 32 signed bytes wq (w = d wq) and meets a
 // 32-block of activations (d8, q8) as d d8 (wq . q8), the sign moved onto q8 so that an
 // unsigned-by-signed byte product applies (llama.cpp's trick).
@@ -325,13 +583,30 @@ void with_dot(WeightType type, F&& f) {
   }
 }
 
-inline bool act256(WeightType type) { return type == kQ4_K || type == kQ6_K; }
+inline bool act256(WeightType type) {
+  return type == kQ4_K || type == kQ6_K || type == kQ4_K_X8 || type == kQ6_K_X8;
+}
 
 // y[r, o - o0] (+ bias[o]) for all R rows of x and weight rows [o0, o1) of w: rows of x
 // in register tiles of TILE_ROWS, every tile meeting every weight row (the caller's
 // WEIGHT_ROWS rows stay in L2 across tiles).
 void q8_rows(const WeightRef& w, const Q8Rows& a, int64_t R, int64_t o0, int64_t o1, float* y,
              int64_t ldy, const float* bias) {
+  if (R == 0) return;
+  if (w.type == kQ4_K_X8 || w.type == kQ6_K_X8) {  // groups of 8 rows; o0, o1 multiples of 8
+    const int64_t nb = a.K / QK;
+    const uint8_t* wp = static_cast<const uint8_t*>(w.data);
+    const int64_t tiles = (R + X8_TILE - 1) / X8_TILE, size = (R + tiles - 1) / tiles;
+    for (int64_t r0 = 0; r0 < R; r0 += size) {
+      const int64_t n = R - r0 < size ? R - r0 : size;
+      for (int64_t o = o0; o < o1; o += 8)
+        if (w.type == kQ4_K_X8) {
+          x8_dot_n<Q4KX8Dot>(n, wp + o * w.ldw, nb, a, r0, y + r0 * ldy + (o - o0), ldy);
+        } else {
+          x8_dot_n<Q6KX8Dot>(n, wp + o * w.ldw, nb, a, r0, y + r0 * ldy + (o - o0), ldy);
+        }
+    }
+  } else {
   with_dot(w.type, [&](auto t) {
     using T = decltype(t);
     const int64_t nb = a.K / (T::ACT256 ? QK : Q0);
@@ -344,6 +619,7 @@ void q8_rows(const WeightRef& w, const Q8Rows& a, int64_t R, int64_t o0, int64_t
         dot_n<T>(n, wp + o * w.ldw, nb, a, r0, y + r0 * ldy + (o - o0), ldy);
     }
   });
+  }
   if (bias)
     for (int64_t r = 0; r < R; ++r)
       for (int64_t o = o0; o < o1; ++o) y[r * ldy + (o - o0)] += bias[o];

@@ -44,7 +44,8 @@ import torch.nn.functional as F
 
 from specserve.engine import cpu_kernels, tiled_products
 from specserve.engine.cpu_kernels import Kernels
-from specserve.engine.quant.weight import QuantizedWeight, kernel_operands
+from specserve.engine.quant.formats import GGMLType
+from specserve.engine.quant.weight import QuantizedWeight
 
 Weight = torch.Tensor | QuantizedWeight
 
@@ -133,6 +134,33 @@ def _kernels_for(x: torch.Tensor, weights: Sequence[Weight]) -> Kernels | None:
     return cpu_kernels.kernels()
 
 
+# Block types the integer kernels read repacked, 8 rows interleaved (cpu_kernels_int8.cpp).
+REPACKED = {GGMLType.Q4_K: "repack_q4_k_x8", GGMLType.Q6_K: "repack_q6_k_x8"}
+_X8 = 1 << 16  # the repacked form's type code: the GGML type with this bit
+
+
+def _packed(kern: Kernels, weight: QuantizedWeight) -> tuple[torch.Tensor, int]:
+    """The blocks and type code the integer kernels read for ``weight``: a Q4_K or Q6_K
+    weight repacked once (rows padded to a multiple of 8; kept on the weight beside the
+    file's blocks, which dequantization, embeddings and sharding read), other types as
+    they are."""
+    repack = REPACKED.get(weight.ggml_type)
+    if repack is None:
+        return weight.blocks, int(weight.ggml_type)
+    packed = weight.__dict__.get("_x8")
+    if packed is None:
+        packed = getattr(kern, repack)(weight.blocks, weight.in_features)
+        object.__setattr__(weight, "_x8", packed)  # a cache on a frozen dataclass
+    return packed, _X8 | int(weight.ggml_type)
+
+
+def _pad(bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """``bias`` zero-padded to ``rows`` (a repacked weight's padded rows)."""
+    if bias is None or bias.shape[0] == rows:
+        return bias
+    return F.pad(bias, (0, rows - bias.shape[0]))
+
+
 def dequantized(weight: QuantizedWeight) -> torch.Tensor:  # [out, in] float32
     """The float32 matrix of ``weight``: the kernels' widening where they run (fast, in
     parallel), else the torch reference; the same bits either way."""
@@ -194,8 +222,10 @@ def linears(
     if kern is None:
         return [_torch_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
     if all(quantized):
-        tensors, types = kernel_operands(weights)
-        return kern.q8_linears(x, tensors, types, biases)
+        operands = [_packed(kern, w) for w in weights]  # type: ignore[arg-type]
+        padded = [_pad(b, t.shape[0]) for b, (t, _) in zip(biases, operands, strict=True)]
+        ys = kern.q8_linears(x, [t for t, _ in operands], [c for _, c in operands], padded)
+        return [y[:, : w.shape[0]] for y, w in zip(ys, weights, strict=True)]
     return kern.linears(x, weights, biases)
 
 
@@ -208,8 +238,10 @@ def gate_up_silu(
     if isinstance(gate, QuantizedWeight) and isinstance(up, QuantizedWeight):
         kern = _kernels_for(x, (gate, up))
         if kern is not None:
-            (g, u), (tg, tu) = kernel_operands((gate, up))
-            return kern.q8_gate_up_silu(x, g, tg, u, tu)
+            (g, tg), (u, tu) = _packed(kern, gate), _packed(kern, up)
+            if g.shape[0] == u.shape[0]:  # (padded alike)
+                return kern.q8_gate_up_silu(x, g, tg, u, tu)[:, : gate.shape[0]]
+            return F.silu(linear(x, gate)) * linear(x, up)
     elif not _quantized((gate, up)) and gate.dtype == up.dtype:
         kern = _kernels_for(x, (gate, up))
         if kern is not None:

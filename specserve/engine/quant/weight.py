@@ -11,7 +11,7 @@ row is one sequential stream for the kernel, as a float32 row is).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,17 +117,3 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:  # [out_features, in_features] float32
         """The float32 matrix these blocks stand for, bit for bit what the kernels use."""
         return dequantize(self.blocks, self.ggml_type, self.in_features)
-
-
-def kernel_operands(
-    weights: Iterable[torch.Tensor | QuantizedWeight],
-) -> tuple[list[torch.Tensor], list[int]]:
-    """The tensors and type codes the CPU kernels' typed ops take for ``weights``: a
-    quantized weight's blocks and its GGML type; a float32 / bfloat16 tensor and 0."""
-    tensors: list[torch.Tensor] = []
-    types: list[int] = []
-    for w in weights:
-        quantized = isinstance(w, QuantizedWeight)
-        tensors.append(w.blocks if quantized else w)
-        types.append(int(w.ggml_type) if quantized else 0)
-    return tensors, types

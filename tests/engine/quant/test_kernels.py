@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.engine import cpu_kernels, ops
-from specserve.engine.quant import GGMLType
+from specserve.engine.quant import GGMLType, QuantizedWeight
 from specserve.engine.quant.activations import quantize_rows, reference_product
 from specserve.engine.quant.synthetic import random_weight
 
@@ -51,7 +51,23 @@ def lib(request: pytest.FixtureRequest) -> Iterator[SimpleNamespace]:
         q8_linears=ops_.q8_linears.default,
         q8_gate_up_silu=ops_.q8_gate_up_silu.default,
         dequantize=ops_.dequantize.default,
+        repack={12: ops_.repack_q4_k_x8.default, 14: ops_.repack_q6_k_x8.default},
     )
+
+
+def _operand(lib: SimpleNamespace, w: QuantizedWeight, form: str) -> tuple[torch.Tensor, int]:
+    """``w`` as the kernels take it: the file's blocks, or repacked 8 rows at a time (Q4_K
+    and Q6_K; the engine's form for them, rows padded to a multiple of 8)."""
+    if form == "x8":
+        return lib.repack[int(w.ggml_type)](w.blocks, w.in_features), (1 << 16) | int(w.ggml_type)
+    return w.blocks, int(w.ggml_type)
+
+
+def _forms(shapes: list[tuple[GGMLType, int, int]]) -> list[tuple[GGMLType, int, int, str]]:
+    """Each shape in the file's layout, and repacked where the type has that form."""
+    return [(*sh, "blocks") for sh in shapes] + [
+        (*sh, "x8") for sh in shapes if sh[0] in (GGMLType.Q4_K, GGMLType.Q6_K)
+    ]
 
 
 # (type, out, in): output rows that leave a tail past every blocking (37 = 2 x 16 + 5),
@@ -85,36 +101,43 @@ def test_widening_equals_the_reference_dequantization(
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-@pytest.mark.parametrize(("ggml_type", "out", "k"), SHAPES)
+@pytest.mark.parametrize(("ggml_type", "out", "k", "form"), _forms(SHAPES))
 def test_products_are_the_exact_product_with_8_bit_activations(
-    lib: SimpleNamespace, ggml_type: GGMLType, out: int, k: int
+    lib: SimpleNamespace, ggml_type: GGMLType, out: int, k: int, form: str
 ) -> None:
     """Against the float64 product of the dequantized weight and the 8-bit activations:
     within float32 rounding of the sums (a wrong index or scale would be off by O(1))."""
     w = random_weight(ggml_type, out, k, seed=3 * out + k)
-    bias = torch.randn(out, generator=torch.Generator().manual_seed(9))
+    t, code = _operand(lib, w, form)
+    bias = torch.randn(t.shape[0], generator=torch.Generator().manual_seed(9))
+    bias[out:] = 0.0
     x = _x(11, k, seed=k)
     x[3] = 0.0  # an all-zero row: scale 0, no division by zero
     x[4, : k // 2] *= 1e-3  # blocks of very different magnitudes in one row
-    got = lib.q8_linears(x, [w.blocks], [int(ggml_type)], [bias])[0]
+    full = lib.q8_linears(x, [t], [code], [bias])[0]
+    got = full[:, :out]
+    assert torch.equal(full[:, out:], torch.zeros_like(full[:, out:]))  # padding rows: 0
     exact, magnitude = reference_product(x, w.blocks, ggml_type)
-    err = (got.double() - bias.double() - exact).abs()
+    err = (got.double() - bias[:out].double() - exact).abs()
     assert (err <= 2e-6 * magnitude + 1e-6).all(), float((err / (magnitude + 1e-30)).max())
-    assert got.abs().max() > 0 and torch.equal(got[3], bias)
+    assert got.abs().max() > 0 and torch.equal(got[3], bias[:out])
 
 
-@pytest.mark.parametrize(("ggml_type", "out", "k"), SHAPES)
+@pytest.mark.parametrize(("ggml_type", "out", "k", "form"), _forms(SHAPES))
 def test_every_row_has_its_one_row_bits_at_every_row_count(
-    lib: SimpleNamespace, ggml_type: GGMLType, out: int, k: int
+    lib: SimpleNamespace, ggml_type: GGMLType, out: int, k: int, form: str
 ) -> None:
     """Batch invariance: 1..64 rows (every register tile and its tail) and a prefill's
     100, each row bit for bit its own one-row product; and the thread count changes
     nothing."""
     w = random_weight(ggml_type, out, k, seed=2 * out + k)
+    t, code = _operand(lib, w, form)
+    out = t.shape[0]
     bias = torch.randn(out, generator=torch.Generator().manual_seed(9))
     x = _x(100, k, seed=k)
-    args = ([w.blocks], [int(ggml_type)], [bias])
+    args = ([t], [code], [bias])
     singles = torch.cat([lib.q8_linears(x[i : i + 1], *args)[0] for i in range(100)])
+    assert lib.q8_linears(x[:0], *args)[0].shape == (0, out)  # a forward with no logits
     for rows in [*range(1, 65), 100]:
         got = lib.q8_linears(x[:rows], *args)[0]
         assert torch.equal(got, singles[:rows]), f"{rows} rows against one-row calls"
@@ -182,7 +205,12 @@ def test_ops_route_quantized_weights_to_the_integer_kernels() -> None:
     got_q, got_f = ops.linears(x, [q, f], [None, None])
     kern = cpu_kernels.kernels()
     assert kern is not None
-    assert torch.equal(got_q, kern.q8_linears(x, [q.blocks], [12], [None])[0])
+    packed = kern.repack_q4_k_x8(q.blocks, k)  # the engine's form of a Q4_K weight
+    assert torch.equal(got_q, kern.q8_linears(x, [packed], [(1 << 16) | 12], [None])[0][:, :20])
+    up = random_weight(GGMLType.Q6_K, 20, k, seed=4)  # 20 rows: padded to 24 when repacked
+    gu = ops.gate_up_silu(x, q, up)
+    assert gu.shape == (x.shape[0], 20)
+    assert torch.allclose(gu, F.silu(got_q) * ops.linear(x, up), rtol=1e-5, atol=1e-6)
     assert torch.allclose(got_f, x @ f.T, rtol=1e-5, atol=1e-5)
     with ops.kernels_enabled(False):
         ref = ops.linear(x, q)
