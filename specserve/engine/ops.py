@@ -288,13 +288,16 @@ def rope_cache_attention(
     """RoPE, the KV-cache write and causal (GQA) attention of a decode/verify step, one op.
 
     Between two weight streams the torch path runs ~35 small ops per layer, each paying
-    cache misses; this is one. Returns ``None`` where the kernel does not apply (more
-    than :data:`MAX_KERNEL_ROWS` tokens, not float32 on CPU, kernels off); the caller
-    then runs its torch path, which computes the same up to float32 rounding.
+    cache misses; this is one. Every token's attention is computed alone (its dot
+    products and softmax in a fixed order), so a token's output does not depend on how
+    many tokens share the call: a prefill of a prompt with drafts appended gives the
+    prompt's tokens the bits of the prompt alone (batch invariance, with the integer
+    kernels' products). Returns ``None`` where the kernel does not apply (not float32
+    on CPU, kernels off); the caller then runs its torch path, which computes the same
+    up to float32 rounding.
     """
     if (
         not _enabled[0]
-        or q.shape[0] > MAX_KERNEL_ROWS
         or q.dtype != torch.float32
         or not q.is_cpu
         or k_cache.dtype != torch.float32

@@ -91,3 +91,26 @@ def test_with_the_kernels_verify_rows_are_steps_and_close_to_the_float32_twin() 
         err = (a - b).abs().max() / b.std()
         assert err < 0.1, float(err)
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+
+
+def test_a_prompt_with_drafts_appended_is_the_prompt_then_steps() -> None:
+    """Batch invariance past the float kernels' 32 rows: a 45-token prompt with 5 drafts
+    appended in one forward (a speculative first round) gives the prompt's rows the bits
+    of the prompt alone, and the drafts' rows the bits of one-token steps, so its KV
+    cache and every later token are target-only's."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("the CPU kernels are not available here")
+    quantized, _ = _quantized_pair(seed=5)
+    head = quantized.lm_head  # quantized too, as a GGUF model's head is
+    del head.weight
+    head.weight = random_weight(GGMLType.Q6_K, 256, 256, seed=7, scales=(1e-5, 2e-3))
+    ids = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(6)).tolist()
+    kv = quantized.new_kv_pool(1 << 22)
+    kv.reserve({"alone": 60, "together": 60})
+    with torch.no_grad():
+        alone = quantized([SeqInput("alone", ids[:45], num_logits=45)], kv)
+        steps = torch.cat([quantized([SeqInput("alone", [i])], kv) for i in ids[45:]])
+        together = quantized([SeqInput("together", ids, num_logits=50)], kv)
+        after = [quantized([SeqInput(s, [7])], kv) for s in ("alone", "together")]
+    assert torch.equal(together[:45], alone) and torch.equal(together[45:], steps)
+    assert torch.equal(after[0], after[1])
