@@ -261,6 +261,7 @@ enum WeightType : int64_t {
   // rows padded to a multiple of 8, 148 bytes per row per 256 values.
   kQ4_K_X8 = (1 << 16) | 12,
   kQ6_K_X8 = (1 << 16) | 14,  // the same for Q6_K: 210 bytes per row per 256 values
+  kQ5_0_X8 = (1 << 16) | 6,   // and Q5_0: 22 bytes per row per 32 values
 };
 
 // A weight: its type, data, row stride and output rows.
@@ -314,12 +315,13 @@ WeightRef weight_ref(const at::Tensor& w, int64_t type, int64_t K) {
     case kQ6_K: block = 256, bytes = 210; break;
     case kQ4_K_X8: block = 256, bytes = 148; break;
     case kQ6_K_X8: block = 256, bytes = 210; break;
+    case kQ5_0_X8: block = 32, bytes = 22; break;
     default: TORCH_CHECK(false, "GGML type ", type, " is not one the kernels read");
   }
   TORCH_CHECK(w.scalar_type() == at::kByte && K % block == 0 && w.size(1) == K / block * bytes,
               "a GGML type ", type, " weight must be uint8 blocks [out, ", K / block * bytes,
               "] for K = ", K, " (a multiple of ", block, ")");
-  TORCH_CHECK((type != kQ4_K_X8 && type != kQ6_K_X8) || (w.size(0) % 8 == 0 && w.is_contiguous()),
+  TORCH_CHECK((type & (1 << 16)) == 0 || (w.size(0) % 8 == 0 && w.is_contiguous()),
               "a repacked weight must be contiguous with a multiple of 8 rows");
   return {static_cast<WeightType>(type), w.const_data_ptr(), w.stride(0), w.size(0)};
 }
@@ -437,6 +439,7 @@ at::Tensor q8_gate_up_silu(const at::Tensor& x, const at::Tensor& wg, int64_t tg
                            const at::Tensor& wu, int64_t tu);
 at::Tensor repack_q4_k_x8(const at::Tensor& blocks, int64_t K);
 at::Tensor repack_q6_k_x8(const at::Tensor& blocks, int64_t K);
+at::Tensor repack_q5_0_x8(const at::Tensor& blocks, int64_t K);
 
 // The float32 values [rows, K] of quantized rows `blocks` of GGML `type`, the reference
 // dequantization's bits (cpu_kernels_quant.cpp).
@@ -668,6 +671,7 @@ TORCH_LIBRARY(LIBNAME, m) {
   m.def("q8_gate_up_silu(Tensor x, Tensor wg, int tg, Tensor wu, int tu) -> Tensor");
   m.def("repack_q4_k_x8(Tensor blocks, int K) -> Tensor");
   m.def("repack_q6_k_x8(Tensor blocks, int K) -> Tensor");
+  m.def("repack_q5_0_x8(Tensor blocks, int K) -> Tensor");
   m.def("dequantize(Tensor blocks, int type, int K) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def(
@@ -683,6 +687,7 @@ TORCH_LIBRARY_IMPL(LIBNAME, CPU, m) {
   m.impl("q8_gate_up_silu", &q8_gate_up_silu);
   m.impl("repack_q4_k_x8", &repack_q4_k_x8);
   m.impl("repack_q6_k_x8", &repack_q6_k_x8);
+  m.impl("repack_q5_0_x8", &repack_q5_0_x8);
   m.impl("dequantize", &dequantize_blocks);
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_cache_attention", &rope_cache_attention);

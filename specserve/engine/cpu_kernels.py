@@ -38,23 +38,25 @@ cache misses instead of ~10 us. The kernels here answer both:
     ``vpdpwssd``/``vpdpbusd``, the same sums), then one float FMA per block into 8 lanes,
     summed in a fixed order. A weight block is decoded once for up to 8 rows of ``x``;
     blocks of 16 weight rows are the unit of the thread split and stay in L2 while
-    every tile of rows meets them.
-``repack_q4_k_x8(blocks, K)``, ``repack_q6_k_x8(blocks, K)``
-    Q4_K and Q6_K weights as the engine multiplies them (:func:`specserve.engine.ops`
-    repacks each once, at its first product): 8 weight rows interleaved 4 bytes at a
-    time (llama.cpp's repacking idea, our own layout: ``cpu_kernels_int8.cpp``), rows
-    padded to a multiple of 8, the same bytes per row. A 32-byte load then holds 4
-    values of 8 rows, meets 4 activations of one row broadcast, and several such
-    products add up in int16 before one multiply by the 8 rows' scales: about half the
-    instructions per row of the row-major layout, so a verify of 5 rows costs ~1.4x a
-    one-row step instead of ~2x (1.5B Q4_K_M, AVX2, 2 threads). The 8 lanes of a result
-    are the 8 rows' outputs; each sees its blocks in order, with the same operations for
-    any row count (batch invariant, as above; the type code is the GGML type | 1 << 16). **Batch invariant**: a row's result is one function
+    every tile of rows meets them. **Batch invariant**: a row's result is one function
     of that row and the weight, whatever the row count, tiles or threads, so a verify
     of k + 1 rows (or a chunked prefill) gives every row the bits of a one-token step.
     The AVX2 and VNNI builds give the same bits too (same integers, same float ops).
     Not the float32 model dequantized from the file: the activations are rounded to
     8 bits per block (docs/exactness.md measures the difference).
+``repack_q4_k_x8(blocks, K)``, ``repack_q6_k_x8(blocks, K)``, ``repack_q5_0_x8(blocks, K)``
+    Q4_K, Q6_K and Q5_0 weights as the engine multiplies them (:mod:`specserve.engine.ops`
+    repacks each once, at its first product): 8 weight rows interleaved 4 bytes at a
+    time (llama.cpp's repacking idea, our own layout: ``cpu_kernels_int8.cpp``), rows
+    padded to a multiple of 8, the same bytes per row (Q4_K: 148 instead of 144 per 256
+    values). A 32-byte load then holds 4 values of 8 rows, meets 4 activations of one
+    row broadcast, and several such products add up in int16 before one multiply by
+    the 8 rows' scales: about half the instructions per row of the row-major layout,
+    so a verify of 5 rows costs ~1.4x a one-row step instead of ~2x (1.5B Q4_K_M, AVX2,
+    2 threads). The 8 lanes of a result are the 8 rows' outputs; each sees its blocks
+    in order with the same operations for any row count (batch invariant as above).
+    The type code of a repacked weight is its GGML type | 1 << 16; Q8_0 stays
+    row-major.
 ``dequantize(blocks, type, K)``
     The float32 matrix of quantized rows (``cpu_kernels_qblocks.cpp`` and
     ``cpu_kernels_quant.cpp``: the reference dequantization's float operations in
@@ -135,6 +137,7 @@ class Kernels:
     q8_gate_up_silu: Callable[..., torch.Tensor]
     repack_q4_k_x8: Callable[[torch.Tensor, int], torch.Tensor]
     repack_q6_k_x8: Callable[[torch.Tensor, int], torch.Tensor]
+    repack_q5_0_x8: Callable[[torch.Tensor, int], torch.Tensor]
     dequantize: Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
@@ -227,6 +230,7 @@ def _build() -> Kernels | None:
         lib.q8_gate_up_silu.default,
         lib.repack_q4_k_x8.default,
         lib.repack_q6_k_x8.default,
+        lib.repack_q5_0_x8.default,
         lib.dequantize.default,
     )
 

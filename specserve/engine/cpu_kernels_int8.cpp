@@ -70,6 +70,7 @@ struct Q8Rows {
   std::vector<float> d256, d32;   // [R, K / 256], [R, K / 32]
   std::vector<int16_t> s256;      // [R, K / 16]
   std::vector<int16_t> s32;       // [R, K / 32]: sums of 32 q, with the 256-value blocks
+  std::vector<int16_t> s32_0;     // [R, K / 32]: sums of the 32-value blocks' q
 };
 
 // The largest |x[i]| of n (a multiple of 8) floats; max is exact, so order is free.
@@ -107,7 +108,7 @@ void quantize_rows(const float* x, int64_t ldx, int64_t R, int64_t K, bool need2
     a.q256.resize(R * K), a.d256.resize(R * K / QK), a.s256.resize(R * K / 16);
     a.s32.resize(R * K / 32);
   }
-  if (need32) a.q32.resize(R * K), a.d32.resize(R * K / Q0);
+  if (need32) a.q32.resize(R * K), a.d32.resize(R * K / Q0), a.s32_0.resize(R * K / Q0);
   at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* xr = x + r * ldx;
@@ -125,7 +126,12 @@ void quantize_rows(const float* x, int64_t ldx, int64_t R, int64_t K, bool need2
       }
       if (need32) {
         int8_t* q = a.q32.data() + r * K;
-        for (int64_t b = 0; b < K / Q0; ++b) a.d32[r * (K / Q0) + b] = quantize_block(xr + b * Q0, Q0, q + b * Q0);
+        for (int64_t b = 0; b < K / Q0; ++b) {
+          a.d32[r * (K / Q0) + b] = quantize_block(xr + b * Q0, Q0, q + b * Q0);
+          int sum = 0;
+          for (int i = 0; i < Q0; ++i) sum += q[b * Q0 + i];
+          a.s32_0[r * (K / Q0) + b] = static_cast<int16_t>(sum);
+        }
       }
     }
   });
@@ -430,6 +436,100 @@ struct Q6KX8Dot {
   }
 };
 
+// Q5_0 repacked, 8 weight rows at a time (kQ5_0_X8, repack_q5_0_x8): per 32 values,
+// Q5_X8_BYTES bytes (8 x 22):
+//   d[8]              float16                          (bytes 0-15)
+//   qh[8]             row w's 32 fifth bits, uint32    (16-47)
+//   qs[4 t][8 w][4]   row w's qs[4 t .. 4 t + 3]        (48-175): low nibbles values
+//                     4 t + e, high nibbles 16 + 4 t + e
+// q = nibble | fifth bit << 4 in [0, 31] meets 4 activations broadcast; four products of
+// a half-block add up in int16 (4 * 2 * 31 * 127 < 32768), the offset -16 comes from the
+// activation block's sum, and one float FMA a block takes the 8 rows' d times the
+// activation scale.
+constexpr int Q5_X8_BYTES = 176;
+
+struct Q5_0X8Dot {
+  template <int R>
+  static void dot(const uint8_t* g, int64_t nb, const Q8Rows& a, int64_t r0, float* out,
+                  int64_t ldo) {
+    const int64_t K = a.K;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
+    const __m256i ones = _mm256_set1_epi16(1);
+    // the 4 bits of a 4-value group within its qh byte, as byte masks
+    const __m256i bits_lo = _mm256_set1_epi32(0x08040201), bits_hi = _mm256_set1_epi32(0x80402010);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = g + b * Q5_X8_BYTES;
+      prefetch_ahead(blk, Q5_X8_BYTES);
+      const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)blk));
+      const __m256i qh = load256(blk + 16);
+      const uint8_t* qs = blk + 48;
+      __m256i isum[R];
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {  // values 16 half + 4 t + e
+        __m256i acc16[R];
+        for (int r = 0; r < R; ++r) acc16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          const __m256i c = load256(qs + 32 * t);
+          const __m256i nib = _mm256_and_si256(half ? _mm256_srli_epi16(c, 4) : c, m4);
+          // byte e of lane w: qh_w's byte (16 half + 4 t) / 8, then its bit 4 (t & 1) + e
+          const int byte = 2 * half + (t >> 1);
+          const __m256i lanes = _mm256_add_epi8(_mm256_set1_epi8((char)byte), _mm256_set_epi8(
+              12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0,
+              12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0));
+          const __m256i mask = (t & 1) ? bits_hi : bits_lo;
+          const __m256i set = _mm256_cmpeq_epi8(
+              _mm256_and_si256(_mm256_shuffle_epi8(qh, lanes), mask), mask);
+          const __m256i q = _mm256_or_si256(nib, _mm256_and_si256(set, b5));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const int8_t* q8 = a.q32.data() + (r0 + r) * K + b * Q0 + 16 * half + 4 * t;
+            acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(q, bcast32(q8)));
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) isum[r] = madd_add(isum[r], ones, acc16[r]);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t ab = (r0 + r) * (K / Q0) + b;
+        const __m256i total = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(16 * a.s32_0[ab]));
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(vd, _mm256_set1_ps(a.d32[ab])),
+                                 _mm256_cvtepi32_ps(total), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * ldo, acc[r]);
+  }
+};
+
+// Q5_0 blocks [out, K / 32 * 22] -> the repacked layout [out padded to 8, K / 32 * 22]
+// (Q5_0X8Dot); padding rows are zeros.
+at::Tensor repack_q5_0_x8(const at::Tensor& blocks_in, int64_t K) {
+  const at::Tensor blocks = blocks_in.contiguous();
+  const WeightRef wr = weight_ref(blocks, kQ5_0, K);
+  const int64_t nb = K / Q0, out8 = (wr.out + 7) / 8 * 8;
+  at::Tensor y = at::empty({out8, nb * (Q5_X8_BYTES / 8)}, blocks.options());
+  uint8_t* yp = y.mutable_data_ptr<uint8_t>();
+  std::memset(yp, 0, y.numel());
+  const uint8_t* bp = static_cast<const uint8_t*>(wr.data);
+  at::parallel_for(0, out8 / 8, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* dst = yp + g * 8 * nb * (Q5_X8_BYTES / 8) + b * Q5_X8_BYTES;
+        for (int w = 0; w < 8 && g * 8 + w < wr.out; ++w) {
+          const uint8_t* src = bp + (g * 8 + w) * wr.ldw + b * 22;
+          std::memcpy(dst + 2 * w, src, 2);
+          std::memcpy(dst + 16 + 4 * w, src + 2, 4);
+          for (int t = 0; t < 4; ++t) std::memcpy(dst + 48 + (t * 8 + w) * 4, src + 6 + 4 * t, 4);
+        }
+      }
+  });
+  return y;
+}
+
 // T::dot<n> for a run-time n in [1, G] (Q4KX8Dot, Q6KX8Dot).
 template <typename T, int G = X8_TILE>
 inline void x8_dot_n(int64_t n, const uint8_t* w, int64_t nb, const Q8Rows& a, int64_t r0,
@@ -593,8 +693,8 @@ inline bool act256(WeightType type) {
 void q8_rows(const WeightRef& w, const Q8Rows& a, int64_t R, int64_t o0, int64_t o1, float* y,
              int64_t ldy, const float* bias) {
   if (R == 0) return;
-  if (w.type == kQ4_K_X8 || w.type == kQ6_K_X8) {  // groups of 8 rows; o0, o1 multiples of 8
-    const int64_t nb = a.K / QK;
+  if (w.type == kQ4_K_X8 || w.type == kQ6_K_X8 || w.type == kQ5_0_X8) {  // groups of 8 rows
+    const int64_t nb = a.K / (w.type == kQ5_0_X8 ? Q0 : QK);
     const uint8_t* wp = static_cast<const uint8_t*>(w.data);
     const int64_t tiles = (R + X8_TILE - 1) / X8_TILE, size = (R + tiles - 1) / tiles;
     for (int64_t r0 = 0; r0 < R; r0 += size) {
@@ -602,6 +702,8 @@ void q8_rows(const WeightRef& w, const Q8Rows& a, int64_t R, int64_t o0, int64_t
       for (int64_t o = o0; o < o1; o += 8)
         if (w.type == kQ4_K_X8) {
           x8_dot_n<Q4KX8Dot>(n, wp + o * w.ldw, nb, a, r0, y + r0 * ldy + (o - o0), ldy);
+        } else if (w.type == kQ5_0_X8) {
+          x8_dot_n<Q5_0X8Dot>(n, wp + o * w.ldw, nb, a, r0, y + r0 * ldy + (o - o0), ldy);
         } else {
           x8_dot_n<Q6KX8Dot>(n, wp + o * w.ldw, nb, a, r0, y + r0 * ldy + (o - o0), ldy);
         }

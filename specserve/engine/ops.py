@@ -135,13 +135,17 @@ def _kernels_for(x: torch.Tensor, weights: Sequence[Weight]) -> Kernels | None:
 
 
 # Block types the integer kernels read repacked, 8 rows interleaved (cpu_kernels_int8.cpp).
-REPACKED = {GGMLType.Q4_K: "repack_q4_k_x8", GGMLType.Q6_K: "repack_q6_k_x8"}
+REPACKED = {
+    GGMLType.Q4_K: "repack_q4_k_x8",
+    GGMLType.Q6_K: "repack_q6_k_x8",
+    GGMLType.Q5_0: "repack_q5_0_x8",
+}
 _X8 = 1 << 16  # the repacked form's type code: the GGML type with this bit
 
 
 def _packed(kern: Kernels, weight: QuantizedWeight) -> tuple[torch.Tensor, int]:
-    """The blocks and type code the integer kernels read for ``weight``: a Q4_K or Q6_K
-    weight repacked once (rows padded to a multiple of 8; kept on the weight beside the
+    """The blocks and type code the integer kernels read for ``weight``: a Q4_K, Q6_K or
+    Q5_0 weight repacked once (rows padded to a multiple of 8; kept on the weight beside the
     file's blocks, which dequantization, embeddings and sharding read), other types as
     they are."""
     repack = REPACKED.get(weight.ggml_type)

@@ -51,13 +51,17 @@ def lib(request: pytest.FixtureRequest) -> Iterator[SimpleNamespace]:
         q8_linears=ops_.q8_linears.default,
         q8_gate_up_silu=ops_.q8_gate_up_silu.default,
         dequantize=ops_.dequantize.default,
-        repack={12: ops_.repack_q4_k_x8.default, 14: ops_.repack_q6_k_x8.default},
+        repack={
+            12: ops_.repack_q4_k_x8.default,
+            14: ops_.repack_q6_k_x8.default,
+            6: ops_.repack_q5_0_x8.default,
+        },
     )
 
 
 def _operand(lib: SimpleNamespace, w: QuantizedWeight, form: str) -> tuple[torch.Tensor, int]:
-    """``w`` as the kernels take it: the file's blocks, or repacked 8 rows at a time (Q4_K
-    and Q6_K; the engine's form for them, rows padded to a multiple of 8)."""
+    """``w`` as the kernels take it: the file's blocks, or repacked 8 rows at a time (Q4_K,
+    Q6_K and Q5_0; the engine's form for them, rows padded to a multiple of 8)."""
     if form == "x8":
         return lib.repack[int(w.ggml_type)](w.blocks, w.in_features), (1 << 16) | int(w.ggml_type)
     return w.blocks, int(w.ggml_type)
@@ -66,7 +70,7 @@ def _operand(lib: SimpleNamespace, w: QuantizedWeight, form: str) -> tuple[torch
 def _forms(shapes: list[tuple[GGMLType, int, int]]) -> list[tuple[GGMLType, int, int, str]]:
     """Each shape in the file's layout, and repacked where the type has that form."""
     return [(*sh, "blocks") for sh in shapes] + [
-        (*sh, "x8") for sh in shapes if sh[0] in (GGMLType.Q4_K, GGMLType.Q6_K)
+        (*sh, "x8") for sh in shapes if sh[0] in (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q5_0)
     ]
 
 
