@@ -32,7 +32,14 @@ from specserve.engine.attention import BLOCKED_ABOVE_KEYS, blocked_attention
 from specserve.engine.config import ModelConfig
 from specserve.engine.forward_plan import ForwardPlan, plan_forward
 from specserve.engine.kv_cache import KVPool
-from specserve.engine.ops import gate_up_silu, linear, linears, rms_norm, rope_cache_attention
+from specserve.engine.ops import (
+    MAX_KERNEL_ROWS,
+    gate_up_silu,
+    linear,
+    linears,
+    rms_norm,
+    rope_cache_attention,
+)
 from specserve.engine.rope import RotaryEmbedding
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
@@ -246,17 +253,26 @@ class CausalLM(nn.Module):
         return self._forward(seqs, kv)
 
     def _prefill_head(self, seq: SeqInput, kv: KVPool) -> SeqInput:
-        """Run all but the last chunk of ``seq`` alone; return what is left of it."""
-        chunk = self.prefill_chunk_tokens
+        """Run the rows of ``seq`` that no logits are asked of alone (in chunks of
+        :attr:`prefill_chunk_tokens` from its first token), where ``seq`` has more rows
+        than the CPU kernels take in one forward; return what is left of it (its logit
+        rows, or ``seq`` unchanged).
+
+        Batch invariance: past :data:`~specserve.engine.ops.MAX_KERNEL_ROWS` rows torch's
+        attention computes a row with bits that depend on the row count. A speculative
+        first round verifies a prompt with k drafts appended (k + 1 logit rows), a
+        target-only one the prompt (1 logit row): both run the same head, the prompt but
+        its last token, in the same chunks, and their logit rows go to the kernels, so
+        the KV cache and every logit are the same bits either way."""
+        head = len(seq.token_ids) - seq.num_logits
+        if len(seq.token_ids) <= MAX_KERNEL_ROWS or head <= 0:
+            return seq
+        chunk = self.prefill_chunk_tokens or head
         tokens = seq.token_ids
-        done = 0
-        while chunk and len(tokens) - done > chunk:
-            step = min(chunk, len(tokens) - done - seq.num_logits)
-            if step <= 0:
-                break
-            self._forward([SeqInput(seq.session_id, tokens[done : done + step], 0)], kv)
-            done += step
-        return seq if done == 0 else SeqInput(seq.session_id, tokens[done:], seq.num_logits)
+        for done in range(0, head, chunk):
+            part = tokens[done : min(done + chunk, head)]
+            self._forward([SeqInput(seq.session_id, part, 0)], kv)
+        return SeqInput(seq.session_id, tokens[head:], seq.num_logits)
 
     def _forward(self, seqs: Sequence[SeqInput], kv: KVPool) -> torch.Tensor:
         plan = plan_forward(seqs, kv, self.config.sliding_window)

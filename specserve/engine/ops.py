@@ -294,14 +294,16 @@ def rope_cache_attention(
     Between two weight streams the torch path runs ~35 small ops per layer, each paying
     cache misses; this is one. Every token's attention is computed alone (its dot
     products and softmax in a fixed order), so a token's output does not depend on how
-    many tokens share the call: a prefill of a prompt with drafts appended gives the
-    prompt's tokens the bits of the prompt alone (batch invariance, with the integer
-    kernels' products). Returns ``None`` where the kernel does not apply (not float32
-    on CPU, kernels off); the caller then runs its torch path, which computes the same
-    up to float32 rounding.
+    many tokens share the call. Returns ``None`` where the kernel does not apply (more
+    than :data:`MAX_KERNEL_ROWS` tokens: a prefill, whose long contexts torch's
+    vectorized softmax serves faster; not float32 on CPU; kernels off); the caller then
+    runs its torch path, which computes the same up to float32 rounding (and whose bits
+    depend on the token count: :meth:`CausalLM.forward` runs a prompt's rows without
+    logits apart, so drafts appended to a prompt never change them).
     """
     if (
         not _enabled[0]
+        or q.shape[0] > MAX_KERNEL_ROWS
         or q.dtype != torch.float32
         or not q.is_cpu
         or k_cache.dtype != torch.float32

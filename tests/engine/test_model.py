@@ -141,8 +141,10 @@ def test_bfloat16_weights_computed_in_float32_equal_their_float32_copy() -> None
     for name, model in (("half", half), ("wide", wide)):
         kv = model.new_kv_pool(1 << 20)
         assert kv.dtype == torch.float32
-        kv.reserve({"s": 60, "t": 60})
-        prefill = model([SeqInput("s", ids[:40], num_logits=40)], kv)
+        kv.reserve({"p": 60, "s": 60, "t": 60})
+        prefill = model([SeqInput("p", ids[:40], num_logits=40)], kv)
+        # (a prompt's rows without logits run apart from its logit rows: s and t alike)
+        model([SeqInput("s", ids[:40], num_logits=1)], kv)
         model([SeqInput("t", ids[:40], num_logits=1)], kv)
         verify = model([SeqInput("s", ids[40:45], num_logits=5)], kv)
         steps = torch.cat([model([SeqInput("t", [i])], kv) for i in ids[40:45]])

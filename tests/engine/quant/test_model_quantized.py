@@ -94,10 +94,11 @@ def test_with_the_kernels_verify_rows_are_steps_and_close_to_the_float32_twin() 
 
 
 def test_a_prompt_with_drafts_appended_is_the_prompt_then_steps() -> None:
-    """Batch invariance past the float kernels' 32 rows: a 45-token prompt with 5 drafts
-    appended in one forward (a speculative first round) gives the prompt's rows the bits
-    of the prompt alone, and the drafts' rows the bits of one-token steps, so its KV
-    cache and every later token are target-only's."""
+    """Batch invariance past the kernels' 32 rows: a 45-token prompt with 5 drafts
+    appended in one call (a speculative first round: 6 logit rows) gives the last prompt
+    token the logits of the prompt alone (target-only's first round: 1 logit row) and
+    the drafts' rows the bits of one-token steps, so its KV cache and every later token
+    are target-only's."""
     if cpu_kernels.kernels() is None:
         pytest.skip("the CPU kernels are not available here")
     quantized, _ = _quantized_pair(seed=5)
@@ -108,9 +109,9 @@ def test_a_prompt_with_drafts_appended_is_the_prompt_then_steps() -> None:
     kv = quantized.new_kv_pool(1 << 22)
     kv.reserve({"alone": 60, "together": 60})
     with torch.no_grad():
-        alone = quantized([SeqInput("alone", ids[:45], num_logits=45)], kv)
+        alone = quantized([SeqInput("alone", ids[:45], num_logits=1)], kv)
         steps = torch.cat([quantized([SeqInput("alone", [i])], kv) for i in ids[45:]])
-        together = quantized([SeqInput("together", ids, num_logits=50)], kv)
+        together = quantized([SeqInput("together", ids, num_logits=6)], kv)
         after = [quantized([SeqInput(s, [7])], kv) for s in ("alone", "together")]
-    assert torch.equal(together[:45], alone) and torch.equal(together[45:], steps)
+    assert torch.equal(together[:1], alone) and torch.equal(together[1:], steps[:5])
     assert torch.equal(after[0], after[1])
