@@ -505,29 +505,39 @@ struct Q5_0X8Dot {
   }
 };
 
-// Q5_0 blocks [out, K / 32 * 22] -> the repacked layout [out padded to 8, K / 32 * 22]
-// (Q5_0X8Dot); padding rows are zeros.
-at::Tensor repack_q5_0_x8(const at::Tensor& blocks_in, int64_t K) {
+// The skeleton of every repack: GGUF blocks [out, K / values * src_bytes] of `type` ->
+// [out padded to 8, K / values * group_bytes / 8], one group of 8 rows a block after
+// another; place(dst, src, w) writes row w's block src into its group's block dst.
+// Padding rows stay zeros (scales 0: outputs 0).
+template <typename F>
+at::Tensor repack_x8(const at::Tensor& blocks_in, WeightType type, int64_t K, int values,
+                     int src_bytes, int group_bytes, F&& place) {
   const at::Tensor blocks = blocks_in.contiguous();
-  const WeightRef wr = weight_ref(blocks, kQ5_0, K);
-  const int64_t nb = K / Q0, out8 = (wr.out + 7) / 8 * 8;
-  at::Tensor y = at::empty({out8, nb * (Q5_X8_BYTES / 8)}, blocks.options());
+  const WeightRef wr = weight_ref(blocks, type, K);
+  const int64_t nb = K / values, out8 = (wr.out + 7) / 8 * 8;
+  at::Tensor y = at::empty({out8, nb * (group_bytes / 8)}, blocks.options());
   uint8_t* yp = y.mutable_data_ptr<uint8_t>();
   std::memset(yp, 0, y.numel());
   const uint8_t* bp = static_cast<const uint8_t*>(wr.data);
   at::parallel_for(0, out8 / 8, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* dst = yp + g * 8 * nb * (Q5_X8_BYTES / 8) + b * Q5_X8_BYTES;
-        for (int w = 0; w < 8 && g * 8 + w < wr.out; ++w) {
-          const uint8_t* src = bp + (g * 8 + w) * wr.ldw + b * 22;
-          std::memcpy(dst + 2 * w, src, 2);
-          std::memcpy(dst + 16 + 4 * w, src + 2, 4);
-          for (int t = 0; t < 4; ++t) std::memcpy(dst + 48 + (t * 8 + w) * 4, src + 6 + 4 * t, 4);
-        }
-      }
+      for (int64_t b = 0; b < nb; ++b)
+        for (int w = 0; w < 8 && g * 8 + w < wr.out; ++w)
+          place(yp + g * 8 * nb * (group_bytes / 8) + b * group_bytes,
+                bp + (g * 8 + w) * wr.ldw + b * src_bytes, w);
   });
   return y;
+}
+
+// Q5_0 blocks -> the layout of Q5_0X8Dot.
+at::Tensor repack_q5_0_x8(const at::Tensor& blocks, int64_t K) {
+  return repack_x8(blocks, kQ5_0, K, Q0, 22, Q5_X8_BYTES,
+                   [](uint8_t* dst, const uint8_t* src, int w) {
+                     std::memcpy(dst + 2 * w, src, 2);
+                     std::memcpy(dst + 16 + 4 * w, src + 2, 4);
+                     for (int t = 0; t < 4; ++t)
+                       std::memcpy(dst + 48 + (t * 8 + w) * 4, src + 6 + 4 * t, 4);
+                   });
 }
 
 // T::dot<n> for a run-time n in [1, G] (Q4KX8Dot, Q6KX8Dot).
@@ -541,68 +551,40 @@ inline void x8_dot_n(int64_t n, const uint8_t* w, int64_t nb, const Q8Rows& a, i
   }
 }
 
-// Q6_K blocks [out, K / 256 * 210] -> the repacked layout [out padded to 8, K / 256 * 210]
-// (Q6KX8Dot); padding rows are zeros.
-at::Tensor repack_q6_k_x8(const at::Tensor& blocks_in, int64_t K) {
-  const at::Tensor blocks = blocks_in.contiguous();
-  const WeightRef wr = weight_ref(blocks, kQ6_K, K);
-  const int64_t nb = K / QK, out8 = (wr.out + 7) / 8 * 8;
-  at::Tensor y = at::empty({out8, nb * (Q6_X8_BYTES / 8)}, blocks.options());
-  uint8_t* yp = y.mutable_data_ptr<uint8_t>();
-  std::memset(yp, 0, y.numel());
-  const uint8_t* bp = static_cast<const uint8_t*>(wr.data);
-  at::parallel_for(0, out8 / 8, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* dst = yp + g * 8 * nb * (Q6_X8_BYTES / 8) + b * Q6_X8_BYTES;
-        for (int w = 0; w < 8 && g * 8 + w < wr.out; ++w) {
-          const uint8_t* src = bp + (g * 8 + w) * wr.ldw + b * Q6KDot::BYTES;
-          std::memcpy(dst + 2 * w, src + 208, 2);
-          for (int j = 0; j < 16; ++j) dst[16 + 8 * j + w] = src[192 + j];
-          for (int h = 0; h < 2; ++h)
-            for (int t = 0; t < 8; ++t) {
-              for (int u = 0; u < 2; ++u)
-                std::memcpy(dst + 144 + (((h * 2 + u) * 8 + t) * 8 + w) * 4,
-                            src + 64 * h + 32 * u + 4 * t, 4);
-              std::memcpy(dst + 1168 + ((h * 8 + t) * 8 + w) * 4, src + 128 + 32 * h + 4 * t, 4);
-            }
-        }
-      }
-  });
-  return y;
+// Q6_K blocks -> the layout of Q6KX8Dot.
+at::Tensor repack_q6_k_x8(const at::Tensor& blocks, int64_t K) {
+  return repack_x8(blocks, kQ6_K, K, QK, Q6KDot::BYTES, Q6_X8_BYTES,
+                   [](uint8_t* dst, const uint8_t* src, int w) {
+                     std::memcpy(dst + 2 * w, src + 208, 2);
+                     for (int j = 0; j < 16; ++j) dst[16 + 8 * j + w] = src[192 + j];
+                     for (int h = 0; h < 2; ++h)
+                       for (int t = 0; t < 8; ++t) {
+                         for (int u = 0; u < 2; ++u)
+                           std::memcpy(dst + 144 + (((h * 2 + u) * 8 + t) * 8 + w) * 4,
+                                       src + 64 * h + 32 * u + 4 * t, 4);
+                         std::memcpy(dst + 1168 + ((h * 8 + t) * 8 + w) * 4,
+                                     src + 128 + 32 * h + 4 * t, 4);
+                       }
+                   });
 }
 
-// Q4_K blocks [out, K / 256 * 144] -> the repacked layout [out padded to 8, K / 256 * 148]
-// (Q4KX8Dot); padding rows are zeros (scales 0: outputs 0).
-at::Tensor repack_q4_k_x8(const at::Tensor& blocks_in, int64_t K) {
-  const at::Tensor blocks = blocks_in.contiguous();
-  const WeightRef wr = weight_ref(blocks, kQ4_K, K);
-  const int64_t nb = K / QK, out8 = (wr.out + 7) / 8 * 8;
-  at::Tensor y = at::empty({out8, nb * (X8_BYTES / 8)}, blocks.options());
-  uint8_t* yp = y.mutable_data_ptr<uint8_t>();
-  std::memset(yp, 0, y.numel());
-  const uint8_t* bp = static_cast<const uint8_t*>(wr.data);
-  at::parallel_for(0, out8 / 8, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* dst = yp + g * 8 * nb * (X8_BYTES / 8) + b * X8_BYTES;
-        for (int w = 0; w < 8 && g * 8 + w < wr.out; ++w) {
-          const uint8_t* src = bp + (g * 8 + w) * wr.ldw + b * Q4KDot::BYTES;
-          std::memcpy(dst + 2 * w, src, 2);
-          std::memcpy(dst + 16 + 2 * w, src + 2, 2);
-          alignas(16) uint8_t sm[16];
-          Q4KDot::scales_mins(src, sm);
-          for (int i = 0; i < 8; ++i) {
-            dst[32 + 8 * i + w] = sm[i];
-            dst[96 + 8 * i + w] = sm[8 + i];
-          }
-          for (int j = 0; j < 4; ++j)
-            for (int t = 0; t < 8; ++t)
-              std::memcpy(dst + 160 + ((j * 8 + t) * 8 + w) * 4, src + 16 + 32 * j + 4 * t, 4);
-        }
-      }
-  });
-  return y;
+// Q4_K blocks -> the layout of Q4KX8Dot.
+at::Tensor repack_q4_k_x8(const at::Tensor& blocks, int64_t K) {
+  return repack_x8(blocks, kQ4_K, K, QK, Q4KDot::BYTES, X8_BYTES,
+                   [](uint8_t* dst, const uint8_t* src, int w) {
+                     std::memcpy(dst + 2 * w, src, 2);
+                     std::memcpy(dst + 16 + 2 * w, src + 2, 2);
+                     alignas(16) uint8_t sm[16];
+                     Q4KDot::scales_mins(src, sm);
+                     for (int i = 0; i < 8; ++i) {
+                       dst[32 + 8 * i + w] = sm[i];
+                       dst[96 + 8 * i + w] = sm[8 + i];
+                     }
+                     for (int j = 0; j < 4; ++j)
+                       for (int t = 0; t < 8; ++t)
+                         std::memcpy(dst + 160 + ((j * 8 + t) * 8 + w) * 4,
+                                     src + 16 + 32 * j + 4 * t, 4);
+                   });
 }
 
 // The 32-value block types: a block decodes to 32 signed bytes wq (w = d wq) and meets a
