@@ -74,7 +74,7 @@ def texts(
             p = problems[f"HumanEval/{i}"]
             out.append((f"HumanEval/{i}", tok.encode(p["prompt"] + p["canonical_solution"])))
     for i, text in enumerate(json.loads(PROSE.read_text())[:prose]):
-        out.append((f"prose {i}", tok.apply_chat_template(text)))
+        out.append((f"prose {i}", tok.apply_chat_template([{"role": "user", "content": text}])))
     return [(label, ids[:tokens]) for label, ids in out]
 
 
