@@ -269,10 +269,15 @@ class CausalLM(nn.Module):
             return seq
         chunk = self.prefill_chunk_tokens or head
         tokens = seq.token_ids
-        for done in range(0, head, chunk):
+        starts = range(0, head, chunk)
+        # With no logit rows, the last chunk stays in the batch (a forward needs a token).
+        keep = starts[-1] if seq.num_logits == 0 else head
+        for done in starts:
+            if done >= keep:
+                break
             part = tokens[done : min(done + chunk, head)]
             self._forward([SeqInput(seq.session_id, part, 0)], kv)
-        return SeqInput(seq.session_id, tokens[head:], seq.num_logits)
+        return seq if keep == 0 else SeqInput(seq.session_id, tokens[keep:], seq.num_logits)
 
     def _forward(self, seqs: Sequence[SeqInput], kv: KVPool) -> torch.Tensor:
         plan = plan_forward(seqs, kv, self.config.sliding_window)

@@ -115,3 +115,19 @@ def test_a_prompt_with_drafts_appended_is_the_prompt_then_steps() -> None:
         after = [quantized([SeqInput(s, [7])], kv) for s in ("alone", "together")]
     assert torch.equal(together[:1], alone) and torch.equal(together[1:], steps[:5])
     assert torch.equal(after[0], after[1])
+
+
+def test_a_long_forward_without_logits_caches_every_token() -> None:
+    """A prefill past 32 rows that asks for no logits (a Prefill call) still runs (its
+    last chunk in the batch's forward) and caches every token: the next step equals the
+    one after a prefill asking for the last token's logits."""
+    quantized, _ = _quantized_pair(seed=8)
+    ids = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(9)).tolist()
+    kv = quantized.new_kv_pool(1 << 22)
+    kv.reserve({"none": 80, "one": 80})
+    with torch.no_grad():
+        assert quantized([SeqInput("none", ids, num_logits=0)], kv).shape[0] == 0
+        quantized([SeqInput("one", ids, num_logits=1)], kv)
+        after = [quantized([SeqInput(s, [3])], kv) for s in ("none", "one")]
+    assert kv.length("none") == kv.length("one") == 71
+    assert torch.allclose(after[0], after[1], rtol=1e-4, atol=1e-4)
