@@ -13,13 +13,13 @@ rows at a time (:mod:`specserve.engine.tiled_products`); other dtypes and device
 anything that needs autograd, use ``F.linear``. The choice depends only on shapes,
 dtypes and devices, so it is deterministic per row count.
 
-Weights may be :class:`~specserve.engine.quant.QuantizedWeight` (GGML blocks): the
-kernels widen the blocks in registers, with the bits of the float32 kernel on the
-dequantized matrix; a larger product dequantizes one tile of weight rows at a time
-into a buffer and runs the same GEMM calls as the float32 weight's tiles. So a
-quantized model computes the bits of the float32 model dequantized from the same file,
-at every row count. (Without the kernels, a product of few rows dequantizes the whole
-weight and calls ``F.linear``, as the float32 model calls it.)
+Weights may be :class:`~specserve.engine.quant.QuantizedWeight` (GGML blocks): with the
+kernels, a product of any row count is multiplied in integers against 8-bit activation
+blocks (``q8_linears``; Q4_K, Q6_K and Q5_0 repacked once by :func:`_packed`), every
+row with the bits it has alone (batch invariance, docs/exactness.md), close to but not
+the dequantized float32 model. Without the kernels, a product of few rows dequantizes
+the whole weight and calls ``F.linear``, a larger one goes tile by tile: the bits of the
+float32 model dequantized from the same file.
 
 Weights may be bfloat16 under float32 activations (a model loaded in bfloat16 on
 such a CPU, see :meth:`CausalLM.compute_in_float32`): the kernels widen each weight
