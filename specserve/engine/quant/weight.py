@@ -1,11 +1,12 @@
 """A weight matrix kept as GGML quantized blocks (:mod:`specserve.engine.quant.formats`).
 
-Layout the kernels expect: GGUF's own, unchanged. ``blocks`` is one contiguous
-``torch.uint8`` tensor ``[out_features, bytes_per_row]``; row ``o`` of the weight is its
-``in_features / block_size`` blocks back to back, in order of the input index. GGUF stores
-a matrix row-major with ``ne[0] = in_features``, so a tensor's data is this tensor as it
-lies in the file (no repacking: the blocks can stay on a read-only file mapping, and a
-row is one sequential stream for the kernel, as a float32 row is).
+Layout: GGUF's own, unchanged. ``blocks`` is one contiguous ``torch.uint8`` tensor
+``[out_features, bytes_per_row]``; row ``o`` of the weight is its ``in_features /
+block_size`` blocks back to back, in order of the input index. GGUF stores a matrix
+row-major with ``ne[0] = in_features``, so a tensor's data is this tensor as it lies in
+the file. Dequantization, embeddings and tensor-parallel sharding read this layout; the
+integer kernels read Q4_K, Q6_K and Q5_0 weights repacked 8 rows at a time, a copy that
+:mod:`specserve.engine.ops` makes at the first product and keeps on the weight.
 """
 
 from __future__ import annotations
