@@ -60,9 +60,9 @@ class DraftBackend:
         self._snapshot()
 
     def progress_modules(self) -> list[Any]:
-        """The draft model's attention layers, for the progress counter (none: n-gram only,
+        """The draft model's decoder layers, for the progress counter (none: n-gram only,
         or a drafter that is not a local model)."""
-        layers = getattr(getattr(self.model, "model", None), "attention_layers", None)
+        layers = getattr(getattr(self.model, "model", None), "decoder_layers", None)
         return layers() if callable(layers) else []
 
     def check_drafter(self, kind: DrafterKind, sid: str) -> None:

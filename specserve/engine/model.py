@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,15 +31,20 @@ from torch import nn
 
 from specserve.engine.attention import BLOCKED_ABOVE_KEYS, blocked_attention
 from specserve.engine.config import ModelConfig
+from specserve.engine.cpu_kernels import Kernels
 from specserve.engine.forward_plan import ForwardPlan, plan_forward
 from specserve.engine.kv_cache import KVPool
 from specserve.engine.ops import (
     MAX_KERNEL_ROWS,
+    PackedLayer,
     gate_up_silu,
+    layer_kernels,
     linear,
     linears,
+    pack_layer,
     rms_norm,
     rope_cache_attention,
+    run_layer,
 )
 from specserve.engine.rope import RotaryEmbedding
 
@@ -155,6 +161,17 @@ class MLP(nn.Module):
         )
 
 
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _tensor(module: nn.Module, name: str) -> Any:
+    """``module.<name>`` (a parameter, a plain attribute such as a quantized weight, or
+    None) without nn.Module's attribute lookup."""
+    found = module.__dict__.get(name)
+    return found if found is not None else module._parameters.get(name)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -162,6 +179,66 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._packed: PackedLayer | None = None
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [tokens, hidden]
+        plan: ForwardPlan,
+        rope: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kern: Kernels | None = None,
+    ) -> torch.Tensor:
+        """``h`` through the layer. With ``kern`` (:func:`~specserve.engine.ops.layer_kernels`
+        said the forward may) a layer of quantized weights whose modules carry no hooks
+        runs as one op, with the bits of the modules' own forwards."""
+        packed = self._packed_layer(kern) if kern is not None else None
+        if packed is not None and kern is not None:
+            return run_layer(
+                kern,
+                h,
+                packed,
+                plan.positions,
+                rope.inv_freq,
+                rope.scale,
+                k_cache,
+                v_cache,
+                plan.write_slots,
+                plan.read_slots,
+                plan.token_session,
+                plan.sliding_window,
+            )
+        h = h + self.self_attn(self.input_layernorm(h), plan, rope, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _packed_layer(self, kern: Kernels) -> PackedLayer | None:
+        """The layer's operands for one op, packed once and again whenever a module,
+        weight, bias or norm was replaced; ``None`` where its modules must run
+        themselves: a forward hook or a replaced ``forward`` (tensor parallelism's
+        all-reduce, a counter), or weights the op does not take. Runs once per layer of
+        every step, so it reads the modules' dictionaries directly (nn.Module's
+        attribute lookup is ~1 us a name)."""
+        mods = self._modules
+        attn, mlp = mods["self_attn"], mods["mlp"]
+        norm_in, norm_post = mods["input_layernorm"], mods["post_attention_layernorm"]
+        parts = (attn, mlp, norm_in, norm_post)
+        if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in parts):
+            return None
+        linears = (*(attn._modules[n] for n in _ATTENTION), *(mlp._modules[n] for n in _MLP))
+        sources = (
+            *(_tensor(m, "weight") for m in linears),
+            *(_tensor(m, "bias") for m in linears[:3]),
+            _tensor(norm_in, "weight"),
+            _tensor(norm_post, "weight"),
+        )
+        packed = self._packed
+        if packed is None or any(x is not y for x, y in zip(packed.sources, sources, strict=True)):
+            packed = pack_layer(
+                kern, sources[:7], sources[7:10], sources[10:], norm_in.eps, attn.head_dim
+            )
+            self._packed = packed
+        return packed
 
 
 class Decoder(nn.Module):
@@ -187,10 +264,10 @@ class CausalLM(nn.Module):
         # A session's new tokens run in chunks of at most this many (None: in one).
         self.prefill_chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK_TOKENS
 
-    def attention_layers(self) -> list[nn.Module]:
-        """Each layer's attention module: one forward each per layer of a model call
-        (what a server's progress counter counts, :mod:`specserve.serving.progress`)."""
-        return [layer.self_attn for layer in self.model.layers]
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers: one forward each per layer of a model call (what a
+        server's progress counter counts, :mod:`specserve.serving.progress`)."""
+        return list(self.model.layers)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -282,9 +359,9 @@ class CausalLM(nn.Module):
     def _forward(self, seqs: Sequence[SeqInput], kv: KVPool) -> torch.Tensor:
         plan = plan_forward(seqs, kv, self.config.sliding_window)
         h = self.model.embed_tokens(plan.token_ids).to(self.activation_dtype)  # [tokens, hidden]
+        kern = layer_kernels(h, kv.k[0]) if len(kv.k) else None
         for i, layer in enumerate(self.model.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), plan, self.rope, kv.k[i], kv.v[i])
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer(h, plan, self.rope, kv.k[i], kv.v[i], kern)
         for s in seqs:
             kv.advance(s.session_id, len(s.token_ids), s.token_ids)
         h = self.model.norm(h.index_select(0, plan.logit_rows))

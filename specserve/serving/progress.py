@@ -1,7 +1,7 @@
 """The model thread's progress counter: how an orchestrator tells a hung replica from a slow one.
 
 The counter goes up as the model thread works: once per finished batch, and
-once per attention layer of every forward on a backend that names its layers
+once per decoder layer of every forward on a backend that names its layers
 (``progress_modules()``), so a long prefill moves it many times a second. The
 servers report it, with whether the thread holds work, in ``GetLoad``
 (``LoadReport.progress_steps`` and ``busy``). A counter that stands still while
@@ -28,7 +28,7 @@ class ModelProgress:
         self.steps += 1
 
     def watch(self, modules: Iterable[Any]) -> None:
-        """Count every forward of each module (torch ``nn.Module``: attention layers).
+        """Count every forward of each module (torch ``nn.Module``: decoder layers).
 
         Each module's ``forward`` is wrapped rather than given a forward hook: a module
         with a hook leaves torch's fast call path, which costs a few microseconds per

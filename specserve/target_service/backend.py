@@ -77,10 +77,10 @@ class TargetBackend:
         self._snapshot()
 
     def progress_modules(self) -> list[Any]:
-        """The in-process model's attention layers, for the progress counter (none when
+        """The in-process model's decoder layers, for the progress counter (none when
         the model runs in other processes: tensor-parallel ranks)."""
         model = getattr(self.verifier, "model", None)
-        layers = getattr(model, "attention_layers", None)
+        layers = getattr(model, "decoder_layers", None)
         return layers() if callable(layers) else []
 
     def verify(self, calls: Sequence[Sequence[VerifyInput]]) -> list[Verified]:

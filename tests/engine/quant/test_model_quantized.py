@@ -131,3 +131,52 @@ def test_a_long_forward_without_logits_caches_every_token() -> None:
         after = [quantized([SeqInput(s, [3])], kv) for s in ("none", "one")]
     assert kv.length("none") == kv.length("one") == 71
     assert torch.allclose(after[0], after[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_as_one_op_gives_the_bits_of_its_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernels, each decoder layer of quantized weights runs as one op
+    (``decoder_layer``); its logits and KV cache are those of the modules' own forwards
+    (forced by a forward hook on each attention module, as tensor parallelism adds),
+    for a prefill of a few rows, a ragged batch of two sessions and one-token steps."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("the CPU kernels are not available here")
+    from specserve.engine import model as model_module
+
+    calls = [0]
+    run_layer = model_module.run_layer
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls[0] += 1
+        return run_layer(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model_module, "run_layer", counted)
+    fused, _ = _quantized_pair(seed=11)
+    modules = copy.deepcopy(fused)
+    for layer in modules.model.layers:
+        layer.self_attn.register_forward_hook(lambda _m, _i, out: out)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(12)).tolist()
+
+    def run(model: CausalLM) -> list[torch.Tensor]:
+        kv = model.new_kv_pool(1 << 22)
+        kv.reserve({"a": 40, "b": 40})
+        with torch.no_grad():
+            out = [model([SeqInput("a", ids[:9], num_logits=9)], kv)]
+            out.append(model([SeqInput("a", ids[9:12], 3), SeqInput("b", ids[:5], 2)], kv))
+            out += [model([SeqInput("b", [i])], kv) for i in ids[5:8]]
+        return [*out, kv.k[0][: kv.block_size * 4], kv.v[-1][: kv.block_size * 4]]
+
+    got = run(fused)
+    assert calls[0] == 5 * fused.config.num_layers  # every forward, every layer
+    want = run(modules)
+    assert calls[0] == 5 * fused.config.num_layers  # a hooked layer runs its modules
+    for a, b in zip(got, want, strict=True):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    # A weight replaced after the first forward is packed again, not served stale.
+    layer = fused.model.layers[0]
+    before = layer._packed
+    out, k = layer.self_attn.o_proj.weight.shape
+    replaced = random_weight(GGMLType.Q8_0, out, k, seed=99, scales=(1e-5, 2e-3))
+    layer.self_attn.o_proj.weight = replaced
+    kern = cpu_kernels.kernels()
+    assert kern is not None and layer._packed_layer(kern) is not before
+    assert layer._packed is not None and layer._packed.sources[3] is replaced
