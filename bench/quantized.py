@@ -70,6 +70,7 @@ from bench.common import (
 from bench.quantized_report import markdown, summarize
 from specserve import model_store
 from specserve.engine.decode_state import DecodeState, StopCriteria
+from specserve.engine.draft_vocab import reduce_draft_head
 from specserve.engine.drafter import DrafterKind
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.model import CausalLM, SeqInput
@@ -221,6 +222,7 @@ def load_specserve(args: argparse.Namespace) -> Specserve:
     target = load(args.target, args.target_dtype)
     rss["target_loaded"] = resident_bytes()["VmRSS"]
     draft = load(args.draft, args.draft_dtype)
+    reduce_draft_head(draft.model, draft.tokenizer, local.draft_vocab, draft.vocab)
     rss["target_and_draft_loaded"] = resident_bytes()["VmRSS"]
     vocab = target.vocab
     verifier = TargetVerifier(target.model, local.kv_budget_bytes, vocab_limit=vocab)

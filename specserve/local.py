@@ -17,6 +17,7 @@ import torch
 from specserve import model_store
 from specserve.engine.decode_state import DecodeState, FinishReason, SessionStats, StopCriteria
 from specserve.engine.devices import check_device_name, parse_device
+from specserve.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, reduce_draft_head
 from specserve.engine.drafter import Drafter, DrafterKind
 from specserve.engine.dtypes import DTYPES
 from specserve.engine.k_policy import KPolicy
@@ -43,6 +44,7 @@ class LocalConfig:
     draft_kv_budget_bytes: int = 1 << 30
     threads: int | None = None
     min_confidence: float = 0.0
+    draft_vocab: int = DEFAULT_DRAFT_VOCAB  # tokens the draft's head scores (0: all)
     # Adaptive k plans with the round costs this loop measures (not the static guess).
     measured_costs: bool = True
 
@@ -111,6 +113,7 @@ class LocalRunner:
             draft, draft_tok = draft_loaded.model, draft_loaded.tokenizer
             if self.tokenizer is not None and draft_tok is not None:
                 check_compatible(draft_tok, self.tokenizer)
+            reduce_draft_head(draft, draft_tok, config.draft_vocab, min(vocab, draft_loaded.vocab))
             drafters[DrafterKind.MODEL] = ModelDrafter(
                 draft,
                 config.draft_kv_budget_bytes,

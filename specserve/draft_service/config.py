@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from specserve.engine.devices import check_device_name
 from specserve.engine.draft_ahead import MAX_DRAFT_AHEAD
+from specserve.engine.draft_vocab import DEFAULT_DRAFT_VOCAB
 from specserve.engine.dtypes import DTYPES
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
 from specserve.serving.cli_args import (
@@ -35,6 +36,7 @@ class DraftServerConfig:
     kv_budget_bytes: int = 1 << 30
     max_support: int = 64  # sparse q entries per sampled draft token
     min_confidence: float = 0.0  # stop drafting a session below this top probability
+    draft_vocab: int = DEFAULT_DRAFT_VOCAB  # tokens the draft's head scores (0: all)
     # Ahead tokens per session drafted while the model is idle (engine.draft_ahead); 0 = off.
     # For a draft on its own device: on shared CPU cores it takes the target's CPU time.
     draft_ahead: int = 0
@@ -54,6 +56,8 @@ class DraftServerConfig:
             )
         if self.max_support < 1:
             raise ValueError(f"max_support must be >= 1, got {self.max_support}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0: all tokens), got {self.draft_vocab}")
         if not 0 <= self.min_confidence < 1:
             raise ValueError(f"min_confidence must be in [0, 1), got {self.min_confidence}")
         if not 0 <= self.draft_ahead <= MAX_DRAFT_AHEAD:
@@ -87,6 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         help="stop drafting a session when its top probability falls below this",
     )
     parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=env.get("SPECSERVE_DRAFT_VOCAB", str(DEFAULT_DRAFT_VOCAB)),
+        metavar="N",
+        help="the draft model's head scores only the N most frequent tokens (a smaller "
+        "head read per draft step; never changes the output, docs/exactness.md); 0 = all",
+    )
+    parser.add_argument(
         "--draft-ahead",
         type=int,
         default=env.get("SPECSERVE_DRAFT_AHEAD", "0"),
@@ -110,6 +122,7 @@ def from_args(args: argparse.Namespace) -> DraftServerConfig:
         kv_budget_bytes=args.kv_budget,
         max_support=args.max_support,
         min_confidence=args.min_confidence,
+        draft_vocab=args.draft_vocab,
         draft_ahead=args.draft_ahead,
         fail_after_forwards=args.fail_after_forwards,
         prefill_chunk_tokens=args.prefill_chunk_tokens,

@@ -17,6 +17,7 @@ from specserve.draft_service.config import DraftServerConfig
 from specserve.draft_service.metrics import DraftCollector
 from specserve.draft_service.servicer import DraftServicer
 from specserve.engine.draft_ahead import AheadCounts
+from specserve.engine.draft_vocab import reduce_draft_head
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.serving.cli_args import parse_config
 from specserve.serving.metrics import serve_replica_metrics
@@ -38,6 +39,7 @@ def load_backend(config: DraftServerConfig) -> DraftBackend:
         fail_after=config.fail_after_forwards,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
     )
+    reduce_draft_head(loaded.model, loaded.tokenizer, config.draft_vocab, loaded.vocab)
     drafter = ModelDrafter(
         loaded.model,
         config.kv_budget_bytes,

@@ -37,6 +37,7 @@ from specserve.engine.kv_cache import KVPool
 from specserve.engine.ops import (
     MAX_KERNEL_ROWS,
     PackedLayer,
+    Weight,
     gate_up_silu,
     layer_kernels,
     linear,
@@ -46,6 +47,7 @@ from specserve.engine.ops import (
     rope_cache_attention,
     run_layer,
 )
+from specserve.engine.quant.weight import QuantizedWeight
 from specserve.engine.rope import RotaryEmbedding
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
@@ -263,6 +265,28 @@ class CausalLM(nn.Module):
         self.compute_dtype: torch.dtype | None = None  # None: the weights' dtype
         # A session's new tokens run in chunks of at most this many (None: in one).
         self.prefill_chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK_TOKENS
+        # The head's rows when it scores only some tokens (restrict_head), and their ids.
+        self._head_rows: Weight | None = None
+        self._head_ids: torch.Tensor | None = None
+
+    def restrict_head(self, token_ids: Sequence[int] | None) -> None:
+        """Score only ``token_ids`` from now on: the LM head multiplies just their rows and
+        every other logit is ``-inf`` (probability 0: never argmax, never drawn). For a
+        draft model (:mod:`specserve.engine.draft_vocab`); ``None`` scores all again. The
+        kept rows are copied (quantized blocks stay blocks)."""
+        if token_ids is None:
+            self._head_rows = self._head_ids = None
+            return
+        weight = self.lm_head.weight
+        ids = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=self.device)
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+            raise ValueError(f"head token ids must be in [0, {self.config.vocab_size})")
+        if isinstance(weight, QuantizedWeight):
+            blocks = weight.blocks.index_select(0, ids.to(weight.blocks.device)).contiguous()
+            rows: Weight = QuantizedWeight(weight.ggml_type, (ids.numel(), weight.shape[1]), blocks)
+        else:
+            rows = weight.detach().index_select(0, ids).contiguous()
+        self._head_rows, self._head_ids = rows, ids
 
     def decoder_layers(self) -> list[nn.Module]:
         """The decoder layers: one forward each per layer of a model call (what a
@@ -365,4 +389,9 @@ class CausalLM(nn.Module):
         for s in seqs:
             kv.advance(s.session_id, len(s.token_ids), s.token_ids)
         h = self.model.norm(h.index_select(0, plan.logit_rows))
-        return linear(h, self.lm_head.weight).float()
+        if self._head_rows is None or self._head_ids is None:
+            return linear(h, self.lm_head.weight).float()
+        logits = h.new_full(
+            (h.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32
+        )
+        return logits.index_copy_(1, self._head_ids, linear(h, self._head_rows).float())

@@ -53,14 +53,17 @@ def test_draft_server_flags() -> None:
             "1",
             "--max-support",
             "32",
+            "--draft-vocab",
+            "4096",
         ]
     )
     cfg = draft_config.from_args(args)
-    assert (cfg.model, cfg.kv_budget_bytes, cfg.dtype, cfg.max_support) == (
+    assert (cfg.model, cfg.kv_budget_bytes, cfg.dtype, cfg.max_support, cfg.draft_vocab) == (
         "tiny:1",
         16 << 20,
         "bfloat16",
         32,
+        4096,
     )
     assert cfg.server == ServerOptions(batch_window_ms=0.5, threads=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -260,6 +263,8 @@ def test_invalid_options_are_refused() -> None:
         ServerOptions(max_in_flight_bytes=0)
     with pytest.raises(ValueError, match="dtype"):
         draft_config.DraftServerConfig(model=None, dtype="int8")
+    with pytest.raises(ValueError, match="draft_vocab"):
+        draft_config.DraftServerConfig(model="tiny:1", draft_vocab=-1)
 
 
 def test_ngram_only_replica_refuses_the_model_drafter() -> None:
