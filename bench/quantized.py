@@ -229,6 +229,7 @@ def load_specserve(args: argparse.Namespace) -> Specserve:
     drafter = ModelDrafter(
         draft.model,
         local.draft_kv_budget_bytes,
+        min_confidence=local.min_confidence,
         vocab_limit=min(vocab, draft.model.config.vocab_size),
     )
     engine = SpeculativeEngine(verifier, {DrafterKind.MODEL: drafter}, costs=RoundCosts())
