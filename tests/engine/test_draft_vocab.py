@@ -19,7 +19,7 @@ from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.quant import GGMLType
 from specserve.engine.quant.synthetic import random_weight
-from specserve.engine.sampling import SamplingParams
+from specserve.engine.sampling import SamplingParams, SamplingRule
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.tiny_tokenizer import EOS_ID, write_tiny_tokenizer
 from specserve.engine.verifier import TargetVerifier
@@ -70,7 +70,12 @@ def test_the_draft_vocabulary_keeps_special_tokens_and_its_size(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_speculation_with_a_restricted_draft_head_equals_target_only(seed: int) -> None:
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "coupled"])
+def test_speculation_with_a_restricted_draft_head_equals_target_only(
+    seed: int, sampled: bool
+) -> None:
+    """Greedy, and seeded sampling under the coupled rule (which commits the target-only
+    sample whatever the draft proposed)."""
     target = tiny_model(seed, "qwen2" if seed else "llama")
     draft = noisy_copy(target, noise=0.1, seed=seed + 100)
     assert isinstance(draft.lm_head, nn.Linear)
@@ -90,7 +95,12 @@ def test_speculation_with_a_restricted_draft_head_equals_target_only(seed: int) 
 
     def run(kind: str, k: int) -> DecodeState:
         stop = StopCriteria(max_new_tokens=48, eos_ids=frozenset({EOS_ID}))
-        state = DecodeState(f"{kind}{k}", prompt, SamplingParams(), stop, KPolicy(k), drafter=kind)
+        params = (
+            SamplingParams(0.7, top_k=40, top_p=0.95, seed=1000 + seed, rule=SamplingRule.COUPLED)
+            if sampled
+            else SamplingParams()
+        )
+        state = DecodeState(f"{kind}{k}", prompt, params, stop, KPolicy(k), drafter=kind)
         engine.run([state])
         return state
 
