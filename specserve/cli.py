@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from specserve import __version__
 from specserve.engine.errors import EngineError
+from specserve.serving.supervision import StopSignal
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except StopSignal as e:  # SIGTERM or SIGHUP to a launcher, after it stopped its children
+        return e.exit_code
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 * ``orchestrator`` serves the public API over draft and target replicas;
 * ``up`` starts a target server, a draft server and an orchestrator as child
   processes (embedded store, or ``--redis-url``), prints where each listens,
-  sends one example request and prints its text, tokens/s and acceptance;
+  sends one example request and prints its text, tokens/s and acceptance; it
+  stops them on Ctrl-C, SIGTERM and SIGHUP, and they stop themselves if it dies
+  (:mod:`specserve.serving.supervision`);
 * :func:`remote_generate` is what ``specserve generate`` (without ``--local``)
   runs: a streamed request to ``--orchestrator``.
 """
@@ -172,9 +174,22 @@ def remote_generate(args: argparse.Namespace, prompt: str) -> int:
 
 
 def _run_up(args: argparse.Namespace) -> int:
+    """Start the stack, send the example request, serve until stopped.
+
+    Returns 0 after Ctrl-C or ``--once``, 1 when a server exited or the request
+    failed; SIGTERM and SIGHUP raise :class:`~specserve.serving.supervision.StopSignal`
+    out of it (``specserve``'s exit code 128 + the signal), after the children stopped.
+    """
+    from specserve.serving.supervision import stop_on_signals
+
+    with stop_on_signals():
+        return _up(args)
+
+
+def _up(args: argparse.Namespace) -> int:
     from specserve.cli_generate import DEMO_DRAFT, DEMO_PROMPT, DEMO_TARGET
     from specserve.orchestrator.launch import OrchestratorProcess
-    from specserve.serving.launch import ServerProcess
+    from specserve.serving.launch import ServerProcess, stop_all
 
     if args.tiny:
         target, draft = args.target or "tiny:3", args.draft or "tiny:3:noise=0.3"
@@ -250,7 +265,7 @@ def _run_up(args: argparse.Namespace) -> int:
             return code
         print(
             f"serving; try: specserve generate --orchestrator {orchestrator.address} "
-            "'def add(a, b):'   (Ctrl-C stops everything)"
+            "'def add(a, b):'   (Ctrl-C or SIGTERM stops everything)"
         )
         while all(s.proc is not None and s.proc.poll() is None for s in (*servers, orchestrator)):
             time.sleep(0.5)
@@ -261,9 +276,7 @@ def _run_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        for s in (orchestrator, *servers):
-            if s is not None:
-                s.stop()
+        stop_all([orchestrator, *servers])
 
 
 def _up_tls(args: argparse.Namespace) -> tuple[list[str], ClientTls | None]:

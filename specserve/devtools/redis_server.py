@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from specserve.devtools.ports import free_port
+from specserve.serving.supervision import die_with_parent
 
 
 class RedisNotInstalled(RuntimeError):
@@ -33,7 +34,12 @@ def throwaway_redis(password: str | None = None, start_timeout_s: float = 10.0) 
     args += ["--appendonly", "no", "--dir", workdir, "--protected-mode", "no"]
     if password:
         args += ["--requirepass", password]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent(),  # no redis-server outlives a killed test run
+    )
     try:
         deadline = time.monotonic() + start_timeout_s
         while True:

@@ -124,6 +124,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             kv_bytes_free=load.kv_bytes_free,
             queue_depth=self.executor.queue_depth(),
             progress_steps=self.executor.progress.steps,
+            model_cpu_ns=self.executor.progress.cpu_ns(),
             busy=self.executor.busy(),
             limit=backend.limit,
             data_port=self.running.data_port,

@@ -86,21 +86,34 @@ smaller register tiles on AVX2 (16 ymm registers, not 32 zmm); the FMAs per lane
 the fixed-order sum of the lanes are the same operations either way, so the two builds
 should give the same bits as well (by construction; not compared on one machine).
 
-The source is compiled on first use with ``torch.utils.cpp_extension`` (~10 s, then
-cached on disk by torch). :func:`kernels` returns ``None`` where that is impossible
-(neither AVX-512 nor AVX2, no compiler, a build error); :mod:`specserve.engine.ops` then
-uses torch.
+The source is compiled on first use with ``torch.utils.cpp_extension`` (about a
+minute on two cores, then cached on disk by torch; images ship it prebuilt,
+:mod:`specserve.engine.kernel_prebuild`). :func:`kernels` returns ``None`` where that is
+impossible (neither AVX-512 nor AVX2, no compiler, a build error); :mod:`specserve.engine.ops`
+then uses torch.
+
+**A build that was killed** leaves torch's ``lock`` file in the build directory, and
+torch then waits for it forever, silently. Every build here first takes an
+exclusive ``flock`` on ``specserve-build.lock`` in that directory: the kernel drops
+it when its holder dies, so a process that holds it knows no specserve process is
+building there, and removes a leftover ``lock`` with a warning. A process that waits
+for another's build, or builds, says so in the log first.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
+import sys
+import sysconfig
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
 import torch
 
@@ -163,10 +176,17 @@ def _source_and_flags(capability: str) -> tuple[str, list[str], str]:
         *_ISA_FLAGS[capability],
         "-fopenmp",  # at::parallel_for is inline OpenMP; torch's libgomp is reused
     ]
-    # One build directory (and op namespace) per source version and instruction set:
-    # torch's JIT cache is keyed by name, and a process that waits on another's build
-    # of an older source (or for another CPU) would otherwise load that one.
-    digest = hashlib.sha256("\n".join([source, *flags, torch.__version__]).encode())
+    # One build directory (and op namespace) per source version, instruction set and
+    # everything else that makes two builds differ (the torch build, the Python ABI,
+    # the compiler): torch's JIT cache is keyed by name, and two installs sharing a
+    # cache would otherwise load, or rebuild over, each other's library.
+    toolchain = [
+        torch.__version__,
+        str(torch.version.git_version),
+        str(sysconfig.get_config_var("SOABI")),
+        os.environ.get("CXX", "c++"),  # what torch's builder compiles with
+    ]
+    digest = hashlib.sha256("\n".join([source, *flags, *toolchain]).encode())
     digest = digest.hexdigest()[:12]
     return source, flags, f"{_LIB}_{digest}"
 
@@ -176,25 +196,93 @@ def library_name(capability: str) -> str:
     return _source_and_flags(capability)[2]
 
 
+def build_root() -> Path:
+    """The directory torch's JIT cache builds in: ``TORCH_EXTENSIONS_DIR``, else torch's
+    default (under ``HOME``, one folder per Python version and accelerator)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    # torch's own rule for the default, so a build here lands where torch's would.
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+@contextmanager
+def exclusive_build(build_dir: Path, capability: str) -> Iterator[None]:
+    """Hold this machine's build of ``build_dir`` for the block, breaking a stale lock.
+
+    Takes an exclusive ``flock`` on ``build_dir/specserve-build.lock`` (waiting, with a
+    log line, while another process holds it). Holding it means no specserve process
+    is building there, so torch's ``lock`` file, if present, was left by a build that
+    was killed: it is removed with a warning, or torch would wait for it forever. A
+    directory where the lock file cannot be created (read-only) is used as it is.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(build_dir / "specserve-build.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        log.debug("no build lock in %s (%s): loading without it", build_dir, e)
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info(
+                "waiting for another process that is building the CPU kernels in %s", build_dir
+            )
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        torch_lock = build_dir / "lock"
+        if torch_lock.exists():
+            log.warning(
+                "removing %s: a CPU kernel build was interrupted there (no process builds "
+                "now), and torch would wait for its lock forever",
+                torch_lock,
+            )
+            torch_lock.unlink(missing_ok=True)
+        if not any(build_dir.glob("*.so")):
+            log.info(
+                "building the CPU kernels for %s in %s (first start only, about a minute)",
+                capability,
+                build_dir,
+            )
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def compile_for(capability: str) -> str:
     """Compile (or find in torch's JIT cache) and load the library for ``capability``
     ("AVX512" or "AVX2"); returns its op namespace. Raises where that is impossible.
 
-    The cache lives in ``TORCH_EXTENSIONS_DIR`` (torch's default is under ``HOME``); a
-    library built at the same path is reused without a compiler, which is how an
-    image ships the kernels prebuilt (:mod:`specserve.engine.kernel_prebuild`).
+    The cache lives in :func:`build_root` (``TORCH_EXTENSIONS_DIR``, or torch's default
+    under ``HOME``); a library built at the same path is reused without a compiler,
+    which is how an image ships the kernels prebuilt
+    (:mod:`specserve.engine.kernel_prebuild`). A stale lock left there by a killed
+    build is broken (:func:`exclusive_build`).
     """
     from torch.utils.cpp_extension import load_inline
 
     source, flags, name = _source_and_flags(capability)
-    load_inline(
-        name,
-        [source],
-        extra_cflags=[*flags, f"-DLIBNAME={name}"],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        no_implicit_headers=True,
-    )
+    build_dir = build_root() / name
+    with exclusive_build(build_dir, capability):
+        load_inline(
+            name,
+            [source],
+            extra_cflags=[*flags, f"-DLIBNAME={name}"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            no_implicit_headers=True,
+            build_directory=str(build_dir),
+        )
     return name
 
 

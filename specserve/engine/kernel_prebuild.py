@@ -1,7 +1,9 @@
 """Prebuild the CPU kernels for every instruction set, for an image without compilers.
 
 ``python -m specserve.engine.kernel_prebuild`` compiles :mod:`specserve.engine.cpu_kernels`
-for AVX-512 and AVX2 into ``TORCH_EXTENSIONS_DIR``, whatever the building machine's
+for AVX-512 and AVX2 into ``TORCH_EXTENSIONS_DIR`` (torch's default cache when unset:
+run it once after ``pip install`` so no server builds at its first start), whatever
+the building machine's
 CPU: each build runs in a child process, and a build counts as done when its shared
 library exists (a child may not be able to load the AVX-512 library it just built
 on a CPU without AVX-512; that is not a failed build). Exit status 0 when every
@@ -13,20 +15,17 @@ libraries without a compiler: torch's JIT cache finds them up to date.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from specserve.engine.cpu_kernels import CAPABILITIES, library_name
+from specserve.engine.cpu_kernels import CAPABILITIES, build_root, library_name
 
 
 def extensions_dir() -> Path:
-    """Where torch's JIT cache puts the builds (``TORCH_EXTENSIONS_DIR`` must be set)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root:
-        raise SystemExit("set TORCH_EXTENSIONS_DIR to the directory the image will ship")
-    return Path(root)
+    """Where torch's JIT cache puts the builds: ``TORCH_EXTENSIONS_DIR``, else torch's
+    default (where a server on this machine looks for them)."""
+    return build_root()
 
 
 def prebuild(capability: str, root: Path) -> Path | None:
@@ -40,6 +39,7 @@ def prebuild(capability: str, root: Path) -> Path | None:
 
 def main() -> int:
     root = extensions_dir()
+    print(f"building the CPU kernels in {root} (about a minute each)", flush=True)
     missing = 0
     for capability in CAPABILITIES:
         library = prebuild(capability, root)

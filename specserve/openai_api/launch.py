@@ -8,7 +8,6 @@ it answers SERVING).
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 import urllib.error
@@ -45,15 +44,11 @@ class HttpServerProcess(ServerProcess):
         port_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", MODULE, *self.args, "--host", self.host, "--port", "0"]
         cmd += ["--port-file", str(port_file)]
-        log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        log.close()
+        proc = self.spawn(cmd)
         deadline = time.monotonic() + timeout_s
         while not port_file.exists() or not port_file.read_text():
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"http server exited with {self.proc.returncode}:\n{self.output()}"
-                )
+            if proc.poll() is not None:
+                raise RuntimeError(f"http server exited with {proc.returncode}:\n{self.output()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"http server did not bind in {timeout_s} s:\n{self.output()}")
             time.sleep(0.02)

@@ -18,6 +18,7 @@ flag                            environment                      default
 ``--redis-retry-s``             ``SPECSERVE_REDIS_RETRY_S``      10 (transient errors)
 ``--session-lease-s``           ``SPECSERVE_SESSION_LEASE_S``    5
 ``--target-stall-s``            ``SPECSERVE_TARGET_STALL_S``     5 (a hung target)
+``--target-timeout-s``          ``SPECSERVE_TARGET_TIMEOUT_S``   60 (a Verify's least budget)
 ``--round-transport``           ``SPECSERVE_ROUND_TRANSPORT``     socket (or stream, unary)
 ``--tokenizer``                 ``SPECSERVE_TOKENIZER``          none (token ids only)
 ``--host`` / ``--port``         ``SPECSERVE_HOST`` / ``_PORT``   127.0.0.1 / 50051
@@ -226,14 +227,20 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     )
     g.add_argument("--draft-timeout-s", type=float, default=float(str(e("DRAFT_TIMEOUT_S", 2.0))))
     g.add_argument(
-        "--target-timeout-s", type=float, default=float(str(e("TARGET_TIMEOUT_S", 60.0)))
+        "--target-timeout-s",
+        type=float,
+        default=float(str(e("TARGET_TIMEOUT_S", 60.0))),
+        help="the least a Verify is given before it counts as slow; a larger call gets "
+        "its rows times the target's measured seconds per row (times 8), and a slow "
+        "target twice that on the replay",
     )
     g.add_argument(
         "--target-stall-s",
         type=float,
         default=float(str(e("TARGET_STALL_S", DEFAULT_STALL_S))),
-        help="fail a target over when its model thread made no progress for this long while "
-        "it held a round (a hung replica); a slow but progressing one is waited for",
+        help="fail a target over when, this long while it held a round, its model thread "
+        "took no step and no CPU time, or it did not answer at all (a hung or stopped "
+        "replica), and another target is usable; a slow one, or a lone one, is waited for",
     )
     g.add_argument(
         "--failover-s",

@@ -7,7 +7,6 @@ Used by ``specserve up`` and the end-to-end tests.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -51,15 +50,11 @@ class OrchestratorProcess(ServerProcess):
             "--port-file",
             str(port_file),
         ]
-        log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        log.close()
+        proc = self.spawn(cmd)
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"orchestrator exited with {self.proc.returncode}:\n" + self.output()
-                )
+            if proc.poll() is not None:
+                raise RuntimeError(f"orchestrator exited with {proc.returncode}:\n" + self.output())
             if time.monotonic() > deadline:
                 raise TimeoutError(f"orchestrator did not bind in {timeout_s} s:\n" + self.output())
             time.sleep(0.02)

@@ -212,6 +212,7 @@ class ModelExecutor(Generic[B]):
     # -- the model thread -------------------------------------------------------------
 
     def _main(self, load: Callable[[], B]) -> None:
+        self.progress.attach_thread()  # GetLoad reports this thread's CPU time
         try:
             self._backend = load()
             watched = getattr(self._backend, "progress_modules", None)

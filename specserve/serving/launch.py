@@ -6,6 +6,9 @@ module that takes the same serving flags), writes its bound port to F once
 listening, and answers health SERVING once its model is loaded. A server started
 with TLS flags is checked over TLS: give the process the :class:`ClientTls` to use
 (with a client certificate when the server asks for one).
+
+Every child is started with :func:`~specserve.serving.supervision.die_with_parent`:
+it gets SIGTERM if the launcher dies without stopping it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from types import TracebackType
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specserve.serving.supervision import die_with_parent
 from specserve.serving.tls import ClientTls, sync_channel
 
 MODULES = {"draft": "specserve.draft_service", "target": "specserve.target_service"}
@@ -77,16 +81,12 @@ class ServerProcess:
             "--port-file",
             str(port_file),
         ]
-        log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd
-        )
-        log.close()
+        proc = self.spawn(cmd)
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 raise RuntimeError(
-                    f"{self.role} server exited with {self.proc.returncode}:\n" + self.output()
+                    f"{self.role} server exited with {proc.returncode}:\n" + self.output()
                 )
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -95,6 +95,20 @@ class ServerProcess:
             time.sleep(0.02)
         self.port = int(port_file.read_text())
         return self
+
+    def spawn(self, cmd: Sequence[str]) -> subprocess.Popen[bytes]:
+        """Start ``cmd`` as this object's child, its output to :attr:`log_path`; the
+        child gets SIGTERM if this process dies (see :mod:`specserve.serving.supervision`)."""
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                preexec_fn=die_with_parent(),
+            )
+        return self.proc
 
     def health(self, service: str = "", timeout_s: float = 2.0) -> int:
         """The health status the server reports now (a HealthCheckResponse.ServingStatus)."""
@@ -114,12 +128,17 @@ class ServerProcess:
             time.sleep(0.02)
         return self
 
+    def terminate(self) -> None:
+        """Send SIGTERM (graceful shutdown) without waiting; :meth:`stop` waits."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 15.0) -> int | None:
         """SIGTERM (graceful shutdown), then SIGKILL if it lingers; returns the exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -144,3 +163,14 @@ class ServerProcess:
     ) -> None:
         self.stop()
         self._dir.cleanup()
+
+
+def stop_all(processes: Sequence[ServerProcess | None], timeout_s: float = 15.0) -> None:
+    """Stop every process, all draining at once: SIGTERM to each first, then wait for
+    each (SIGKILL past ``timeout_s`` from now). None entries are skipped."""
+    started = [p for p in processes if p is not None]
+    for p in started:
+        p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in started:
+        p.stop(max(0.0, deadline - time.monotonic()))

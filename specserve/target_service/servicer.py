@@ -169,6 +169,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             kv_bytes_free=load.kv_bytes_free,
             queue_depth=self.executor.queue_depth(),
             progress_steps=self.executor.progress.steps,
+            model_cpu_ns=self.executor.progress.cpu_ns(),
             busy=self.executor.busy(),
             tp_size=backend.tp_size,
             kv_fingerprint=kv.fingerprint if kv is not None else b"",

@@ -91,7 +91,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("replica_id", "role", "model", "sessions", "kv_bytes_used", "kv_bytes_free", "queue_depth", "tp_size", "dtype", "kv_fingerprint", "kv_bytes_per_token", "data_port", "progress_steps", "busy", "max_context_tokens", "kv_capacity_tokens")
+    __slots__ = ("replica_id", "role", "model", "sessions", "kv_bytes_used", "kv_bytes_free", "queue_depth", "tp_size", "dtype", "kv_fingerprint", "kv_bytes_per_token", "data_port", "progress_steps", "busy", "model_cpu_ns", "max_context_tokens", "kv_capacity_tokens")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class LoadReport(_message.Message):
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_STEPS_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CPU_NS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
@@ -122,9 +123,10 @@ class LoadReport(_message.Message):
     data_port: int
     progress_steps: int
     busy: bool
+    model_cpu_ns: int
     max_context_tokens: int
     kv_capacity_tokens: int
-    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_fingerprint: _Optional[bytes] = ..., kv_bytes_per_token: _Optional[int] = ..., data_port: _Optional[int] = ..., progress_steps: _Optional[int] = ..., busy: _Optional[bool] = ..., max_context_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_fingerprint: _Optional[bytes] = ..., kv_bytes_per_token: _Optional[int] = ..., data_port: _Optional[int] = ..., progress_steps: _Optional[int] = ..., busy: _Optional[bool] = ..., model_cpu_ns: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
 
 class StreamCallHeader(_message.Message):
     __slots__ = ("request_id", "timeout_ms", "traceparent", "tracestate")

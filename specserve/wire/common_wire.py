@@ -174,6 +174,7 @@ def load_report(
     kv_bytes_per_token: int = 0,
     progress_steps: int = 0,
     busy: bool = False,
+    model_cpu_ns: int = 0,
     limit: SessionLimit | None = None,
     data_port: int = 0,
 ) -> common_pb2.LoadReport:
@@ -192,6 +193,7 @@ def load_report(
         kv_bytes_per_token=kv_bytes_per_token,
         progress_steps=progress_steps,
         busy=busy,
+        model_cpu_ns=model_cpu_ns,
         max_context_tokens=limit.context if limit is not None else 0,
         kv_capacity_tokens=limit.kv_tokens if limit is not None else 0,
     )

@@ -3,7 +3,9 @@
 * ``NEEDS_HISTORY`` answers are resent at once with the whole committed history
   (:func:`send_resending_history`, for both calls).
 * A target whose model thread makes no progress for ``stall_s`` while a Verify is
-  out (hung, stopped: :mod:`specserve.orchestrator.fleet.stall`) is lost at once.
+  out (hung, stopped: :mod:`specserve.orchestrator.fleet.stall`; no CPU time used, or
+  no answer at all) is lost at once, when another target could take the batch. A
+  lone target keeps it (up to the call's timeout).
 * A transport failure (unreachable, past the deadline), or INTERNAL from a
   replica whose health then says NOT_SERVING (a device failure), takes the
   replica out of its pool for a backoff and is reported as ``lost``: drafts then
@@ -14,7 +16,9 @@
   as at a round boundary past their deadline, and the target stays in the pool.
   Past the target timeout instead, on a target still SERVING, it is *slow*: the
   caller replays it on the same replica (whose KV is warm; it rolls back to the
-  request's start) before it calls the replica lost.
+  request's start) before it calls the replica lost. The only target, when its model
+  thread moved during the call, counts as SERVING here even if it does not answer
+  health at that moment (a starved host, a process stopped part of the time).
 * A draft replica past the round's deadline whose health still answers SERVING is
   *slow*, not lost: the round verifies without its drafts and it stays in the pool
   (taking a busy draft pool out would move every session to k = 0 and make the
@@ -113,6 +117,7 @@ class VerifyOutcome:
     errors: dict[str, EngineError] = field(default_factory=dict)
     lost: bool = False  # the replica failed: nothing was verified
     slow: bool = False  # past the target timeout, the replica still SERVING: nothing verified
+    progressed: bool = False  # the stall watch saw the model thread move during the call
     why: str = ""  # how it failed, when lost or slow
     batch_sizes: list[int] = field(default_factory=list)  # as the target reported them
     compute_s: float = 0.0  # the target's compute for the calls, as it reported it
@@ -274,7 +279,8 @@ async def verify(
     target timeout; if it passes while the replica still answers SERVING, the batch
     ``expired`` and the replica stays in the pool. Without the cut, the same is ``slow``.
     ``stall_s`` > 0: a replica whose model thread makes no progress that long while the
-    call is out is ``lost`` at once (:mod:`specserve.orchestrator.fleet.stall`).
+    call is out is ``lost`` at once if another target is usable
+    (:mod:`specserve.orchestrator.fleet.stall`); ``progressed`` says whether it moved.
     """
     out = VerifyOutcome()
     replica = pool.get(endpoint)
@@ -303,7 +309,15 @@ async def verify(
             if replica.stream is not None
             else replica.stub.Verify(request(which, full), timeout=timeout_s)
         )
-        return await call_watched(replica, rpc, stall_s)
+        return await call_watched(
+            replica, rpc, stall_s, may_fail_over=elsewhere, on_progress=progressed
+        )
+
+    def elsewhere() -> bool:  # a stall verdict needs another target to go to
+        return any(e != endpoint for e in pool.usable())
+
+    def progressed() -> None:
+        out.progressed = True
 
     try:
         results, responses, out.resent = await send_resending_history(sessions, call)
@@ -315,15 +329,19 @@ async def verify(
         pool.mark_failed(endpoint, out.why)
         return out
     except grpc.aio.AioRpcError as e:
-        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and await is_serving(replica):
+        # Past the timeout on a replica that answers SERVING (busy), or that does not
+        # answer now but moved during the call and is the only target (starved): slow.
+        serving = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and await is_serving(replica)
+        starved = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (
+            out.progressed and not elsewhere()
+        )
+        if serving or starved:
             if deadline_cut:
                 out.expired = True
             else:
                 out.slow = True
-                out.why = (
-                    f"Verify on {endpoint} ran past {timeout_s:g} s while the replica "
-                    "answered SERVING"
-                )
+                how = "answered SERVING" if serving else "moved during it (the only target)"
+                out.why = f"Verify on {endpoint} ran past {timeout_s:g} s while the replica {how}"
             return out
         if await replica_lost(replica, e.code()):
             out.lost, out.why = True, f"Verify on {endpoint}: {e.code().name}: {e.details()}"
@@ -340,6 +358,7 @@ async def verify(
             out.logprobs.update(part.logprobs)
             out.errors.update(part.errors)
             out.lost |= part.lost
+            out.progressed |= part.progressed
             out.why = out.why or part.why
             out.batch_sizes.extend(part.batch_sizes)
             out.compute_s += part.compute_s

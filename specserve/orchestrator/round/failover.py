@@ -1,10 +1,15 @@
 """Verify with failover: a round's ``Verify``, replayed elsewhere when its target is lost.
 
-:meth:`Failover.verify` sends the batch to its lane's target (:func:`calls.verify`).
+:meth:`Failover.verify` sends the batch to its lane's target (:func:`calls.verify`),
+with a timeout from the work in the batch and the target's measured speed
+(:class:`~specserve.orchestrator.round.verify_budget.VerifyBudget`, never below
+``--target-timeout-s``).
 
-* A target past the target timeout that still answers SERVING is *slow*: the same
-  round is replayed on it once more (its KV is warm there), and only a second miss
-  counts as a loss.
+* A target past that timeout that still answers SERVING is *slow*: the same round
+  is replayed on it with twice the budget (its KV is warm there), and only a second
+  miss counts as a loss — unless it is the only usable target and its model thread
+  moved during the call: then it keeps the round, replayed with a doubled budget
+  each time, for as long as it progresses and the clients' deadlines allow.
 * A lost target: each session's stored record is re-read, and a session whose
   record moved on (closed, or taken over by another orchestrator) is dropped with
   ``VersionConflict`` and marked ``gone``; the rest — same drafts, same (seed, round
@@ -32,6 +37,7 @@ from specserve.orchestrator.policy import Planner
 from specserve.orchestrator.round import calls
 from specserve.orchestrator.round.calls import Plan, RoundTimeouts, batch_timeout
 from specserve.orchestrator.round.stats import RunnerStats
+from specserve.orchestrator.round.verify_budget import VerifyBudget, rows_of
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
 from specserve.orchestrator.store.session_store import SessionStore
@@ -65,6 +71,7 @@ class Failover:
         self.planner = planner  # forgets a lost target's costs
         self.snapshots = snapshots  # None: --kv-snapshots is off
         self.refresh_usable = refresh_usable  # the scheduler's view of usable replicas
+        self.budget = VerifyBudget(timeouts.target_s)  # each Verify's timeout
 
     async def verify(
         self,
@@ -87,19 +94,34 @@ class Failover:
         todo = items
         slow_before = False  # this replica already missed the target timeout once
         while todo:
-            timeout = batch_timeout(self.timeouts.target_s, [s for s, _ in todo])
-            cut = timeout < self.timeouts.target_s
+            rows = sum(
+                rows_of(s.state.tokens[s.state.target_start :], len(p.proposal.tokens), p.steps)
+                for s, p in todo
+            )
+            budget = self.budget.timeout_s(target, rows)
+            timeout = batch_timeout(budget, [s for s, _ in todo])
+            cut = timeout < budget
             out = await calls.verify(
                 self.targets, target, todo, timeout, deadline_cut=cut, stall_s=self.timeouts.stall_s
             )
+            if out.verdicts and not out.slow:
+                self.budget.observe(target, rows, out.compute_s)
             if out.expired:  # the clients left, not the target: no failover
                 total.expired = True
                 break
             if out.slow:
                 self.stats.slow_verifies += 1
-                if not slow_before:  # busy, not broken: same replica, same round
+                self.budget.missed(target)
+                alone = not any(e != target for e in self.targets.usable())
+                if not slow_before or (alone and out.progressed):
+                    # busy, not broken: same replica, same round, a longer budget
                     slow_before = True
-                    log.warning("%s; replaying the round there once", out.why)
+                    log.warning(
+                        "%s; replaying the round there with a %g s budget%s",
+                        out.why,
+                        self.budget.timeout_s(target, rows),
+                        " (the only target, and it progresses)" if alone else "",
+                    )
                     trace.get_current_span().add_event(
                         "slow target", {attr.TARGET: target, attr.BATCH_SIZE: len(todo)}
                     )
@@ -114,6 +136,7 @@ class Failover:
                 break
             if out.lost:
                 self.planner.forget(target)  # a replacement may be another machine
+                self.budget.forget(target)
             if settle is not None:  # the store must hold the last round before it is read
                 ended = await settle()
                 todo = [(s, p) for s, p in todo if s.sid not in ended]
