@@ -22,7 +22,7 @@ from specserve.engine.drafter import Drafter, DrafterKind
 from specserve.engine.dtypes import DTYPES
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.loader import LoadedModel, check_compatible, load_spec
-from specserve.engine.model_drafter import DEFAULT_MIN_CONFIDENCE, ModelDrafter
+from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.ngram import NgramDrafter
 from specserve.engine.round_cost import RoundCosts
 from specserve.engine.sampling import SamplingParams
@@ -43,7 +43,7 @@ class LocalConfig:
     kv_budget_bytes: int = 2 << 30
     draft_kv_budget_bytes: int = 1 << 30
     threads: int | None = None
-    min_confidence: float = DEFAULT_MIN_CONFIDENCE  # stop drafting a round below this
+    min_confidence: float = 0.0
     draft_vocab: int = DEFAULT_DRAFT_VOCAB  # tokens the draft's head scores (0: all)
     # Adaptive k plans with the round costs this loop measures (not the static guess).
     measured_costs: bool = True

@@ -12,7 +12,6 @@ from specserve.engine.draft_ahead import MAX_DRAFT_AHEAD
 from specserve.engine.draft_vocab import DEFAULT_DRAFT_VOCAB
 from specserve.engine.dtypes import DTYPES
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
-from specserve.engine.model_drafter import DEFAULT_MIN_CONFIDENCE
 from specserve.serving.cli_args import (
     add_server_arguments,
     device_and_dtype,
@@ -36,7 +35,7 @@ class DraftServerConfig:
     dtype: str = DEFAULT_DTYPE  # from flags: this on a CPU, bfloat16 on CUDA
     kv_budget_bytes: int = 1 << 30
     max_support: int = 64  # sparse q entries per sampled draft token
-    min_confidence: float = DEFAULT_MIN_CONFIDENCE  # stop drafting a round below this top prob.
+    min_confidence: float = 0.0  # stop drafting a session below this top probability
     draft_vocab: int = DEFAULT_DRAFT_VOCAB  # tokens the draft's head scores (0: all)
     # Ahead tokens per session drafted while the model is idle (engine.draft_ahead); 0 = off.
     # For a draft on its own device: on shared CPU cores it takes the target's CPU time.
@@ -88,9 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
     parser.add_argument(
         "--min-confidence",
         type=float,
-        default=DEFAULT_MIN_CONFIDENCE,
-        help="stop drafting a session's round when the draft's top probability falls below "
-        f"this (default {DEFAULT_MIN_CONFIDENCE}; 0 drafts every token the policy allows)",
+        default=0.0,
+        help="stop drafting a session when its top probability falls below this, from a "
+        "round's first draft on, for every session (adaptive sessions already stop past "
+        "their first draft below the policy's own cut, 0.5)",
     )
     parser.add_argument(
         "--draft-vocab",

@@ -130,7 +130,13 @@ class DecodeState:
     def draft_input(self, k: int, *, full: bool = False) -> DraftInput:
         start = 0 if full else self.draft_start
         return DraftInput(
-            self.session_id, start, self.tokens[start:], k, self.params, self.round_index
+            self.session_id,
+            start,
+            self.tokens[start:],
+            k,
+            self.params,
+            self.round_index,
+            self.k_policy.draft_confidence,
         )
 
     def verify_input(

@@ -53,8 +53,13 @@ class DraftInput:
     k: int
     params: SamplingParams
     round_index: int
+    # Past a round's first draft, stop where the draft's top probability falls below this
+    # (the adaptive policy's depth cut, KPolicy.draft_confidence; 0 = draft all k).
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise InvalidArgument(f"min_confidence must be in [0, 1), got {self.min_confidence}")
         if not 0 <= self.k <= MAX_K:
             raise InvalidArgument(f"k must be between 0 and {MAX_K}, got {self.k}")
         if self.start < 0:

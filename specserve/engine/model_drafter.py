@@ -44,14 +44,6 @@ from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.rejection import Proposal
 from specserve.engine.sampling import SamplingParams
 
-# The confidence below which the servers and local mode stop drafting a session's round
-# (the draft's top probability; ModelDrafter's own default, 0, drafts the k asked for).
-# A round then drafts deep where the draft is sure (code) and stops early where it is not,
-# under the k the policy allows: adaptive k with it ran 1.19-1.22x target-only against
-# 1.11-1.13x without (Qwen2.5-Coder 1.5B/0.5B Q4_K_M, HumanEval 0-11 + 5 prose prompts, 64
-# tokens, AMD EPYC AVX2, 2 threads; 0.4: 1.18x, 0.6: 1.19-1.20x, 0.7: 1.17x).
-DEFAULT_MIN_CONFIDENCE = 0.5
-
 
 @dataclass
 class _Session:
@@ -69,6 +61,7 @@ class _Active:
     params: SamplingParams
     round_index: int
     feed: list[int]  # tokens to run in the next forward
+    cut: float = 0.0  # the session's confidence cut past its first draft (DraftInput)
     drafts: list[int] = field(default_factory=list)  # ahead drafts first, if it took any
     q_ids: list[torch.Tensor] = field(default_factory=list)  # [m] per draft
     q_probs: list[torch.Tensor] = field(default_factory=list)  # [m] per draft
@@ -136,7 +129,7 @@ class ModelDrafter:
                 outcomes[i] = DraftOutcome.needs_history()
                 continue
             feed, pre = synced
-            a = _Active(i, x.session_id, x.k, x.params, x.round_index, feed)
+            a = _Active(i, x.session_id, x.k, x.params, x.round_index, feed, x.min_confidence)
             if pre is not None:
                 a.drafts, a.q_ids, a.q_probs = list(pre.tokens), list(pre.q_ids), list(pre.q_probs)
             if x.k == 0:
@@ -215,12 +208,12 @@ class ModelDrafter:
             greedy: list[int] = []
             if any(a.params.greedy for a in running):
                 greedy = logits.argmax(dim=-1).tolist()
+            # The replica's floor from the first draft on, a session's own cut past it.
+            cuts = [max(self.min_confidence, a.cut if a.drafts else 0.0) for a in running]
             top: list[float] = []
-            if self.min_confidence > 0:
+            if any(cuts):
                 top = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
-            going = [
-                row for row in range(len(running)) if not top or top[row] >= self.min_confidence
-            ]
+            going = [row for row in range(len(running)) if not top or top[row] >= cuts[row]]
             tokens = self._sample([running[row] for row in going], logits, greedy, going)
             still = []
             for row, token in zip(going, tokens, strict=True):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specserve/v1/draft.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xbd\x01\n\x0c\x44raftSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\t\n\x01k\x18\x04 \x01(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingConfig\x12\x13\n\x0bround_index\x18\x06 \x01(\x04\x12&\n\x07\x64rafter\x18\x07 \x01(\x0e\x32\x15.specserve.v1.Drafter\"N\n\x0eProposeRequest\x12,\n\x08sessions\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.DraftSession\x12\x0e\n\x06strict\x18\x02 \x01(\x08\"\x92\x01\n\x0b\x44raftResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.specserve.v1.SessionStatus\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12 \n\x01q\x18\x07 \x01(\x0b\x32\x15.specserve.v1.SparseQJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"y\n\x0fProposeResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.specserve.v1.DraftResult\x12\x12\n\ncompute_ns\x18\x02 \x01(\x04\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x12\n\nbatch_size\x18\x04 \x01(\r\"u\n\x14ProposeStreamRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.specserve.v1.StreamCallHeader\x12-\n\x07request\x18\x02 \x01(\x0b\x32\x1c.specserve.v1.ProposeRequest\"\x99\x01\n\x15ProposeStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1d.specserve.v1.ProposeResponseH\x00\x12.\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.specserve.v1.StreamCallErrorH\x00\x42\t\n\x07outcome2\xbf\x02\n\x0c\x44raftService\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12\\\n\rProposeStream\x12\".specserve.v1.ProposeStreamRequest\x1a#.specserve.v1.ProposeStreamResponse(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x41\n\x07GetLoad\x12\x1c.specserve.v1.GetLoadRequest\x1a\x18.specserve.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specserve/v1/draft.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\xd5\x01\n\x0c\x44raftSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x12\n\nnew_tokens\x18\x03 \x03(\x05\x12\t\n\x01k\x18\x04 \x01(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specserve.v1.SamplingConfig\x12\x13\n\x0bround_index\x18\x06 \x01(\x04\x12&\n\x07\x64rafter\x18\x07 \x01(\x0e\x32\x15.specserve.v1.Drafter\x12\x16\n\x0emin_confidence\x18\x08 \x01(\x02\"N\n\x0eProposeRequest\x12,\n\x08sessions\x18\x01 \x03(\x0b\x32\x1a.specserve.v1.DraftSession\x12\x0e\n\x06strict\x18\x02 \x01(\x08\"\x92\x01\n\x0b\x44raftResult\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12+\n\x06status\x18\x02 \x01(\x0e\x32\x1b.specserve.v1.SessionStatus\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12 \n\x01q\x18\x07 \x01(\x0b\x32\x15.specserve.v1.SparseQJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"y\n\x0fProposeResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.specserve.v1.DraftResult\x12\x12\n\ncompute_ns\x18\x02 \x01(\x04\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x12\n\nbatch_size\x18\x04 \x01(\r\"u\n\x14ProposeStreamRequest\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.specserve.v1.StreamCallHeader\x12-\n\x07request\x18\x02 \x01(\x0b\x32\x1c.specserve.v1.ProposeRequest\"\x99\x01\n\x15ProposeStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1d.specserve.v1.ProposeResponseH\x00\x12.\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.specserve.v1.StreamCallErrorH\x00\x42\t\n\x07outcome2\xbf\x02\n\x0c\x44raftService\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12\\\n\rProposeStream\x12\".specserve.v1.ProposeStreamRequest\x1a#.specserve.v1.ProposeStreamResponse(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12\x41\n\x07GetLoad\x12\x1c.specserve.v1.GetLoadRequest\x1a\x18.specserve.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.draft_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTSESSION']._serialized_start=70
-  _globals['_DRAFTSESSION']._serialized_end=259
-  _globals['_PROPOSEREQUEST']._serialized_start=261
-  _globals['_PROPOSEREQUEST']._serialized_end=339
-  _globals['_DRAFTRESULT']._serialized_start=342
-  _globals['_DRAFTRESULT']._serialized_end=488
-  _globals['_PROPOSERESPONSE']._serialized_start=490
-  _globals['_PROPOSERESPONSE']._serialized_end=611
-  _globals['_PROPOSESTREAMREQUEST']._serialized_start=613
-  _globals['_PROPOSESTREAMREQUEST']._serialized_end=730
-  _globals['_PROPOSESTREAMRESPONSE']._serialized_start=733
-  _globals['_PROPOSESTREAMRESPONSE']._serialized_end=886
-  _globals['_DRAFTSERVICE']._serialized_start=889
-  _globals['_DRAFTSERVICE']._serialized_end=1208
+  _globals['_DRAFTSESSION']._serialized_end=283
+  _globals['_PROPOSEREQUEST']._serialized_start=285
+  _globals['_PROPOSEREQUEST']._serialized_end=363
+  _globals['_DRAFTRESULT']._serialized_start=366
+  _globals['_DRAFTRESULT']._serialized_end=512
+  _globals['_PROPOSERESPONSE']._serialized_start=514
+  _globals['_PROPOSERESPONSE']._serialized_end=635
+  _globals['_PROPOSESTREAMREQUEST']._serialized_start=637
+  _globals['_PROPOSESTREAMREQUEST']._serialized_end=754
+  _globals['_PROPOSESTREAMRESPONSE']._serialized_start=757
+  _globals['_PROPOSESTREAMRESPONSE']._serialized_end=910
+  _globals['_DRAFTSERVICE']._serialized_start=913
+  _globals['_DRAFTSERVICE']._serialized_end=1232
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftSession(_message.Message):
-    __slots__ = ("session_id", "start", "new_tokens", "k", "sampling", "round_index", "drafter")
+    __slots__ = ("session_id", "start", "new_tokens", "k", "sampling", "round_index", "drafter", "min_confidence")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class DraftSession(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROUND_INDEX_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -23,7 +24,8 @@ class DraftSession(_message.Message):
     sampling: _common_pb2.SamplingConfig
     round_index: int
     drafter: _common_pb2.Drafter
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., round_index: _Optional[int] = ..., drafter: _Optional[_Union[_common_pb2.Drafter, str]] = ...) -> None: ...
+    min_confidence: float
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingConfig, _Mapping]] = ..., round_index: _Optional[int] = ..., drafter: _Optional[_Union[_common_pb2.Drafter, str]] = ..., min_confidence: _Optional[float] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("sessions", "strict")

@@ -36,7 +36,7 @@ def draft_calls(
         common_wire.check_tokens(tokens, vocab, "new_tokens", sid)
         params = common_wire.sampling_params(s.sampling, sid)
         try:
-            x = DraftInput(sid, start, tokens, k, params, s.round_index)
+            x = DraftInput(sid, start, tokens, k, params, s.round_index, s.min_confidence)
         except InvalidArgument as e:
             raise InvalidArgument(f"session {sid!r}: {e}") from None
         calls.append(DraftCall(kind, x))
@@ -76,6 +76,7 @@ def draft_session(x: DraftInput, drafter: DrafterKind) -> draft_pb2.DraftSession
         sampling=common_wire.sampling_pb(x.params),
         round_index=x.round_index,
         drafter=common_wire.DRAFTER_ENUMS[drafter],
+        min_confidence=x.min_confidence,
     )
 
 
