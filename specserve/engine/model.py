@@ -70,6 +70,24 @@ class SeqInput:
         assert 0 <= self.num_logits <= len(self.token_ids)
 
 
+def _cache_attention_args(
+    plan: ForwardPlan, rope: RotaryEmbedding, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[Any, ...]:
+    """What :func:`~specserve.engine.ops.rope_cache_attention` (and a layer as one op)
+    take after the new tokens: positions, RoPE, the layer's caches and the slots."""
+    return (
+        plan.positions,
+        rope.inv_freq,
+        rope.scale,
+        k_cache,
+        v_cache,
+        plan.write_slots,
+        plan.read_slots,
+        plan.token_session,
+        plan.sliding_window,
+    )
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -106,20 +124,7 @@ class Attention(nn.Module):
             [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias],
         )
         q, k, v = q.view(t, -1, hd), k.view(t, -1, hd), v.view(t, -1, hd)
-        out = rope_cache_attention(
-            q,
-            k,
-            v,
-            plan.positions,
-            rope.inv_freq,
-            rope.scale,
-            k_cache,
-            v_cache,
-            plan.write_slots,
-            plan.read_slots,
-            plan.token_session,
-            plan.sliding_window,
-        )
+        out = rope_cache_attention(q, k, v, *_cache_attention_args(plan, rope, k_cache, v_cache))
         if out is not None:  # the CPU kernel did all of the below in one op
             return linear(out, self.o_proj.weight)
         q, k = rope(q, k, plan.positions, plan.max_position)
@@ -197,20 +202,7 @@ class DecoderLayer(nn.Module):
         runs as one op, with the bits of the modules' own forwards."""
         packed = self._packed_layer(kern) if kern is not None else None
         if packed is not None and kern is not None:
-            return run_layer(
-                kern,
-                h,
-                packed,
-                plan.positions,
-                rope.inv_freq,
-                rope.scale,
-                k_cache,
-                v_cache,
-                plan.write_slots,
-                plan.read_slots,
-                plan.token_session,
-                plan.sliding_window,
-            )
+            return run_layer(kern, h, packed, *_cache_attention_args(plan, rope, k_cache, v_cache))
         h = h + self.self_attn(self.input_layernorm(h), plan, rope, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 

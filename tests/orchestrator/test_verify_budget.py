@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.orchestrator.round.verify_budget import MARGIN, VerifyBudget, rows_of
+from specserve.orchestrator.fleet.verify_budget import MARGIN, VerifyBudget, rows_of
 
 
 def test_the_floor_holds_until_the_target_is_measured_slow() -> None:

@@ -2,7 +2,7 @@
 
 :meth:`Failover.verify` sends the batch to its lane's target (:func:`calls.verify`),
 with a timeout from the work in the batch and the target's measured speed
-(:class:`~specserve.orchestrator.round.verify_budget.VerifyBudget`, never below
+(:class:`~specserve.orchestrator.fleet.verify_budget.VerifyBudget`, never below
 ``--target-timeout-s``).
 
 * A target past that timeout that still answers SERVING is *slow*: the same round
@@ -33,11 +33,11 @@ from specserve.engine.errors import EngineError
 from specserve.orchestrator.errors import VersionConflict
 from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.fleet.scheduler import Scheduler
+from specserve.orchestrator.fleet.verify_budget import VerifyBudget, rows_of
 from specserve.orchestrator.policy import Planner
 from specserve.orchestrator.round import calls
 from specserve.orchestrator.round.calls import Plan, RoundTimeouts, batch_timeout
 from specserve.orchestrator.round.stats import RunnerStats
-from specserve.orchestrator.round.verify_budget import VerifyBudget, rows_of
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
 from specserve.orchestrator.store.session_store import SessionStore
