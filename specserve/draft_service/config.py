@@ -11,6 +11,7 @@ from specserve.engine.devices import check_device_name
 from specserve.engine.draft_ahead import MAX_DRAFT_AHEAD
 from specserve.engine.draft_vocab import DEFAULT_DRAFT_VOCAB
 from specserve.engine.dtypes import DTYPES
+from specserve.engine.k_policy import DRAFT_CONFIDENCE
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
 from specserve.serving.cli_args import (
     add_server_arguments,
@@ -90,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         default=0.0,
         help="stop drafting a session when its top probability falls below this, from a "
         "round's first draft on, for every session (adaptive sessions already stop past "
-        "their first draft below the policy's own cut, 0.5)",
+        f"their first draft below the policy's own cut, {DRAFT_CONFIDENCE})",
     )
     parser.add_argument(
         "--draft-vocab",

@@ -69,7 +69,7 @@ def draft_vocabulary(tokenizer: Tokenizer, size: int, vocab: int) -> list[int] |
     while len(kept) < size:
         kept.add(low)
         low += 1
-    return sorted(kept)[:size] if len(kept) > size else sorted(kept)
+    return sorted(kept)[:size]  # (more only where the special tokens alone exceed size)
 
 
 def reduce_draft_head(model: CausalLM, tokenizer: Tokenizer | None, size: int, vocab: int) -> int:

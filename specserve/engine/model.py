@@ -34,18 +34,15 @@ from specserve.engine.config import ModelConfig
 from specserve.engine.cpu_kernels import Kernels
 from specserve.engine.forward_plan import ForwardPlan, plan_forward
 from specserve.engine.kv_cache import KVPool
+from specserve.engine.layer_op import PackedLayer, layer_kernels, pack_layer, run_layer
 from specserve.engine.ops import (
     MAX_KERNEL_ROWS,
-    PackedLayer,
     Weight,
     gate_up_silu,
-    layer_kernels,
     linear,
     linears,
-    pack_layer,
     rms_norm,
     rope_cache_attention,
-    run_layer,
 )
 from specserve.engine.quant.weight import QuantizedWeight
 from specserve.engine.rope import RotaryEmbedding
@@ -197,12 +194,12 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         kern: Kernels | None = None,
     ) -> torch.Tensor:
-        """``h`` through the layer. With ``kern`` (:func:`~specserve.engine.ops.layer_kernels`
+        """``h`` through the layer. With ``kern`` (:func:`~specserve.engine.layer_op.layer_kernels`
         said the forward may) a layer of quantized weights whose modules carry no hooks
         runs as one op, with the bits of the modules' own forwards."""
         packed = self._packed_layer(kern) if kern is not None else None
         if packed is not None and kern is not None:
-            return run_layer(kern, h, packed, *_cache_attention_args(plan, rope, k_cache, v_cache))
+            return run_layer(kern, h, packed, _cache_attention_args(plan, rope, k_cache, v_cache))
         h = h + self.self_attn(self.input_layernorm(h), plan, rope, k_cache, v_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 

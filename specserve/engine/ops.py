@@ -15,7 +15,7 @@ dtypes and devices, so it is deterministic per row count.
 
 Weights may be :class:`~specserve.engine.quant.QuantizedWeight` (GGML blocks): with the
 kernels, a product of any row count is multiplied in integers against 8-bit activation
-blocks (``q8_linears``; Q4_K, Q6_K and Q5_0 repacked once by :func:`_packed`), every
+blocks (``q8_linears``; Q4_K, Q6_K and Q5_0 repacked once by :func:`packed_blocks`), every
 row with the bits it has alone (batch invariance, docs/exactness.md), close to but not
 the dequantized float32 model. Without the kernels, a product of few rows dequantizes
 the whole weight and calls ``F.linear``, a larger one goes tile by tile: the bits of the
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -144,7 +143,7 @@ REPACKED = {
 _X8 = 1 << 16  # the repacked form's type code: the GGML type with this bit
 
 
-def _packed(kern: Kernels, weight: QuantizedWeight) -> tuple[torch.Tensor, int]:
+def packed_blocks(kern: Kernels, weight: QuantizedWeight) -> tuple[torch.Tensor, int]:
     """The blocks and type code the integer kernels read for ``weight``: a Q4_K, Q6_K or
     Q5_0 weight repacked once (rows padded to a multiple of 8; kept on the weight beside the
     file's blocks, which dequantization, embeddings and sharding read), other types as
@@ -159,7 +158,7 @@ def _packed(kern: Kernels, weight: QuantizedWeight) -> tuple[torch.Tensor, int]:
     return packed, _X8 | int(weight.ggml_type)
 
 
-def _pad(bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+def padded_bias(bias: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     """``bias`` zero-padded to ``rows`` (a repacked weight's padded rows)."""
     if bias is None or bias.shape[0] == rows:
         return bias
@@ -227,8 +226,8 @@ def linears(
     if kern is None:
         return [_torch_linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
     if all(quantized):
-        operands = [_packed(kern, w) for w in weights]  # type: ignore[arg-type]
-        padded = [_pad(b, t.shape[0]) for b, (t, _) in zip(biases, operands, strict=True)]
+        operands = [packed_blocks(kern, w) for w in weights]  # type: ignore[arg-type]
+        padded = [padded_bias(b, t.shape[0]) for b, (t, _) in zip(biases, operands, strict=True)]
         ys = kern.q8_linears(x, [t for t, _ in operands], [c for _, c in operands], padded)
         return [y[:, : w.shape[0]] for y, w in zip(ys, weights, strict=True)]
     return kern.linears(x, weights, biases)
@@ -243,7 +242,7 @@ def gate_up_silu(
     if isinstance(gate, QuantizedWeight) and isinstance(up, QuantizedWeight):
         kern = _kernels_for(x, (gate, up))
         if kern is not None:
-            (g, tg), (u, tu) = _packed(kern, gate), _packed(kern, up)
+            (g, tg), (u, tu) = packed_blocks(kern, gate), packed_blocks(kern, up)
             if g.shape[0] == u.shape[0]:  # (padded alike)
                 return kern.q8_gate_up_silu(x, g, tg, u, tu)[:, : gate.shape[0]]
             return F.silu(linear(x, gate)) * linear(x, up)
@@ -319,108 +318,6 @@ def rope_cache_attention(
         q,
         k,
         v,
-        positions,
-        inv_freq,
-        rope_scale,
-        k_cache,
-        v_cache,
-        write_slots,
-        read_slots,
-        token_session,
-        sliding_window or 0,
-    )
-
-
-def layer_kernels(h: torch.Tensor, k_cache: torch.Tensor) -> Kernels | None:
-    """The kernels if a forward of the packed new tokens ``h`` may run each decoder layer
-    as one op (:func:`run_layer`), else ``None``: kernels on, float32 CPU activations and
-    cache, at most :data:`MAX_KERNEL_ROWS` tokens (where :func:`rope_cache_attention`
-    applies), no autograd."""
-    if (
-        not _enabled[0]
-        or h.shape[0] > MAX_KERNEL_ROWS
-        or h.dtype != torch.float32
-        or not h.is_cpu
-        or k_cache.dtype != torch.float32
-        or not k_cache.is_cpu
-        or (torch.is_grad_enabled() and h.requires_grad)
-    ):
-        return None
-    return cpu_kernels.kernels()
-
-
-@dataclass(frozen=True)
-class PackedLayer:
-    """A decoder layer's operands as ``decoder_layer`` takes them (:func:`pack_layer`)."""
-
-    ws: list[torch.Tensor]  # q, k, v, o, gate, up, down: blocks as the kernels read them
-    types: list[int]  # their type codes
-    outs: list[int]  # their output widths before any row padding
-    biases: list[torch.Tensor | None]  # q, k, v (padded as their weights)
-    norms: list[torch.Tensor]  # input and post-attention norm weights
-    eps: float
-    head_dim: int
-    sources: tuple[object, ...]  # what it was packed from, compared by identity
-
-
-def pack_layer(
-    kern: Kernels,
-    weights: Sequence[Weight],  # q, k, v, o, gate, up, down
-    biases: Sequence[torch.Tensor | None],  # q, k, v
-    norms: Sequence[torch.Tensor],  # input, post-attention
-    eps: float,
-    head_dim: int,
-) -> PackedLayer | None:
-    """The layer's operands for :func:`run_layer`, or ``None`` where it cannot run as one
-    op: a weight that is not quantized, gate and up padded differently, a bias or norm
-    weight that is not a float32 CPU vector. Repacks weights as :func:`linears` would."""
-    if not all(isinstance(w, QuantizedWeight) and w.blocks.is_cpu for w in weights):
-        return None
-    vectors = [*norms, *(b for b in biases if b is not None)]
-    if any(v.dtype != torch.float32 or not v.is_cpu or v.dim() != 1 for v in vectors):
-        return None
-    packed = [_packed(kern, w) for w in weights]  # type: ignore[arg-type]
-    if packed[4][0].shape[0] != packed[5][0].shape[0]:
-        return None
-    return PackedLayer(
-        ws=[t for t, _ in packed],
-        types=[c for _, c in packed],
-        outs=[w.shape[0] for w in weights],
-        biases=[_pad(b, t.shape[0]) for b, (t, _) in zip(biases, packed[:3], strict=True)],
-        norms=list(norms),
-        eps=float(eps),
-        head_dim=int(head_dim),
-        sources=(*weights, *biases, *norms),
-    )
-
-
-def run_layer(
-    kern: Kernels,
-    h: torch.Tensor,  # [tokens, hidden]
-    layer: PackedLayer,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    rope_scale: float,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    write_slots: torch.Tensor,
-    read_slots: torch.Tensor,
-    token_session: torch.Tensor,
-    sliding_window: int | None,
-) -> torch.Tensor:  # [tokens, hidden]
-    """``h`` through one decoder layer (norm, q/k/v, :func:`rope_cache_attention`, output
-    projection, residual, norm, :func:`gate_up_silu`, down projection, residual) in one
-    op: the bits of those ops called one by one (the attention arguments are
-    :func:`rope_cache_attention`'s)."""
-    return kern.decoder_layer(
-        h,
-        layer.ws,
-        layer.types,
-        layer.outs,
-        layer.biases,
-        layer.norms,
-        layer.eps,
-        layer.head_dim,
         positions,
         inv_freq,
         rope_scale,
