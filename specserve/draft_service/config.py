@@ -11,7 +11,6 @@ from specserve.engine.devices import check_device_name
 from specserve.engine.draft_ahead import MAX_DRAFT_AHEAD
 from specserve.engine.draft_vocab import DEFAULT_DRAFT_VOCAB
 from specserve.engine.dtypes import DTYPES
-from specserve.engine.k_policy import DRAFT_CONFIDENCE
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
 from specserve.serving.cli_args import (
     add_server_arguments,
@@ -89,9 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         "--min-confidence",
         type=float,
         default=0.0,
-        help="stop drafting a session when its top probability falls below this, from a "
-        "round's first draft on, for every session (adaptive sessions already stop past "
-        f"their first draft below the policy's own cut, {DRAFT_CONFIDENCE})",
+        help="drop a draft whose top probability is below this and stop the session's "
+        "round there, from a round's first draft on, for every session (adaptive "
+        "sessions already stop where the product of their round's top probabilities "
+        "falls below their policy's depth floor)",
     )
     parser.add_argument(
         "--draft-vocab",

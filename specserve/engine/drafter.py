@@ -53,8 +53,9 @@ class DraftInput:
     k: int
     params: SamplingParams
     round_index: int
-    # Past a round's first draft, stop where the draft's top probability falls below this
-    # (the adaptive policy's depth cut, KPolicy.draft_confidence; 0 = draft all k).
+    # The session's depth floor: drafting stops after the draft at which the product of
+    # this round's draft top probabilities falls below it; that draft is still proposed
+    # (the adaptive policy's KPolicy.depth_floor; 0 = draft all k).
     min_confidence: float = 0.0
 
     def __post_init__(self) -> None:

@@ -1,23 +1,36 @@
 """How many tokens to draft next: fixed, or adapted to the running acceptance.
 
-The adaptive policy keeps an exponential moving average of the per-token
-acceptance probability alpha (the chance that a draft token is accepted given its
-predecessors were), one step per judged draft (:func:`updated_alpha`; replayed
-on the Qwen pair's measured acceptance in ``bench/k_policy_replay.py`` with the
-float32 draft's round times, a weight of 0.2 per trial ran 1.011x the best fixed k,
-the weight of ``0.3 * trials`` per round it replaced 0.988x). With k drafts a round
-emits on average ``(1 - alpha**(k + 1)) / (1 - alpha)`` tokens (Leviathan et al.,
-eq. 1) and costs ``k * c_draft + c_verify(k)``, with ``c_verify(k) = 1 + beta * k`` in units of a
-one-token target forward, plus a fixed cost of drafting at all (k >= 1). The policy
-picks the k in ``[0, k_max]`` that maximises tokens per unit cost; k = 0 (plain
-decoding) wins when the draft guesses badly.
+A fixed k is drafted whole. An adaptive session decides two things:
+
+* **Whether to draft this round.** Its first draft costs a draft forward and a
+  verified position (``draft_per_token + verify_per_token`` of a one-token target
+  forward, plus the ``fixed`` cost of drafting at all, :class:`CostModel`) and saves a
+  plain round when kept. The session drafts while its slow running rate of kept first
+  drafts (``first_alpha``, weight :data:`FIRST_SMOOTHING` a round) pays for that; below,
+  it decodes plainly and probes with one draft every :data:`PROBE_EVERY` rounds so
+  a session whose text turns predictable (code after prose) wins drafting back.
+* **How deep.** Up to ``k_max`` drafts, stopped by the draft itself: the drafter
+  multiplies the draft's top probabilities over the round (its estimate that every
+  draft so far is kept; on the Qwen2.5-Coder pair a draft at top probability q was
+  kept about q of the time) and drafts no further once that product falls below
+  :meth:`KPolicy.depth_floor`, where the next draft's expected worth in plain rounds,
+  product * ``alpha``, no longer pays for its draft forward and verified position
+  (``alpha``: the running per-token acceptance, :func:`updated_alpha`).
+
+Replayed offline on the quantized Qwen2.5-Coder 1.5B/0.5B pair's greedy outputs and
+the draft's confidences (``bench/k_policy_replay.py``: HumanEval 0-19 + 6 prose
+prompts, 128 tokens, measured forward costs, AMD EPYC AVX2), this ran 1.42x
+target-only (prose 1.20x, no prompt below 1.10x) against 1.28x for the rule it
+replaced (the k maximising Leviathan et al.'s expected tokens
+``(1 - alpha**(k + 1)) / (1 - alpha)`` per unit of cost, with a per-draft cut at 0.5
+past the first draft) and 1.35x for the best fixed k (2); an oracle 1.61x.
 
 The costs start from a static guess (:class:`CostModel`'s defaults, measured for a
 float32 draft) and are replaced by measured ones as soon as a runner has them
 (:meth:`KPolicy.measured`): the local loop fits its own rounds with the one cost
 fitter (:mod:`specserve.engine.round_cost`). In the orchestrator a session's
-``KPolicy`` tracks its acceptance; its k is planned by
-:mod:`specserve.orchestrator.policy` with the same formulas and fitter.
+``KPolicy`` tracks its acceptance and sends its depth floor; its k is planned by
+:mod:`specserve.orchestrator.policy` with :func:`expected_tokens` and the same fitter.
 Pure Python.
 """
 
@@ -26,13 +39,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ALPHA0 = 0.7  # the acceptance a policy starts from when nothing better is known
-# An adaptive session's drafts stop past a round's first where the draft's top
-# probability is below this (ModelDrafter): rounds run deep where the draft is sure (code)
-# and stop early where it is not, under the k the policy allows. Adaptive k ran
-# 1.19-1.22x target-only with it against 1.11-1.13x without (Qwen2.5-Coder 1.5B/0.5B
-# Q4_K_M, HumanEval 0-11 + 5 prose prompts, 64 tokens, AMD EPYC AVX2, 2 threads; 0.4:
-# 1.18x, 0.6: 1.19-1.20x, 0.7: 1.17x). A fixed k is drafted whole.
-DRAFT_CONFIDENCE = 0.5
+# The weight of a round in the running rate of kept first drafts (whether to draft at
+# all). Replayed: 0.05 1.42x target-only, 0.1 1.41x, 0.2 1.40x; deciding by the
+# per-token acceptance instead 1.36x (prose 1.09x, a prompt at 0.98x).
+FIRST_SMOOTHING = 0.05
+PROBE_EVERY = 8  # a session that does not draft tries one draft every this many rounds
+MAX_DEPTH_FLOOR = 0.99  # the floor's top: past the first draft, drafting stops at once
 
 
 @dataclass(frozen=True)
@@ -80,22 +92,14 @@ def updated_alpha(alpha: float, drafted: int, accepted: int, smoothing: float) -
     return alpha * keep if accepted < drafted else alpha  # then one failure
 
 
-def _rate(alpha: float, k: int, cost: CostModel) -> float:
-    """Tokens per unit of cost of a round with k drafts."""
-    return expected_tokens(alpha, k) / cost.round(k)
-
-
-def best_k(alpha: float, k_max: int, cost: CostModel, k_min: int = 0) -> int:
-    """The k in ``[k_min, k_max]`` with the most tokens per unit of cost."""
-    return max(range(k_min, k_max + 1), key=lambda k: _rate(alpha, k, cost))
-
-
 class KPolicy:
     """Per-session k: fixed when ``k`` is given, adaptive when it is ``None``.
 
     A fixed k is what the request asked for: no cap lowers it (neither ``k_max`` nor
     the orchestrator's load or measured cap, which bound only the adaptive choice);
-    the session's remaining tokens still do (:meth:`DecodeState.next_k`).
+    the session's remaining tokens still do (:meth:`DecodeState.next_k`). An adaptive
+    session drafts up to its cap while drafting pays and stops each round's drafts at
+    :meth:`depth_floor` (the module doc).
     """
 
     def __init__(
@@ -106,35 +110,50 @@ class KPolicy:
         cost: CostModel | None = None,
         alpha0: float = ALPHA0,
         smoothing: float = 0.2,
+        first_smoothing: float = FIRST_SMOOTHING,
     ) -> None:
+        """``first_smoothing``: :data:`FIRST_SMOOTHING` unless an ablation sets it."""
         self.fixed = k
         self.k_max = k_max
         self.static = cost or CostModel()
         self.cost = self.static
-        self.alpha = alpha0
+        self.alpha = alpha0  # per judged draft: the chance the next one is kept
+        self.first_alpha = alpha0  # per drafting round: the chance its first draft is kept
         self.smoothing = smoothing
+        self.first_smoothing = first_smoothing
         self._probe = 0
 
     @property
     def draft_confidence(self) -> float:
-        """The draft confidence below which a round's later drafts stop: 0 for a fixed
-        k (drafted whole), :data:`DRAFT_CONFIDENCE` for an adaptive one."""
-        return 0.0 if self.fixed is not None else DRAFT_CONFIDENCE
+        """What the drafter gets as the session's floor: 0 for a fixed k (drafted whole),
+        :meth:`depth_floor` for an adaptive one."""
+        return 0.0 if self.fixed is not None else self.depth_floor()
+
+    def depth_floor(self) -> float:
+        """The product of a round's draft top probabilities below which drafting further
+        does not pay: ``(draft_per_token + verify_per_token) / alpha``, at most
+        :data:`MAX_DEPTH_FLOOR`."""
+        unit = self.cost.draft_per_token + self.cost.verify_per_token
+        return min(MAX_DEPTH_FLOOR, unit / max(self.alpha, 1e-6))
+
+    def drafting_pays(self) -> bool:
+        """Whether a round's first draft, kept at the session's running rate, saves more
+        than it costs (a kept first draft saves a plain round; a fixed k always drafts)."""
+        if self.fixed is not None:
+            return True
+        c = self.cost
+        return self.first_alpha > c.draft_per_token + c.verify_per_token + c.fixed
 
     def plans(self, limit: int) -> list[int]:
         """The k the policy would draft under each cap ``0 .. limit``, before any probe:
-        one pass, no state changes (the orchestrator weighs every cap each round). A
-        fixed k is the same under every cap."""
+        one pass, no state changes. A fixed k is the same under every cap; an adaptive
+        one is the cap (at most ``k_max``: the depth floor stops it) while drafting pays,
+        else 0."""
         if self.fixed is not None:
             return [self.fixed] * (limit + 1)
-        top = min(limit, self.k_max)
-        ks, best, best_rate = [], 0, -1.0  # best_k under each cap: the best over 0 .. cap
-        for k in range(top + 1):
-            rate = _rate(self.alpha, k, self.cost)
-            if rate > best_rate:  # ties keep the smaller k, as best_k does
-                best, best_rate = k, rate
-            ks.append(best)
-        return ks + ks[-1:] * (limit - top)
+        if not self.drafting_pays():
+            return [0] * (limit + 1)
+        return [min(cap, self.k_max) for cap in range(limit + 1)]
 
     def plan(self, k_cap: int | None = None) -> int:
         """The k the policy would draft under ``k_cap``, before any probe."""
@@ -151,7 +170,7 @@ class KPolicy:
             # Probe with one draft every few rounds so a session whose text turns
             # predictable (code after prose) can win speculation back.
             self._probe += 1
-            if self._probe % 8 == 0:
+            if self._probe % PROBE_EVERY == 0:
                 return 1
         return k
 
@@ -164,12 +183,17 @@ class KPolicy:
         self.cost = self.static if cost is None else cost
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """Update alpha from one round: ``accepted`` of ``drafted`` tokens kept.
+        """Update the acceptance estimates from one round: ``accepted`` of ``drafted``
+        tokens kept.
 
-        Each draft the target judged is one trial (the accepted ones, then the
-        rejected one if any; drafts after a rejection were never judged), and each
-        trial moves alpha by ``smoothing`` toward its outcome, in order. A round of
-        many accepted drafts thus counts as many observations, not as a verdict that
-        replaces alpha (which made k swing from the most to 1 at every rejection).
+        Each draft the target judged is one trial for ``alpha`` (the accepted ones, then
+        the rejected one if any; drafts after a rejection were never judged), and each
+        trial moves it by ``smoothing`` toward its outcome, in order: a round of many
+        accepted drafts counts as many observations, not as a verdict that replaces
+        alpha. A round that drafted moves ``first_alpha`` by ``first_smoothing``
+        toward whether its first draft was kept.
         """
         self.alpha = updated_alpha(self.alpha, drafted, accepted, self.smoothing)
+        if drafted:
+            hit = 1.0 if accepted else 0.0
+            self.first_alpha += self.first_smoothing * (hit - self.first_alpha)

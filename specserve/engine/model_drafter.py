@@ -61,7 +61,8 @@ class _Active:
     params: SamplingParams
     round_index: int
     feed: list[int]  # tokens to run in the next forward
-    cut: float = 0.0  # the session's confidence cut past its first draft (DraftInput)
+    floor: float = 0.0  # the session's depth floor (DraftInput.min_confidence)
+    sure: float = 1.0  # the product of this round's draft top probabilities so far
     drafts: list[int] = field(default_factory=list)  # ahead drafts first, if it took any
     q_ids: list[torch.Tensor] = field(default_factory=list)  # [m] per draft
     q_probs: list[torch.Tensor] = field(default_factory=list)  # [m] per draft
@@ -208,12 +209,13 @@ class ModelDrafter:
             greedy: list[int] = []
             if any(a.params.greedy for a in running):
                 greedy = logits.argmax(dim=-1).tolist()
-            # The replica's floor from the first draft on, a session's own cut past it.
-            cuts = [max(self.min_confidence, a.cut if a.drafts else 0.0) for a in running]
+            # The replica's floor drops a draft below it and stops; a session's depth
+            # floor stops drafting after the draft whose product falls below it.
             top: list[float] = []
-            if any(cuts):
+            if self.min_confidence > 0 or any(a.floor > 0 for a in running):
                 top = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
-            going = [row for row in range(len(running)) if not top or top[row] >= cuts[row]]
+            floor = self.min_confidence
+            going = [row for row in range(len(running)) if not top or top[row] >= floor]
             tokens = self._sample([running[row] for row in going], logits, greedy, going)
             still = []
             for row, token in zip(going, tokens, strict=True):
@@ -221,7 +223,9 @@ class ModelDrafter:
                 a.drafts.append(token)
                 s = self._sessions[a.sid]
                 s.tokens.append(token)
-                if len(a.drafts) < a.k:
+                if top:
+                    a.sure *= top[row]
+                if len(a.drafts) < a.k and a.sure >= a.floor:
                     a.feed = [token]
                     still.append(a)
             running = still
@@ -252,7 +256,8 @@ class ModelDrafter:
 
     def _start_ahead(self, a: _Active) -> None:
         """After a proposal: the session may draft ahead from past its drafts, if its
-        last draft's logits are still to come (drafting did not stop for confidence)."""
+        last draft's logits are still to come (no draft was dropped below the replica's
+        floor)."""
         s = self._sessions[a.sid]
         if self.draft_ahead and a.k > 0 and s.in_kv == len(s.tokens) - 1:
             s.ahead = Ahead(len(s.tokens), a.params, a.round_index + 1)

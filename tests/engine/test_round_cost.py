@@ -117,14 +117,14 @@ def test_bad_settings_are_refused() -> None:
 
 def test_the_policy_plans_with_measured_costs_and_goes_back_to_its_static_ones() -> None:
     policy = KPolicy(None, alpha0=0.85)
-    static_plan = policy.plan(8)
+    static_floor = policy.depth_floor()
     cheap = CostModel(draft_per_token=0.15, verify_per_token=0.08, fixed=0.0)
     policy.measured(cheap)
     assert policy.cost is cheap
-    assert policy.plan(8) > static_plan  # drafting costs less than guessed: draft more
+    assert policy.depth_floor() < static_floor  # drafting costs less than guessed: deeper
     assert policy.plans(8) == [policy.plan(cap) for cap in range(9)]
     policy.measured(None)
-    assert policy.cost is policy.static and policy.plan(8) == static_plan
+    assert policy.cost is policy.static and policy.depth_floor() == static_floor
     dear = CostModel(draft_per_token=0.3, verify_per_token=0.25, fixed=2.0)
     policy.measured(dear)
     assert policy.plan(8) == 0  # a fixed cost of two plain rounds: drafting never pays

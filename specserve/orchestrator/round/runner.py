@@ -275,6 +275,10 @@ class RoundRunner:
         cap = batch_plan.cap
         if any(s.state.drafter != "none" for s in live):
             self.stats.k_caps[cap] += 1
+        # Each session's depth floor weighs its drafts at what this target's rounds cost.
+        costs = self.planner.cost_model(target, len(live))
+        for s in live:
+            s.state.k_policy.measured(costs)
         with spans.phase(attr.SPAN_PROPOSE) as pspan:
             plans = await self.drafting.propose(live, spans, batch_plan)
             spans.proposed(pspan, plans, cap)
