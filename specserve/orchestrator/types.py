@@ -15,6 +15,7 @@ from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sampling import SamplingParams, SamplingRule
 
 DEFAULT_MAX_NEW_TOKENS = 128
+MAX_NEW_TOKENS = 8192  # the most a request may ask for, on the gRPC and the HTTP API
 
 
 @dataclass(frozen=True)

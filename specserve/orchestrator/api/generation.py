@@ -39,11 +39,16 @@ from specserve.orchestrator.round.runner import RoundRunner
 from specserve.orchestrator.session import Ended, LiveSession
 from specserve.orchestrator.store import records
 from specserve.orchestrator.store.session_store import SessionStore
-from specserve.orchestrator.types import Chunk, GenerateParams, SessionState, SessionSummary
+from specserve.orchestrator.types import (
+    MAX_NEW_TOKENS,
+    Chunk,
+    GenerateParams,
+    SessionState,
+    SessionSummary,
+)
 from specserve.v1 import session_pb2
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-MAX_NEW_TOKENS = 8192
 
 
 def check_session_id(session_id: str) -> None:
