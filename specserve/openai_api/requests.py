@@ -242,6 +242,12 @@ def _sampling(
         s.seed = seed % (1 << 64)
     if logprobs is not None:
         s.logprobs = logprobs
+    skip = b.get("skip_special_tokens", True)  # vLLM's extension field, and its default
+    if not isinstance(skip, bool):
+        raise bad_request(
+            f"skip_special_tokens must be a boolean, got {shown(skip)}", "skip_special_tokens"
+        )
+    s.skip_special_tokens = skip
     return s
 
 

@@ -50,6 +50,7 @@ class GenerateParams:
     owner: bytes = b""  # the caller's API key fingerprint (b"": keys are off)
     ignore_eos: bool = False  # generate past end-of-sequence tokens up to max_new_tokens
     logprobs: int | None = None  # alternatives per token (0..20); None = no logprobs
+    skip_special_tokens: bool = True  # leave special tokens out of the text
 
 
 @dataclass
