@@ -71,7 +71,7 @@ class Api:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Starlette) -> AsyncIterator[None]:
-        self._upstream = Upstream(self.config.orchestrator, self.config.timeout_s)
+        self._upstream = Upstream(self.config.orchestrator, self.config.timeout_s, self.config.tls)
         try:
             yield
         finally:

@@ -1,4 +1,11 @@
-"""The HTTP server's one config, built once from its flags (environment defaults)."""
+"""The HTTP server's one config, built once from its flags (environment defaults).
+
+Towards the orchestrator the server is a client like any other: the TLS flags are the
+shared client ones (:func:`specserve.serving.tls.add_tls_arguments`, ``role="client"``):
+``--tls-ca`` turns TLS on and is the CA the orchestrator's certificate must chain to,
+``--tls-cert``/``--tls-key`` a client certificate to present, ``--tls-server-name`` the
+name to check instead of the host dialled.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from specserve.serving.cli_args import flag_values, parse_bytes
+from specserve.serving.tls import ClientTls, add_tls_arguments, client_tls
 from specserve.telemetry.config import TelemetryConfig, add_telemetry_arguments, telemetry_config
 
 
@@ -25,6 +33,7 @@ class HttpServerConfig:
     # largest prompt the orchestrator takes: 131,072 token ids as JSON, or its 1 MiB of
     # text even escaped as \uXXXX.
     max_body_bytes: int = 8 << 20
+    tls: ClientTls | None = None  # None = a plaintext channel to the orchestrator
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
@@ -75,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest request body; a larger one is refused (413) before it is parsed "
         "(env SPECSERVE_HTTP_MAX_BODY_BYTES; default 8MiB)",
     )
+    add_tls_arguments(parser, env, role="client")
     add_telemetry_arguments(parser)
 
 
@@ -90,5 +100,6 @@ def from_args(args: argparse.Namespace) -> HttpServerConfig:
         max_choices=args.max_choices,
         timeout_s=args.timeout,
         max_body_bytes=args.max_body_bytes,
+        tls=client_tls(args),
         telemetry=telemetry_config(args),
     )
