@@ -78,6 +78,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="render the prompt with the chat template")
+    p.add_argument(
+        "--keep-special-tokens",
+        action="store_true",
+        help="print special tokens such as <|im_end|> (left out of the text by default)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument(
         "--compare",
@@ -172,7 +177,11 @@ def _run_local(args: argparse.Namespace, prompt: str, params: SamplingParams) ->
         )
     )
     ids = _encode(runner, prompt, args.chat)
-    common = {"max_new_tokens": args.max_new_tokens, "stop": args.stop}
+    common = {
+        "max_new_tokens": args.max_new_tokens,
+        "stop": args.stop,
+        "skip_special_tokens": not args.keep_special_tokens,
+    }
     # Warm-up outside the timing: the first forward pays one-off allocation costs.
     runner.generate(ids[-8:], params, max_new_tokens=2, drafter=DrafterKind.NONE)
     print(prompt, end="", flush=True)

@@ -170,6 +170,7 @@ def remote_generate(args: argparse.Namespace, prompt: str) -> int:
         drafter=args.drafter,
         k=args.k,
         rule=args.rule,
+        skip_special_tokens=not args.keep_special_tokens,
     )
 
 

@@ -127,10 +127,12 @@ def request(
     rule: str | None = None,
     ignore_eos: bool = False,
     logprobs: int | None = None,
+    skip_special_tokens: bool = True,
 ) -> generate_pb2.GenerateRequest:
     """The GenerateRequest for these arguments (``max_new_tokens`` 0 = the server's default;
     ``rule`` "coupled" or "rejection", None = the server's default, coupled; ``logprobs``:
-    alternatives per token, None = no log-probabilities)."""
+    alternatives per token, None = no log-probabilities; ``skip_special_tokens=False``
+    keeps special tokens such as ``<|im_end|>`` in the text)."""
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter must be one of model, ngram, none; got {drafter!r}")
     if rule not in RULES:
@@ -152,6 +154,8 @@ def request(
     s.ignore_eos = ignore_eos
     if logprobs is not None:
         s.logprobs = logprobs
+    if not skip_special_tokens:  # unset is the server's default, true
+        s.skip_special_tokens = False
     req.speculation.drafter = DRAFTERS[drafter]
     if k is not None:
         req.speculation.k = k

@@ -8,6 +8,7 @@ directory, a GGUF file, or ``tiny:<seed>`` for a random test model
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -136,10 +137,12 @@ class LocalRunner:
             raise ValueError("this model has no tokenizer: pass token ids")
         return list(self.tokenizer.encode(text))
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``, by default without special tokens (without a tokenizer: the
+        ids written out)."""
         if self.tokenizer is None:
             return "".join(f" {i}" for i in ids)
-        return str(self.tokenizer.decode(list(ids)))
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def generate(
         self,
@@ -153,9 +156,13 @@ class LocalRunner:
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
         on_text: Callable[[str], None] | None = None,
+        skip_special_tokens: bool = True,
     ) -> Completion:
-        """Decode one prompt; ``on_text`` receives text as tokens are committed."""
+        """Decode one prompt; ``on_text`` receives text as tokens are committed, without
+        special tokens unless ``skip_special_tokens`` is False (stop strings are matched
+        in that same text)."""
         self._next_id += 1
+        decode = functools.partial(self.decode, skip_special_tokens=skip_special_tokens)
         state = DecodeState(
             f"local-{self._next_id}",
             prompt,
@@ -163,14 +170,14 @@ class LocalRunner:
             StopCriteria(max_new_tokens, frozenset() if ignore_eos else self.eos_ids, tuple(stop)),
             KPolicy(k, k_max=k_max),
             drafter=drafter,
-            decode=self.decode if self.tokenizer is not None else None,
+            decode=decode if self.tokenizer is not None else None,
         )
         printed = [0]
 
         def stream(s: DecodeState, _new: list[int]) -> None:
             if on_text is None:
                 return
-            text = self.decode(s.completion)
+            text = decode(s.completion)
             if s.text_end is not None:
                 text = text[: s.text_end]
             elif text.endswith("\ufffd"):
@@ -181,7 +188,7 @@ class LocalRunner:
         t0 = time.perf_counter()
         self.engine.run([state], on_tokens=stream)
         seconds = time.perf_counter() - t0
-        text = self.decode(state.completion)
+        text = decode(state.completion)
         if state.text_end is not None:
             text = text[: state.text_end]
         assert state.finish_reason is not None

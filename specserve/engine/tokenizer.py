@@ -48,8 +48,10 @@ class Tokenizer:
             return list(self.hf.encode(text))
         return list(self.hf.encode(text, truncation=True, max_length=max_tokens))
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``ids``."""
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``: by default without special tokens (``<|im_end|>``, ``<|im_start|>``,
+        ...), the text a user is shown, as every OpenAI-compatible server gives it;
+        ``skip_special_tokens=False`` keeps them (to see a chat template's framing)."""
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:

@@ -29,9 +29,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from specserve.openai_api import responses
+from specserve.openai_api import body, responses
 from specserve.openai_api.config import HttpServerConfig
-from specserve.openai_api.errors import ApiError, bad_request
+from specserve.openai_api.errors import ApiError
 from specserve.openai_api.metrics import HttpMetrics
 from specserve.openai_api.requests import ParsedRequest, parse_chat, parse_completion
 from specserve.openai_api.upstream import Metadata, StreamItem, Upstream
@@ -40,6 +40,7 @@ tracer = trace.get_tracer(__name__)
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
+INLINE_BODY_BYTES = 64 << 10  # bodies up to this are decoded on the loop (well under 1 ms)
 
 
 class ClientGone(Exception):
@@ -70,7 +71,7 @@ class Api:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: Starlette) -> AsyncIterator[None]:
-        self._upstream = Upstream(self.config.orchestrator, self.config.timeout_s)
+        self._upstream = Upstream(self.config.orchestrator, self.config.timeout_s, self.config.tls)
         try:
             yield
         finally:
@@ -129,9 +130,7 @@ class Api:
         status = "500"
         try:
             metadata = _metadata(request, span)
-            parsed = parse(
-                await _json(request), self.config.served_model_name, self.config.max_choices
-            )
+            parsed = await self._parse(request, parse)
             kind = "chatcmpl" if parsed.chat else "cmpl"
             env = responses.Envelope(
                 f"{kind}-{uuid.uuid4().hex}", int(time.time()), parsed.model, parsed.chat
@@ -168,6 +167,21 @@ class Api:
             self.metrics.requests.labels(endpoint, status).inc()
             if not streaming:
                 self._finish(endpoint, started, span)
+
+    async def _parse(
+        self, request: Request, parse: Callable[[object, str, int], ParsedRequest]
+    ) -> ParsedRequest:
+        """The body, bounded, decoded and validated (raises ApiError). A large body is
+        decoded in a worker thread: a megabyte of token ids takes tens of milliseconds
+        of JSON and checks that would otherwise stall every other stream's events."""
+        raw = await body.read(request, self.config.max_body_bytes)
+
+        def work() -> ParsedRequest:
+            return parse(body.decode(raw), self.config.served_model_name, self.config.max_choices)
+
+        if len(raw) <= INLINE_BODY_BYTES:
+            return work()
+        return await asyncio.to_thread(work)
 
     async def _events(
         self,
@@ -281,16 +295,12 @@ async def _chain(
         yield item
 
 
-async def _json(request: Request) -> object:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-
-
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """``work``'s result; cancels it and raises ClientGone if the client disconnects first."""
+    """``work``'s result; cancels it and raises ClientGone if the client disconnects first.
+
+    A cancelled task is awaited before ClientGone is raised: its cancellation (which
+    cancels the gRPC calls) has then run, and its outcome is taken, so nothing is left
+    for asyncio to log."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnect(request))
     try:
@@ -299,9 +309,10 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if not task.cancelled():
-        return task.result()
-    raise ClientGone()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
 
 
 async def _disconnect(request: Request) -> None:

@@ -1,4 +1,11 @@
-"""The HTTP server's one config, built once from its flags (environment defaults)."""
+"""The HTTP server's one config, built once from its flags (environment defaults).
+
+Towards the orchestrator the server is a client like any other: the TLS flags are the
+shared client ones (:func:`specserve.serving.tls.add_tls_arguments`, ``role="client"``):
+``--tls-ca`` turns TLS on and is the CA the orchestrator's certificate must chain to,
+``--tls-cert``/``--tls-key`` a client certificate to present, ``--tls-server-name`` the
+name to check instead of the host dialled.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from specserve.serving.cli_args import flag_values
+from specserve.serving.cli_args import flag_values, parse_bytes
+from specserve.serving.tls import ClientTls, add_tls_arguments, client_tls
 from specserve.telemetry.config import TelemetryConfig, add_telemetry_arguments, telemetry_config
 
 
@@ -21,6 +29,11 @@ class HttpServerConfig:
     served_model_name: str = "specserve"  # what /v1/models lists and requests must name
     max_choices: int = 16  # n times the prompts of one request
     timeout_s: float = 600.0  # each gRPC call's deadline
+    # A request body's bytes, refused (413) before it is parsed past this. 8 MiB holds the
+    # largest prompt the orchestrator takes: 131,072 token ids as JSON, or its 1 MiB of
+    # text even escaped as \uXXXX.
+    max_body_bytes: int = 8 << 20
+    tls: ClientTls | None = None  # None = a plaintext channel to the orchestrator
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
@@ -32,6 +45,8 @@ class HttpServerConfig:
             raise ValueError(f"max choices must be in 1..256, got {self.max_choices}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+        if not 1 << 10 <= self.max_body_bytes <= 1 << 30:
+            raise ValueError(f"max body bytes must be in 1KiB..1GiB, got {self.max_body_bytes}")
         if not self.served_model_name:
             raise ValueError("the served model name must not be empty")
         if self.telemetry.metrics_port is not None:
@@ -62,6 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="deadline of each gRPC call, seconds"
     )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=parse_bytes,
+        default=env.get("SPECSERVE_HTTP_MAX_BODY_BYTES", "8MiB"),  # parsed like the flag
+        help="largest request body; a larger one is refused (413) before it is parsed "
+        "(env SPECSERVE_HTTP_MAX_BODY_BYTES; default 8MiB)",
+    )
+    add_tls_arguments(parser, env, role="client")
     add_telemetry_arguments(parser)
 
 
@@ -76,5 +99,7 @@ def from_args(args: argparse.Namespace) -> HttpServerConfig:
         served_model_name=args.served_model_name,
         max_choices=args.max_choices,
         timeout_s=args.timeout,
+        max_body_bytes=args.max_body_bytes,
+        tls=client_tls(args),
         telemetry=telemetry_config(args),
     )

@@ -13,16 +13,22 @@ refusal passes through as the same kind of error body.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
+from specserve.engine.drafter import MAX_K
+from specserve.engine.logprobs import MAX_TOP_LOGPROBS
 from specserve.openai_api.errors import ApiError, bad_request
+from specserve.orchestrator.api.text import MAX_PROMPT_TOKENS
+from specserve.orchestrator.types import MAX_NEW_TOKENS
 from specserve.v1 import common_pb2, generate_pb2
+from specserve.wire.public_wire import MAX_TEMPERATURE
 
-MAX_TEMPERATURE = 2.0  # the gRPC API's bound, and OpenAI's
-MAX_TOP_LOGPROBS = 20
-MAX_K = 16
+# The bounds are the gRPC API's own constants, so a value the HTTP layer lets through is
+# one the orchestrator accepts, and a refusal names the HTTP field (``param``).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_TOKEN_ID = (1 << 31) - 1  # TokenIds.ids is int32
 DRAFTERS = {
     "model": common_pb2.DRAFTER_MODEL,
     "ngram": common_pb2.DRAFTER_NGRAM,
@@ -41,6 +47,17 @@ _UNSUPPORTED: dict[str, object] = {
     "functions": None,
     "audio": None,
 }
+
+
+_SHOWN = reprlib.Repr()  # Python 3.11: the limits are attributes, not arguments
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 2, 40, 40
+_SHOWN.maxlist = _SHOWN.maxdict = 4
+
+
+def shown(value: object) -> str:
+    """``value`` as an error message quotes it: short, and bounded however deep or large
+    (a plain ``repr`` of a 900-level list would recurse and of a 5 MB string copy it)."""
+    return _SHOWN.repr(value)
 
 
 @dataclass(frozen=True)
@@ -91,7 +108,7 @@ def parse_chat(body: object, model: str, max_choices: int) -> ParsedRequest:
     messages = _messages(b.get("messages"))
     want = b.get("logprobs", False)
     if not isinstance(want, bool):
-        raise bad_request(f"logprobs must be a boolean, got {want!r}", "logprobs")
+        raise bad_request(f"logprobs must be a boolean, got {shown(want)}", "logprobs")
     top = _optional_int(b, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None and not want:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
@@ -119,7 +136,7 @@ def _parsed(
         )
     stream = b.get("stream", False)
     if not isinstance(stream, bool):
-        raise bad_request(f"stream must be a boolean, got {stream!r}", "stream")
+        raise bad_request(f"stream must be a boolean, got {shown(stream)}", "stream")
     options = b.get("stream_options")
     include_usage = False
     if options is not None:
@@ -179,7 +196,7 @@ def _number(b: dict[str, Any], name: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise bad_request(f"{name} must be a finite number, got {value!r}", name)
+        raise bad_request(f"{name} must be a finite number, got {shown(value)}", name)
     return float(value)
 
 
@@ -188,7 +205,7 @@ def _int(b: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise bad_request(f"{name} must be an integer in {lo}..{hi}, got {value!r}", name)
+        raise bad_request(f"{name} must be an integer in {lo}..{hi}, got {shown(value)}", name)
     return value
 
 
@@ -203,35 +220,41 @@ def _sampling(
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise bad_request(
             f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), "
-            f"got {temperature!r}",
+            f"got {shown(temperature)}",
             "temperature",
         )
     top_p = _number(b, "top_p", 1.0)
     if not 0 < top_p <= 1:
-        raise bad_request(f"top_p must be in (0, 1], got {top_p!r}", "top_p")
+        raise bad_request(f"top_p must be in (0, 1], got {shown(top_p)}", "top_p")
     top_k = _int(b, "top_k", 0, -1, 1 << 30)
     s = generate_pb2.SamplingParameters(
         temperature=temperature,
         top_p=top_p,
         top_k=max(top_k, 0),  # -1 (vLLM's "off") = 0
-        max_new_tokens=_int(b, limit, default_limit, 1, 1 << 20),
+        max_new_tokens=_int(b, limit, default_limit, 1, MAX_NEW_TOKENS),
         stop=_stops(b.get("stop")),
         ignore_eos=_bool(b, "ignore_eos"),
     )
     seed = b.get("seed")
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 64:
-            raise bad_request(f"seed must be a 64-bit integer, got {seed!r}", "seed")
+            raise bad_request(f"seed must be a 64-bit integer, got {shown(seed)}", "seed")
         s.seed = seed % (1 << 64)
     if logprobs is not None:
         s.logprobs = logprobs
+    skip = b.get("skip_special_tokens", True)  # vLLM's extension field, and its default
+    if not isinstance(skip, bool):
+        raise bad_request(
+            f"skip_special_tokens must be a boolean, got {shown(skip)}", "skip_special_tokens"
+        )
+    s.skip_special_tokens = skip
     return s
 
 
 def _bool(b: dict[str, Any], name: str) -> bool:
     value = b.get(name, False)
     if not isinstance(value, bool):
-        raise bad_request(f"{name} must be a boolean, got {value!r}", name)
+        raise bad_request(f"{name} must be a boolean, got {shown(value)}", name)
     return value
 
 
@@ -250,20 +273,37 @@ def _prompts(prompt: object) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [list(prompt)]
+        if _is_id(prompt[0]):
+            return [_ids(prompt)]
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(
-            isinstance(p, list)
-            and p
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-            for p in prompt
-        ):
-            return [list(p) for p in prompt]
+        if all(isinstance(p, list) and p for p in prompt):
+            return [_ids(p) for p in prompt]
     raise bad_request(
         "prompt must be a string, a list of token ids, or a non-empty list of either", "prompt"
     )
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ids(ids: list[Any]) -> list[int]:
+    """One prompt's token ids, checked: the count first (before a million ids are looked
+    at), then that each is an integer the gRPC field can carry; the orchestrator checks
+    them against the vocabulary."""
+    if len(ids) > MAX_PROMPT_TOKENS:
+        raise bad_request(
+            f"the prompt has {len(ids)} token ids; at most {MAX_PROMPT_TOKENS} are accepted",
+            "prompt",
+        )
+    if not all(_is_id(t) for t in ids):
+        raise bad_request("a token-id prompt must hold integers only", "prompt")
+    low, high = min(ids), max(ids)
+    if low < 0 or high > MAX_TOKEN_ID:
+        bad = low if low < 0 else high
+        raise bad_request(f"prompt token id {shown(bad)} is not in 0..{MAX_TOKEN_ID}", "prompt")
+    return ids
 
 
 def _messages(messages: object) -> list[generate_pb2.ChatMessage]:
@@ -277,7 +317,7 @@ def _messages(messages: object) -> list[generate_pb2.ChatMessage]:
         role = CHAT_ROLES.get(m.get("role"))  # type: ignore[arg-type]
         if role is None:
             raise bad_request(
-                f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}",
+                f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {shown(m.get('role'))}",
                 f"{param}.role",
             )
         out.append(generate_pb2.ChatMessage(role=role, content=_content(m.get("content"), param)))
@@ -297,7 +337,12 @@ def _content(content: object, param: str) -> str:
                 raise bad_request(
                     f"{param}.content: only text parts are supported", f"{param}.content"
                 )
-            texts.append(str(part.get("text", "")))
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise bad_request(
+                    f"{param}.content: a text part's text must be a string", f"{param}.content"
+                )
+            texts.append(text)
         return "".join(texts)
     raise bad_request(
         f"{param}.content must be a string or a list of text parts", f"{param}.content"
@@ -323,7 +368,7 @@ def _speculation(value: object) -> generate_pb2.SpeculationParameters:
     if drafter is not None:
         if drafter not in DRAFTERS:
             raise bad_request(
-                f"speculation.drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}",
+                f"speculation.drafter must be one of {', '.join(DRAFTERS)}, got {shown(drafter)}",
                 "speculation.drafter",
             )
         spec.drafter = DRAFTERS[drafter]

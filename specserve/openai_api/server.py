@@ -49,7 +49,8 @@ async def serve(config: HttpServerConfig) -> None:
         Path(config.port_file).write_text(str(port))
     print(
         f"OpenAI-compatible HTTP API on http://{config.host}:{port}/v1 "
-        f"(orchestrator {config.orchestrator}, model {config.served_model_name})",
+        f"(orchestrator {config.orchestrator}{' over TLS' if config.tls else ''}, "
+        f"model {config.served_model_name})",
         flush=True,
     )
     await server.serve(sockets=[sock])

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.openai_api.errors import from_grpc
 from specserve.openai_api.requests import Call
+from specserve.serving.tls import ClientTls, aio_channel
 from specserve.v1 import generate_pb2, generate_pb2_grpc
 
 Metadata = tuple[tuple[str, str], ...]
@@ -28,10 +29,11 @@ _DONE = object()
 class Upstream:
     """One channel to the orchestrator, shared by every HTTP request."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, tls: ClientTls | None = None) -> None:
+        """``tls``: dial the orchestrator over TLS (None: plaintext)."""
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = aio_channel(address, tls)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 

@@ -15,6 +15,7 @@ from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sampling import SamplingParams, SamplingRule
 
 DEFAULT_MAX_NEW_TOKENS = 128
+MAX_NEW_TOKENS = 8192  # the most a request may ask for, on the gRPC and the HTTP API
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class GenerateParams:
     owner: bytes = b""  # the caller's API key fingerprint (b"": keys are off)
     ignore_eos: bool = False  # generate past end-of-sequence tokens up to max_new_tokens
     logprobs: int | None = None  # alternatives per token (0..20); None = no logprobs
+    skip_special_tokens: bool = True  # leave special tokens out of the text
 
 
 @dataclass

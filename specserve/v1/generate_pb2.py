@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from specserve.v1 import common_pb2 as specserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/generate.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\xeb\x01\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12(\n\x04rule\x18x \x01(\x0e\x32\x1a.specserve.v1.SamplingRule\x12\x12\n\nignore_eos\x18\x64 \x01(\x08\x12\x15\n\x08logprobs\x18\x65 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"U\n\x15SpeculationParameters\x12&\n\x07\x64rafter\x18\x01 \x01(\x0e\x32\x15.specserve.v1.Drafter\x12\x0e\n\x01k\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x04\n\x02_k\"\x9c\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .specserve.v1.SamplingParameters\x12\x38\n\x0bspeculation\x18\x05 \x01(\x0b\x32#.specserve.v1.SpeculationParameters\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x14\n\x0ckeep_session\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"\xb3\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x02\x12\x1e\n\x16mean_acceptance_length\x18\x07 \x01(\x02\"\x8f\x02\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x1e\n\x16time_to_first_token_ns\x18\x06 \x01(\x04\x12\x13\n\x0b\x64uration_ns\x18\x07 \x01(\x04\x12\x0c\n\x04seed\x18x \x01(\x04\x12,\n\x08logprobs\x18\x64 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\xe0\x01\n\x16GenerateStreamResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x0c\n\x04seed\x18x \x01(\x04\x12,\n\x08logprobs\x18\x64 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"*\n\x14\x43\x61ncelSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x15\x43\x61ncelSessionResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xc7\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.specserve.v1.SessionState\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\r\n\x05turns\x18\x04 \x01(\r\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12(\n\x04rule\x18x \x01(\x0e\x32\x1a.specserve.v1.SamplingRule\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04*|\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14SESSION_STATE_ACTIVE\x10\x01\x12\x16\n\x12SESSION_STATE_IDLE\x10\x02\x12\x1b\n\x17SESSION_STATE_CANCELLED\x10\x03\x32\xab\x03\n\nGeneration\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a$.specserve.v1.GenerateStreamResponse0\x01\x12X\n\rCancelSession\x12\".specserve.v1.CancelSessionRequest\x1a#.specserve.v1.CancelSessionResponse\x12H\n\nGetSession\x12\x1f.specserve.v1.GetSessionRequest\x1a\x19.specserve.v1.SessionInfo\x12U\n\x0c\x43loseSession\x12!.specserve.v1.CloseSessionRequest\x1a\".specserve.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecserve/v1/generate.proto\x12\x0cspecserve.v1\x1a\x19specserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specserve.v1.ChatMessage\"\xa5\x02\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12(\n\x04rule\x18x \x01(\x0e\x32\x1a.specserve.v1.SamplingRule\x12\x12\n\nignore_eos\x18\x64 \x01(\x08\x12\x15\n\x08logprobs\x18\x65 \x01(\rH\x01\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x66 \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"U\n\x15SpeculationParameters\x12&\n\x07\x64rafter\x18\x01 \x01(\x0e\x32\x15.specserve.v1.Drafter\x12\x0e\n\x01k\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x04\n\x02_k\"\x9c\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.specserve.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.specserve.v1.ChatMessagesH\x00\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .specserve.v1.SamplingParameters\x12\x38\n\x0bspeculation\x18\x05 \x01(\x0b\x32#.specserve.v1.SpeculationParameters\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x14\n\x0ckeep_session\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"\xb3\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x06 \x01(\x02\x12\x1e\n\x16mean_acceptance_length\x18\x07 \x01(\x02\"\x8f\x02\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x1e\n\x16time_to_first_token_ns\x18\x06 \x01(\x04\x12\x13\n\x0b\x64uration_ns\x18\x07 \x01(\x04\x12\x0c\n\x04seed\x18x \x01(\x04\x12,\n\x08logprobs\x18\x64 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"\xe0\x01\n\x16GenerateStreamResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x0c\n\x04seed\x18x \x01(\x04\x12,\n\x08logprobs\x18\x64 \x03(\x0b\x32\x1a.specserve.v1.TokenLogprob\"*\n\x14\x43\x61ncelSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x15\x43\x61ncelSessionResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xc7\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.specserve.v1.SessionState\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\r\n\x05turns\x18\x04 \x01(\r\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12(\n\x04rule\x18x \x01(\x0e\x32\x1a.specserve.v1.SamplingRule\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"&\n\x14\x43loseSessionResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04*|\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14SESSION_STATE_ACTIVE\x10\x01\x12\x16\n\x12SESSION_STATE_IDLE\x10\x02\x12\x1b\n\x17SESSION_STATE_CANCELLED\x10\x03\x32\xab\x03\n\nGeneration\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a$.specserve.v1.GenerateStreamResponse0\x01\x12X\n\rCancelSession\x12\".specserve.v1.CancelSessionRequest\x1a#.specserve.v1.CancelSessionResponse\x12H\n\nGetSession\x12\x1f.specserve.v1.GetSessionRequest\x1a\x19.specserve.v1.SessionInfo\x12U\n\x0c\x43loseSession\x12!.specserve.v1.CloseSessionRequest\x1a\".specserve.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1914
-  _globals['_FINISHREASON']._serialized_end=2061
-  _globals['_SESSIONSTATE']._serialized_start=2063
-  _globals['_SESSIONSTATE']._serialized_end=2187
+  _globals['_FINISHREASON']._serialized_start=1972
+  _globals['_FINISHREASON']._serialized_end=2119
+  _globals['_SESSIONSTATE']._serialized_start=2121
+  _globals['_SESSIONSTATE']._serialized_end=2245
   _globals['_TOKENIDS']._serialized_start=72
   _globals['_TOKENIDS']._serialized_end=95
   _globals['_CHATMESSAGE']._serialized_start=97
@@ -43,29 +43,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=143
   _globals['_CHATMESSAGES']._serialized_end=202
   _globals['_SAMPLINGPARAMETERS']._serialized_start=205
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=440
-  _globals['_SPECULATIONPARAMETERS']._serialized_start=442
-  _globals['_SPECULATIONPARAMETERS']._serialized_end=527
-  _globals['_GENERATEREQUEST']._serialized_start=530
-  _globals['_GENERATEREQUEST']._serialized_end=814
-  _globals['_USAGE']._serialized_start=817
-  _globals['_USAGE']._serialized_end=996
-  _globals['_GENERATERESPONSE']._serialized_start=999
-  _globals['_GENERATERESPONSE']._serialized_end=1270
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1273
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1497
-  _globals['_CANCELSESSIONREQUEST']._serialized_start=1499
-  _globals['_CANCELSESSIONREQUEST']._serialized_end=1541
-  _globals['_CANCELSESSIONRESPONSE']._serialized_start=1543
-  _globals['_CANCELSESSIONRESPONSE']._serialized_end=1585
-  _globals['_GETSESSIONREQUEST']._serialized_start=1587
-  _globals['_GETSESSIONREQUEST']._serialized_end=1626
-  _globals['_SESSIONINFO']._serialized_start=1629
-  _globals['_SESSIONINFO']._serialized_end=1828
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1830
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1871
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1873
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1911
-  _globals['_GENERATION']._serialized_start=2190
-  _globals['_GENERATION']._serialized_end=2617
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=498
+  _globals['_SPECULATIONPARAMETERS']._serialized_start=500
+  _globals['_SPECULATIONPARAMETERS']._serialized_end=585
+  _globals['_GENERATEREQUEST']._serialized_start=588
+  _globals['_GENERATEREQUEST']._serialized_end=872
+  _globals['_USAGE']._serialized_start=875
+  _globals['_USAGE']._serialized_end=1054
+  _globals['_GENERATERESPONSE']._serialized_start=1057
+  _globals['_GENERATERESPONSE']._serialized_end=1328
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1331
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1555
+  _globals['_CANCELSESSIONREQUEST']._serialized_start=1557
+  _globals['_CANCELSESSIONREQUEST']._serialized_end=1599
+  _globals['_CANCELSESSIONRESPONSE']._serialized_start=1601
+  _globals['_CANCELSESSIONRESPONSE']._serialized_end=1643
+  _globals['_GETSESSIONREQUEST']._serialized_start=1645
+  _globals['_GETSESSIONREQUEST']._serialized_end=1684
+  _globals['_SESSIONINFO']._serialized_start=1687
+  _globals['_SESSIONINFO']._serialized_end=1886
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1888
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1929
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1931
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1969
+  _globals['_GENERATION']._serialized_start=2248
+  _globals['_GENERATION']._serialized_end=2675
 # @@protoc_insertion_point(module_scope)

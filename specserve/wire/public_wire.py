@@ -99,6 +99,7 @@ def generate_params(
         owner=owner,
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
     )
 
 

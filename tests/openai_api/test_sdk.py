@@ -250,3 +250,138 @@ def test_bad_chat_messages_are_refused(http_stack: HttpStack) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         c.chat.completions.create(model=MODEL, messages=CHAT, top_logprobs=2)
     assert info.value.body["param"] == "top_logprobs"  # type: ignore[index]
+
+
+SPECIALS = ("<|im_start|>", "<|im_end|>", "<unk>")  # the tiny tokenizer's special tokens
+END = 1  # its <|im_end|>: the chat template's end of turn and the end-of-sequence id
+
+
+def without_specials(text: str) -> str:
+    for s in SPECIALS:
+        text = text.replace(s, "")
+    return text
+
+
+def chat(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+def find_chat(http_stack: HttpStack, wanted: object, **kwargs: object) -> list[dict[str, str]]:
+    """The first of a fixed list of chats whose greedy completion's token ids satisfy
+    ``wanted`` (asked through the gRPC API, which reports every id)."""
+    with Client(http_stack.stack.address, timeout_s=60) as g:
+        for i in range(64):
+            messages = chat(f"Tell me {i}")
+            got = g.generate(messages, temperature=0, **kwargs)  # type: ignore[arg-type]
+            if wanted(got):  # type: ignore[operator]
+                return messages
+    raise AssertionError("no chat of the list gives such a completion")
+
+
+def test_a_chat_turn_ends_on_its_end_token_which_is_not_in_the_content(
+    http_stack: HttpStack,
+) -> None:
+    """Greedy chat that ends on <|im_end|>: finish "stop", the content free of it (streamed
+    or not, and in the chat logprobs), and kept only with skip_special_tokens false."""
+    messages = find_chat(
+        http_stack, lambda r: r.finish_reason == "eos" and len(r.token_ids) > 1, max_new_tokens=64
+    )
+    c = http_stack.client()
+    args: dict[str, object] = {"model": MODEL, "messages": messages, "max_tokens": 64}
+    whole = c.chat.completions.create(**args, temperature=0, logprobs=True)  # type: ignore[call-overload]
+    choice = whole.choices[0]
+    content = choice.message.content or ""
+    assert choice.finish_reason == "stop" and content
+    assert not any(s in content for s in SPECIALS), content
+    tokens = choice.logprobs.content  # type: ignore[union-attr]
+    assert tokens is not None and "".join(t.token for t in tokens) == content
+    assert tokens[-1].token == "" and tokens[-1].bytes == []  # the end token, unspelled
+    streamed = c.chat.completions.create(**args, temperature=0, stream=True)  # type: ignore[call-overload]
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == content
+    kept = c.chat.completions.create(
+        **args,  # type: ignore[arg-type]
+        temperature=0,
+        extra_body={"skip_special_tokens": False},
+    )
+    assert kept.choices[0].message.content == content + "<|im_end|>"
+    assert kept.choices[0].finish_reason == "stop"
+
+
+def test_special_tokens_are_left_out_of_every_text_path(http_stack: HttpStack) -> None:
+    """Past the end of turn (ignore_eos), a completion holding both <|im_start|> and
+    <|im_end|>: the HTTP text (chat and completions, streamed or not) and the gRPC text
+    (Generate and GenerateStream, the Python client's default) leave them out; kept, the
+    same requests give the text with them, which is the left-out text plus the tokens."""
+    n = 160
+    messages = find_chat(
+        http_stack,
+        lambda r: {0, END} <= set(r.token_ids),
+        max_new_tokens=n,
+        ignore_eos=True,
+    )
+    c = http_stack.client()
+    args: dict[str, object] = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": n,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    plain = c.chat.completions.create(**args).choices[0].message.content or ""  # type: ignore[call-overload]
+    keep = {"ignore_eos": True, "skip_special_tokens": False}
+    kept = c.chat.completions.create(**{**args, "extra_body": keep}).choices[0].message.content  # type: ignore[call-overload]
+    assert kept is not None and "<|im_start|>" in kept and "<|im_end|>" in kept
+    assert not any(s in plain for s in SPECIALS)
+    assert plain == without_specials(kept)
+    streamed = c.chat.completions.create(**args, stream=True)  # type: ignore[call-overload]
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == plain
+    with Client(http_stack.stack.address, timeout_s=60) as g:
+        grpc_args: dict[str, object] = {"max_new_tokens": n, "ignore_eos": True}
+        assert g.generate(messages, **grpc_args).text == plain  # type: ignore[arg-type]
+        assert "".join(d.text for d in g.stream(messages, **grpc_args)) == plain  # type: ignore[arg-type]
+        assert g.generate(messages, **grpc_args, skip_special_tokens=False).text == kept  # type: ignore[arg-type]
+        ids = g.generate(messages, **grpc_args).token_ids  # type: ignore[arg-type]
+    # /v1/completions on the same ids: the same rule.
+    done = c.completions.create(
+        model=MODEL, prompt=ids[:40], max_tokens=n, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert not any(s in done.choices[0].text for s in SPECIALS)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(**{**args, "extra_body": {"skip_special_tokens": "no"}})  # type: ignore[call-overload]
+    assert info.value.body["param"] == "skip_special_tokens"  # type: ignore[index]
+
+
+def test_a_stop_string_is_matched_in_the_text_without_special_tokens(
+    http_stack: HttpStack,
+) -> None:
+    """A stop string that straddles a left-out special token still stops the text there:
+    stop strings see the text the client gets."""
+    n = 160
+    messages = find_chat(
+        http_stack,
+        lambda r: {0, END} <= set(r.token_ids[1:-1]),
+        max_new_tokens=n,
+        ignore_eos=True,
+    )
+    c = http_stack.client()
+    args: dict[str, object] = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": n,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    kept = (
+        c.chat.completions.create(  # type: ignore[call-overload]
+            **{**args, "extra_body": {"ignore_eos": True, "skip_special_tokens": False}}
+        )
+        .choices[0]
+        .message.content
+    )
+    plain = c.chat.completions.create(**args).choices[0].message.content or ""  # type: ignore[call-overload]
+    at = min(kept.find(s) for s in SPECIALS if s in kept)  # the first, so none before it
+    assert 0 < at < len(plain)
+    stop = plain[at - 1 : at + 1]  # one character each side of where the token was
+    got = c.chat.completions.create(**args, stop=[stop]).choices[0]  # type: ignore[call-overload]
+    assert got.finish_reason == "stop"
+    assert got.message.content == plain[: plain.index(stop)]

@@ -21,7 +21,7 @@ class ByteTokenizer:
     def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
         return list(text.encode())[:max_tokens]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
@@ -113,7 +113,7 @@ class CountingTokenizer(ByteTokenizer):
     def __init__(self) -> None:
         self.decoded = 0
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         self.decoded += len(ids)
         return super().decode(ids)
 
@@ -136,7 +136,7 @@ class LeadingSpaceTokenizer:
     eos_token_ids = ()
     pieces = (" hello", " world", "!", " ok")
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(self.pieces[i] for i in ids).removeprefix(" ")
 
 

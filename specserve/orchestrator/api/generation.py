@@ -39,11 +39,16 @@ from specserve.orchestrator.round.runner import RoundRunner
 from specserve.orchestrator.session import Ended, LiveSession
 from specserve.orchestrator.store import records
 from specserve.orchestrator.store.session_store import SessionStore
-from specserve.orchestrator.types import Chunk, GenerateParams, SessionState, SessionSummary
+from specserve.orchestrator.types import (
+    MAX_NEW_TOKENS,
+    Chunk,
+    GenerateParams,
+    SessionState,
+    SessionSummary,
+)
 from specserve.v1 import session_pb2
 
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-MAX_NEW_TOKENS = 8192
 
 
 def check_session_id(session_id: str) -> None:
@@ -123,7 +128,7 @@ class Orchestrator:
         except asyncio.CancelledError:
             opening.add_done_callback(self._cancel_opened)
             raise
-        stream = TextStream(text, params.stop)
+        stream = TextStream(text, params.stop, skip_special_tokens=params.skip_special_tokens)
         seed = live.state.params.seed & ((1 << 64) - 1)
         delivered = 0
         first_ns = last_ns = 0
@@ -214,7 +219,7 @@ class Orchestrator:
             stop,
             self.runner.planner.session_policy(params.k),
             drafter=params.drafter,
-            decode=text.decode,
+            decode=text.decoder(skip_special_tokens=params.skip_special_tokens),
             round_index=turn.round_index,
         )
         if pre_turn is None:
@@ -232,9 +237,10 @@ class Orchestrator:
             top_logprobs=params.logprobs,
         )
 
-    def token_text(self, token_id: int) -> str:
-        """One token id decoded alone (the text of a logprobs entry)."""
-        return self.text().decode([token_id])
+    def token_text(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """One token id decoded alone (the text of a logprobs entry; a special token's is
+        empty unless the request keeps special tokens, as in its text)."""
+        return self.text().decode([token_id], skip_special_tokens=skip_special_tokens)
 
     async def _owned(self, session_id: str, owner: bytes) -> session_pb2.SessionRecord | None:
         """The session's record, or None when it does not exist *or belongs to another

@@ -7,6 +7,7 @@ into the request so that internal calls never outlive it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ import grpc.aio
 from specserve.orchestrator.api.api_keys import KeysFile, owner_of
 from specserve.orchestrator.api.generation import Orchestrator
 from specserve.orchestrator.errors import status_for
+from specserve.orchestrator.types import GenerateParams
 from specserve.v1 import generate_pb2, generate_pb2_grpc
 from specserve.wire import public_wire
 
@@ -50,6 +52,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def _owner(self, context: grpc.aio.ServicerContext) -> bytes:
         return owner_of(self.keys, context.invocation_metadata())
 
+    def _token_text(self, params: GenerateParams) -> public_wire.TokenText:
+        """A logprobs entry's token text, with the request's choice about special tokens."""
+        return functools.partial(
+            self.orchestrator.token_text, skip_special_tokens=params.skip_special_tokens
+        )
+
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.GenerateResponse:
@@ -58,7 +66,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 request, deadline_of(context), self._owner(context)
             )
             chunks = [c async for c in self.orchestrator.generate(params)]
-            return public_wire.generate_response(chunks, self.orchestrator.token_text)
+            return public_wire.generate_response(chunks, self._token_text(params))
         except Exception as e:
             await _abort(context, "Generate", e)
             raise  # unreachable: abort raises
@@ -70,8 +78,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             params = public_wire.generate_params(
                 request, deadline_of(context), self._owner(context)
             )
+            token_text = self._token_text(params)
             async for chunk in self.orchestrator.generate(params):
-                yield public_wire.stream_response(chunk, self.orchestrator.token_text)
+                yield public_wire.stream_response(chunk, token_text)
         except Exception as e:
             await _abort(context, "GenerateStream", e)
 

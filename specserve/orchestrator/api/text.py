@@ -4,6 +4,11 @@ The orchestrator holds the target's tokenizer (``--tokenizer``). Without one (ti
 random test models) prompts must be token ids and text is the ids written out
 (``" 17 4 230"``), the same convention as local mode, so stop strings still work.
 
+Special tokens (``<|im_end|>``, ...) are left out of the text unless a request keeps
+them (``skip_special_tokens``): a turn still ends on its end-of-sequence token, whose
+id is in ``token_ids``, but not in the text. One decoder per turn serves both the
+stop strings and the text, so a stop string is matched in the text the client gets.
+
 Streaming: a byte-level BPE token can end in the middle of a UTF-8 character; the
 decoded text then ends in U+FFFD. :class:`TextStream` holds such a tail back
 until the character completes, so every delta is whole characters and the
@@ -14,13 +19,15 @@ and the text must end before it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.tokenizer import Tokenizer
 from specserve.orchestrator.types import Prompt
 
 MAX_PROMPT_TOKENS = 1 << 17
+Decode = Callable[[Sequence[int]], str]
 CHAT_ROLES = ("system", "user", "assistant")
 REPLACEMENT = "\ufffd"
 
@@ -71,10 +78,15 @@ class Tokenization:
             raise InvalidArgument(f"prompt token id {min(ids)} is negative")
         return ids
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` (without a tokenizer: the ids written out, none special)."""
         if self.tokenizer is None:
             return "".join(f" {i}" for i in ids)
-        return self.tokenizer.decode(list(ids))
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decoder(self, *, skip_special_tokens: bool = True) -> Decode:
+        """:meth:`decode` with the turn's choice about special tokens bound."""
+        return functools.partial(self.decode, skip_special_tokens=skip_special_tokens)
 
 
 class TextStream:
@@ -86,8 +98,14 @@ class TextStream:
     decode drops it from both), so a completion of n tokens costs O(n) to stream,
     not O(n**2). :meth:`finish` decodes the whole completion once."""
 
-    def __init__(self, tokenization: Tokenization, stop: Sequence[str] = ()) -> None:
-        self.tokenization = tokenization
+    def __init__(
+        self,
+        tokenization: Tokenization,
+        stop: Sequence[str] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.decode = tokenization.decoder(skip_special_tokens=skip_special_tokens)
         self.stop = tuple(stop)
         self._longest_stop = max((len(s) for s in self.stop), default=0)
         self._ids: list[int] = []
@@ -121,7 +139,7 @@ class TextStream:
         ids = self._ids
         if self._read == len(ids):
             return
-        decode = self.tokenization.decode
+        decode = self.decode
         context = decode(ids[self._prefix : self._read])
         window = decode(ids[self._prefix :])
         if window.endswith(REPLACEMENT) or not window.startswith(context):
@@ -142,7 +160,7 @@ class TextStream:
     def finish(self, completion: Sequence[int], text_end: int | None) -> str:
         """The rest of the text at the end (cut where a stop string began, and before a
         character the completion ends inside of)."""
-        text = self.tokenization.decode(completion)
+        text = self.decode(completion)
         if text_end is not None:
             text = text[:text_end]
         # Decoding stopped inside a character (max_new_tokens, cancel): its bytes are in
