@@ -1,4 +1,4 @@
-"""bench.quantized_report on known figures: the headline's ratios and #25's targets.
+"""bench.quantized_report on known figures: the headline's ratios and issue 44's targets.
 
 The llama.cpp side's figures are made up here (no build needed), so the page and the
 headline that the real run writes are checked on numbers whose ratios are known; so are
@@ -83,9 +83,18 @@ def test_the_headline_divides_by_llama_cpps_target_tg_and_judges_the_targets() -
     assert h["best_speculative_over_llama_speculative"] == pytest.approx(30 / 13)
     assert h["prefill"]["specserve_over_llama"] == 2.0
     assert h["rss_bytes"]["llama_speculative_peak"] == 2 * GIB
+    assert h["adaptive_over_target_only"] == 2.0 and h["adaptive_over_llama_tg"] == 2.0
+    assert h["adaptive_worst_prompt_over_target_only"] == {"code": 2.0, "prose": None}
+    assert h["forward_rows_over_one"] == {"2": pytest.approx(1.1)}
     assert h["targets"] == {
-        "target_only_over_llama_tg >= 1.0": True,
-        "best_speculative_over_llama_tg >= 1.3": True,
+        "target_only_over_llama_tg >= 1.05": False,  # 1.0x
+        "adaptive_over_target_only >= 1.3": True,
+        "adaptive_over_llama_tg >= 1.4": True,
+        "adaptive_worst_prompt_over_target_only.code >= 1.0": True,
+        "adaptive_worst_prompt_over_target_only.prose >= 1.0": None,  # no prose prompt
+        "prefill_over_llama_pp >= 1.0": True,
+        "forward_rows_over_one.5 <= 1.3": None,  # the curve ran 1 and 2 rows
+        "forward_rows_over_one.9 <= 1.8": None,
     }
     assert result["specserve"]["variants"][1]["acceptance_rate"] == 0.8
     md = markdown(result)
@@ -93,17 +102,24 @@ def test_the_headline_divides_by_llama_cpps_target_tg_and_judges_the_targets() -
     assert "| llama-speculative (draft max 8) | 13.00 | – | 80.0% |" in md
     assert "| llama-bench target tg128 | 15.00 |" in md
     assert "| prefill target, 128 tokens (tok/s) | 100.0 | 50.0 |" in md
-    assert "target target_only_over_llama_tg >= 1.0: met" in md
+    assert "target target_only_over_llama_tg >= 1.05: **not met**" in md
+    assert "target adaptive_over_target_only >= 1.3: met" in md
+    assert "target forward_rows_over_one.5 <= 1.3: not measured" in md
+    assert "- adaptive speculation: **2.00x** specserve target-only, 2.00x" in md
+    assert "- target forward by new tokens, against one: 2 rows 1.10x" in md
     assert "cpu_info a CPU" in md
 
 
 def test_a_target_missed_reads_not_met() -> None:
-    result = _result(target_only_decode_s=10.0)  # 12 tok/s: 0.8x llama.cpp's 15
-    assert result["headline"]["target_only_over_llama_tg"] == pytest.approx(0.8)
-    assert result["headline"]["targets"]["target_only_over_llama_tg >= 1.0"] is False
+    result = _result(target_only_decode_s=10.0, curve={1: 40.0, 5: 60.0, 9: 70.0})
+    h = result["headline"]  # target-only 12 tok/s: 0.8x llama.cpp's 15
+    assert h["target_only_over_llama_tg"] == pytest.approx(0.8)
+    assert h["targets"]["target_only_over_llama_tg >= 1.05"] is False
+    assert h["targets"]["forward_rows_over_one.5 <= 1.3"] is False  # 1.5x
+    assert h["targets"]["forward_rows_over_one.9 <= 1.8"] is True  # 1.75x
     md = markdown(result)
-    assert "target target_only_over_llama_tg >= 1.0: **not met**" in md
-    assert "target best_speculative_over_llama_tg >= 1.3: met" in md
+    assert "target target_only_over_llama_tg >= 1.05: **not met**" in md
+    assert "target adaptive_over_llama_tg >= 1.4: met" in md
 
 
 def _avx512_env(**more: Any) -> dict[str, Any]:

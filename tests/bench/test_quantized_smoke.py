@@ -44,7 +44,7 @@ def test_a_tiny_run_skips_llama_cpp_and_checks_greedy_equality(
     accepted = int(md.split("**yes** (")[1].split(" drafts accepted")[0])
     assert accepted > 0
     assert "| specserve speculative k=3 |" in md and "| specserve speculative k=auto |" in md
-    assert "target target_only_over_llama_tg >= 1.0: not measured" in md
+    assert "target target_only_over_llama_tg >= 1.05: not measured" in md
     assert "| ms | " in md  # the forward cost curve
 
 
