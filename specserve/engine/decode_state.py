@@ -94,6 +94,9 @@ class DecodeState:
         self.finish_reason: FinishReason | None = None
         self.text_end: int | None = None  # where a stop string cut the text
         self.stats = SessionStats()
+        # Drafts proposed in the last round: 0 after a plain round, whose tokens the draft
+        # has yet to see (a drafting round then also catches it up on them).
+        self.last_drafted = 0
 
     @property
     def completion(self) -> list[int]:
@@ -161,6 +164,7 @@ class DecodeState:
         round index moves past each step's, as one-step rounds would have moved it."""
         assert not self.finished
         drafted = len(proposal.tokens)
+        self.last_drafted = drafted
         committed_before = len(self.tokens)
         emitted = [*proposal.tokens[: verdict.accepted], *verdict.decoded, verdict.next_token]
         steps = 1 + len(verdict.decoded)

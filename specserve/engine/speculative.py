@@ -59,7 +59,6 @@ class SpeculativeEngine:
         self.drafters = dict(drafters)
         self.timing = Timing()
         self.costs = costs
-        self._last_k: dict[str, int] = {}  # each session's drafts in its last round
 
     def run(
         self,
@@ -83,7 +82,6 @@ class SpeculativeEngine:
             self.release(s)
 
     def release(self, state: DecodeState) -> None:
-        self._last_k.pop(state.session_id, None)
         self.verifier.release(state.session_id)
         for d in self.drafters.values():
             d.release(state.session_id)
@@ -118,11 +116,10 @@ class SpeculativeEngine:
             k = len(proposals[0].tokens)
             # A drafting round after plain ones also catches the draft up on their tokens:
             # not a drafting round's cost (it would read as a fixed cost of drafting).
-            if k == 0 or self._last_k.get(states[0].session_id, 0) > 0:
+            if k == 0 or states[0].last_drafted > 0:
                 self.costs.observe(1, k, k, t2 - t0)
         out = []
         for s, p, o in zip(states, proposals, outcomes, strict=True):
-            self._last_k[s.session_id] = len(p.tokens)
             assert o.verdict is not None, "a full-history verify cannot be stale"
             out.append((s, s.commit(p, o.verdict)))
         return out

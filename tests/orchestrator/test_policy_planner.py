@@ -375,3 +375,23 @@ def test_a_flip_to_plain_re_times_drafting_within_its_own_bound() -> None:
         if flipped.next_round(replace(config, devices=Devices.SHARED), True) is False:
             flipped.timed(False)
     assert flipped.interval == 64
+
+
+def test_a_drafting_round_that_catches_a_draft_up_on_plain_rounds_is_not_timed() -> None:
+    """After plain rounds a drafting round's draft also reads their tokens, a cost that is
+    not drafting's: the round is planned untimed (its time never reaches the cost fit),
+    and an exploration of drafting is timed on its next round, the draft then synced."""
+    p = Planner(PolicyConfig(devices=Devices.SHARED, explore_every=4))
+    behind = view(draft_synced=False, alpha=0.9, turn_drafted=40, turn_accepted=36)
+    drafting = 0
+    for _ in range(20):  # were they learnt, these would make a fit (and drafting dear)
+        plan = p.plan("t", 1, [behind])
+        if plan.k["a"]:  # not an exploration of plain rounds
+            assert not plan.timeable
+            drafting += 1
+        p.observe("t", [behind], plan, RoundOutcome(plan.k, plan.k, 9.0, clean=True))
+    assert drafting >= 10 and p.fit("t") is None  # nothing learnt of drafting's cost
+    synced = p.plan("t", 1, [replace(behind, draft_synced=True)])
+    assert synced.k["a"] > 0 and synced.timeable
+    plain = p.plan("t", 1, [replace(behind, drafter="none")])
+    assert plain.timeable  # a plain round catches nothing up

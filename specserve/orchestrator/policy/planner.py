@@ -177,7 +177,11 @@ class Planner:
             if exploring and s.adaptive and s.view.drafter != "none" and s.view.tokens_left > 1:
                 k[s.view.sid] = max(1, k[s.view.sid])  # re-time drafting, win it back
         warm = self._warm_ups(each, k)
-        timeable = not untimed and not any(s.view.sid in warm for s in each)
+        # A drafting round that also catches a draft up on plain rounds' tokens would read
+        # as a fixed cost of drafting (and keep drafting off): an exploration of drafting
+        # stays the choice until its next round, which is timed.
+        catching_up = any(k[s.view.sid] and not s.view.draft_synced for s in each)
+        timeable = not untimed and not catching_up and not any(s.view.sid in warm for s in each)
         steps: dict[str, int] = {}
         # A plain round decodes several steps, unless it only re-times plain decoding
         # (an exploration: one step tells the time, more would cost drafting's tokens),

@@ -34,6 +34,9 @@ class SessionView:
     turn_rejections: int = 0  # rounds this turn whose drafts were not all accepted
     cache: Cache = Cache.WARM
     target_behind: int = 0  # history tokens its target has not seen (a prefill if > 1)
+    # Whether it drafted in its last round: if not, a drafting round now also catches its
+    # draft up on the plain rounds' tokens, which is not what drafting costs.
+    draft_synced: bool = True
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ def session_view(s: LiveSession, warm_above_tokens: int) -> SessionView:
         turn_rejections=st.stats.rejections,
         cache=cache,
         target_behind=target_backlog(s),
+        draft_synced=st.drafter == "none" or st.last_drafted > 0,
     )
 
 
