@@ -264,7 +264,7 @@ def test_everything_validates_strictly(
         for name, (overlay, components) in COMPOSED.items()
     ]
     kinds = {d["kind"] for docs in composed for d in docs}
-    assert {"GRPCRoute", "Certificate", "Issuer"} <= kinds
+    assert {"GRPCRoute", "HTTPRoute", "Certificate", "Issuer"} <= kinds
     for docs in [*rendered.values(), *composed]:
         for doc in to_validate(docs):
             kubernetes_validate.validate(doc, version, strict=True)
