@@ -12,6 +12,8 @@ from typing import Any
 from tests.deploy.manifests import Doc, all_containers, by_kind, pod_templates, specserve_argv
 
 GPU = "nvidia.com/gpu"
+# The public APIs: Deployment -> the one port a NetworkPolicy may open to anyone.
+PUBLIC_PORTS = {"specserve-orchestrator": "grpc", "specserve-http-server": "http"}
 
 
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -19,14 +21,15 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 
 def unlabelled_pods(docs: list[Doc], pod_monitor: Doc) -> list[str]:
-    """Deployments with a metrics port whose pods the PodMonitor does not select."""
+    """Deployments with a port one of the PodMonitor's endpoints scrapes (the pools'
+    ``metrics``, the http-servers' ``http``) whose pods the PodMonitor does not select."""
     selector = pod_monitor["spec"]["selector"]["matchLabels"]
-    port = pod_monitor["spec"]["podMetricsEndpoints"][0]["port"]
+    scraped = {e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]}
     problems = []
     for name, dep in by_kind(docs, "Deployment").items():
         pod = dep["spec"]["template"]
         ports = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
-        if port in ports and not selects(selector, pod["metadata"].get("labels", {})):
+        if ports & scraped and not selects(selector, pod["metadata"].get("labels", {})):
             problems.append(f"Deployment {name}: pods lack the PodMonitor's labels {selector}")
     return problems
 
@@ -135,7 +138,9 @@ def network_gaps(docs: list[Doc], monitoring_ns: str = "monitoring") -> list[str
     """Pods no policy covers, and ingress wider than the design (see network-policies.yaml).
 
     A default-deny for every pod; draft, target and Redis take their service port from
-    orchestrator pods only; metrics come only from the monitoring namespace.
+    orchestrator pods only; metrics come only from the monitoring namespace. The public
+    pools (the orchestrators' gRPC, the http-servers' HTTP: ``PUBLIC_PORTS``) may admit
+    anyone, to that one port only.
     """
     policies = list(by_kind(docs, "NetworkPolicy").values())
     problems = []
@@ -155,8 +160,16 @@ def network_gaps(docs: list[Doc], monitoring_ns: str = "monitoring") -> list[str
         if not mine:
             problems.append(f"{where}: no NetworkPolicy selects its pods")
             continue
-        if labels.get("app.kubernetes.io/name") == "specserve-orchestrator":
-            continue  # the public API
+        public = PUBLIC_PORTS.get(labels.get("app.kubernetes.io/name", ""))
+        if public is not None:
+            for policy in mine:
+                for rule in policy["spec"].get("ingress", []):
+                    if not rule.get("from") and _ports(rule) != {public}:
+                        ports = sorted(map(str, _ports(rule))) or "every port"
+                        problems.append(
+                            f"{where}: {policy['metadata']['name']} admits anyone to {ports}"
+                        )
+            continue
         for policy in mine:
             for rule in policy["spec"].get("ingress", []):
                 sources = rule.get("from", [])

@@ -4,8 +4,10 @@ Every container command is parsed by the real ``specserve`` argument parser with
 the container's environment and turned into its config (so a renamed flag or a bad
 value fails here, not in a cluster; files from mounted Secrets are replaced by local
 stand-ins, which the config reads); Services select pods and name ports that
-exist; probes and the orchestrator's DNS endpoints point at the ports the servers
-bind (a TLS server's probes at its plaintext health port); the model-cache Job
+exist, the metrics Service each pod's /metrics port (the pools' metrics port, the
+http-server's HTTP port); probes and the orchestrator's DNS endpoints point at the
+ports the servers bind (a TLS server's probes at its plaintext health port); the
+http-server dials the orchestrators' Service and names their model; the model-cache Job
 fetches every model a pod loads into the volume the pods mount; the HPAs read
 metrics the adapter derives from series the servers export.
 The overlays are rendered with ``kubectl kustomize`` where kubectl is installed.
@@ -24,6 +26,7 @@ import yaml
 
 from specserve.cli import build_parser
 from specserve.serving.launch import ServerProcess
+from tests.deploy import http_policies
 from tests.deploy.manifests import (
     K8S,
     OVERLAYS,
@@ -45,10 +48,12 @@ BASE_FILES = [
     "draft.yaml",
     "target.yaml",
     "orchestrator.yaml",
+    "http-server.yaml",
     "metrics-service.yaml",
     "autoscaling.yaml",
 ]
 ADAPTER_VALUES = K8S / "monitoring" / "prometheus-adapter-values.yaml"
+METRICS_SERVICE = "specserve-metrics"
 
 
 def parse(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -72,9 +77,18 @@ def parse(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch)
         from specserve.target_service import config  # type: ignore[no-redef]
     elif sub == "orchestrator":
         from specserve.orchestrator import config  # type: ignore[no-redef]
+    elif sub == "http-server":
+        from specserve.openai_api import config  # type: ignore[no-redef]
     else:
         return args, None
     return args, config.from_args(args)
+
+
+def container_port_names(dep: Doc) -> set[str]:
+    """The names of the ports a Deployment's containers declare."""
+    return {
+        p["name"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])
+    }
 
 
 def prestop_sleep_s(c: Doc) -> float:
@@ -96,10 +110,23 @@ def claim_mounts(pod_spec: Doc, c: Doc) -> dict[str, tuple[str, bool]]:
     }
 
 
+def check_http_server(dep_name: str, pod: Doc, c: Doc, args: Any, config: Any) -> None:
+    """The OpenAI door: one HTTP port (the API, /health, /metrics), no metrics-port
+    variable (its config refuses one; building it above checks), no model. Its probes
+    and the address it dials are checked by :mod:`tests.deploy.http_policies`."""
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": args.port}, f"{dep_name}: one container port, http = --port"
+    assert config.served_model_name, dep_name
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace >= 60 and prestop_sleep_s(c) > 0, f"{dep_name}: grace 60 s and a preStop"
+
+
 def check_docs(docs: list[Doc], monkeypatch: pytest.MonkeyPatch, stand_ins: StandIns) -> None:
     deployments = by_kind(docs, "Deployment")
     services = by_kind(docs, "Service")
-    bound: dict[str, int] = {}  # deployment -> gRPC port its server binds
+    bound: dict[str, int] = {}  # deployment -> the port its server binds (gRPC or HTTP)
+    metrics_port_name: dict[str, str] = {}  # deployment -> the container port serving /metrics
+    served_names: dict[str, str] = {}  # deployment -> the model id clients name
     models_needed: dict[str, set[str]] = {}  # store home -> models the pods load
     cache_claims: set[tuple[str, str]] = set()  # (claim, mountPath) the pods read
     for dep_name, c in containers(docs):
@@ -109,9 +136,17 @@ def check_docs(docs: list[Doc], monkeypatch: pytest.MonkeyPatch, stand_ins: Stan
         pod = deployments[dep_name]["spec"]["template"]["spec"]
         local = stand_ins.local_paths(pod, c)
         env = {k: local.get(v, v) for k, v in container_env(c).items()}
-        args, _config = parse([local.get(a, a) for a in argv], env, monkeypatch)
+        args, config = parse([local.get(a, a) for a in argv], env, monkeypatch)
         assert args.host == "0.0.0.0", f"{dep_name} must bind every interface in a pod"
         bound[dep_name] = args.port
+        if argv[0] == "http-server":
+            check_http_server(dep_name, pod, c, args, config)
+            metrics_port_name[dep_name] = "http"
+            served_names[dep_name] = config.served_model_name
+            continue
+        metrics_port_name[dep_name] = "metrics"
+        if argv[0] == "orchestrator":
+            served_names[dep_name] = config.model_name
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports["grpc"] == args.port, f"{dep_name}: container port != --port"
         # The kubelet's gRPC probes speak plaintext: a TLS server's go to --health-port.
@@ -164,19 +199,32 @@ def check_docs(docs: list[Doc], monkeypatch: pytest.MonkeyPatch, stand_ins: Stan
             <= d["spec"]["template"]["metadata"]["labels"].items()
         ]
         names = [p["name"] for p in svc["spec"]["ports"]]
-        if names == ["metrics"]:
+        targets = {p["targetPort"] for p in svc["spec"]["ports"]}
+        if svc_name == METRICS_SERVICE:
             picked = {d["metadata"]["name"] for d in selected}
             assert picked == set(bound), f"{svc_name} must select every specserve pool"
-        else:
-            assert len(selected) == 1, f"Service {svc_name} selects {len(selected)} Deployments"
-            assert "metrics" not in names, f"{svc_name}: metrics only on the metrics Service"
-            assert "health" not in names, f"{svc_name}: the health port is for the kubelet"
-        for dep in selected:
-            pod_ports = {
-                p["name"] for c in dep["spec"]["template"]["spec"]["containers"] for p in c["ports"]
-            }
-            for port in svc["spec"]["ports"]:
-                assert port["targetPort"] in pod_ports, f"Service {svc_name} port {port['name']}"
+            reached: set[str] = set()
+            for dep in selected:
+                name, pod_ports = dep["metadata"]["name"], container_port_names(dep)
+                # Each pod is an endpoint of exactly the port that serves its /metrics.
+                assert targets & pod_ports == {metrics_port_name[name]}, f"{svc_name} -> {name}"
+                reached |= targets & pod_ports
+            assert reached == targets, f"{svc_name}: ports no pod has: {targets - reached}"
+            continue
+        assert len(selected) == 1, f"Service {svc_name} selects {len(selected)} Deployments"
+        assert "metrics" not in names, f"{svc_name}: metrics only on the metrics Service"
+        assert "health" not in names, f"{svc_name}: the health port is for the kubelet"
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in container_port_names(selected[0]), (
+                f"Service {svc_name} port {port['name']}"
+            )
+
+    # The OpenAI door names the model as the orchestrators do (requests naming another
+    # are refused with 404), and dials their Service on the port they bind.
+    doors = {n: v for n, v in served_names.items() if n != "specserve-orchestrator"}
+    for door, name in doors.items():
+        assert name == served_names["specserve-orchestrator"], f"{door}: model id {name}"
+    assert http_policies.orchestrator_address_gaps(docs) == []
 
     # The orchestrator finds the pools through headless Services on the bound ports.
     (orch,) = [c for n, c in containers(docs) if n == "specserve-orchestrator"]

@@ -56,14 +56,19 @@ def test_every_pool_carries_the_podmonitor_labels(rendered: dict[str, list[Doc]]
     for docs in rendered.values():
         assert policies.unlabelled_pods(docs, pm) == []
         pools = [d for d in by_kind(docs, "Deployment") if d.startswith("specserve-")]
-        assert {"specserve-draft", "specserve-target", "specserve-orchestrator"} <= set(pools)
+        assert {
+            "specserve-draft",
+            "specserve-target",
+            "specserve-orchestrator",
+            "specserve-http-server",  # scraped on its HTTP port
+        } <= set(pools)
 
 
 def test_missing_template_labels_would_be_caught(rendered: dict[str, list[Doc]]) -> None:
     docs = copy.deepcopy(rendered["cpu"])
     for dep in by_kind(docs, "Deployment").values():
         dep["spec"]["template"]["metadata"]["labels"].pop("app.kubernetes.io/part-of", None)
-    assert len(policies.unlabelled_pods(docs, the_pod_monitor())) == 3
+    assert len(policies.unlabelled_pods(docs, the_pod_monitor())) == 4
 
 
 def test_no_replicas_on_hpa_targets(rendered: dict[str, list[Doc]]) -> None:
@@ -233,7 +238,7 @@ def test_the_dockerfile_runs_as_a_numeric_user_without_compilers() -> None:
 
 
 # Custom resources: the validator has no schemas for them (their operators validate).
-CRD_KINDS = {"GRPCRoute", "PodMonitor", "Certificate", "Issuer"}
+CRD_KINDS = {"GRPCRoute", "HTTPRoute", "PodMonitor", "Certificate", "Issuer"}
 # Overlays with the optional components, as an operator would compose them.
 COMPOSED = {
     "cpu+gateway": ("cpu", ["gateway"]),
@@ -259,7 +264,7 @@ def test_everything_validates_strictly(
         for name, (overlay, components) in COMPOSED.items()
     ]
     kinds = {d["kind"] for docs in composed for d in docs}
-    assert {"GRPCRoute", "Certificate", "Issuer"} <= kinds
+    assert {"GRPCRoute", "HTTPRoute", "Certificate", "Issuer"} <= kinds
     for docs in [*rendered.values(), *composed]:
         for doc in to_validate(docs):
             kubernetes_validate.validate(doc, version, strict=True)

@@ -108,8 +108,9 @@ def test_the_certificates_fit_the_pods(secured: dict[str, list[Doc]]) -> None:
     assert all(
         d["metadata"].get("namespace") == "specserve" for d in docs if d["kind"] != "Namespace"
     )
-    # Without the component no Certificate writes the pools' Secrets.
-    assert len(tls_policies.certificate_gaps(secured["gpu"])) == 3
+    # Without the component no Certificate writes the pools' Secrets (the http-server's
+    # CA Secret included).
+    assert len(tls_policies.certificate_gaps(secured["gpu"])) == 4
 
 
 def test_missing_or_misplaced_tls_would_be_caught(secured: dict[str, list[Doc]]) -> None:

@@ -1,5 +1,6 @@
 """Checks of the TLS and API-key components (``k8s/components/{tls,api-keys,cert-manager}``),
-as functions that list what a set of rendered documents breaks (empty: they pass).
+as functions that list what a set of rendered documents breaks (empty: they pass): the
+gRPC servers' TLS, and the http-server's TLS channel to the orchestrators.
 
 The flags are read by the real ``specserve`` parser from each container's command and
 environment, so a check sees what the process would run with, whichever form the
@@ -14,6 +15,7 @@ from tests.deploy.manifests import Doc, by_kind, cli_args, container_env, specse
 from tests.deploy.secret_mounts import secret_files, secret_volumes
 
 GRPC_SERVERS = ("draft-server", "target-server", "orchestrator")
+ORCHESTRATOR = "specserve-orchestrator"
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 CLIENT_AUTH = "client auth"
 
@@ -65,6 +67,38 @@ def tls_gaps(docs: list[Doc]) -> list[str]:
             port = c[probe].get("grpc", {}).get("port")
             if port != health:
                 problems.append(f"{name} {probe}: port {port}, not the health port {health}")
+    return problems
+
+
+def http_server_tls_gaps(docs: list[Doc]) -> list[str]:
+    """http-servers whose channel to the orchestrators does not match what they serve.
+
+    Orchestrators with ``--tls-cert`` serve TLS only: every http-server needs
+    ``--tls-ca`` (which turns its TLS on) as a file of a Secret mounted read-only, and
+    so do ``--tls-cert``/``--tls-key`` where given. Plaintext orchestrators: an
+    http-server with ``--tls-ca`` would fail every handshake.
+    """
+    orchestrators_tls = [bool(s[3].tls_cert) for s in _servers(docs) if s[0] == ORCHESTRATOR]
+    problems = []
+    for name, dep in by_kind(docs, "Deployment").items():
+        pod = dep["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            argv = specserve_argv(c)
+            if argv is None or argv[0] != "http-server":
+                continue
+            args = cli_args(argv, container_env(c))
+            if any(orchestrators_tls) and not args.tls_ca:
+                problems.append(f"{name}: the orchestrators serve TLS; no --tls-ca")
+            if not all(orchestrators_tls) and args.tls_ca:
+                problems.append(f"{name}: --tls-ca, but an orchestrator serves plaintext")
+            files = secret_files(pod, c)
+            for flag in ("tls_ca", "tls_cert", "tls_key"):
+                path = getattr(args, flag)
+                option = "--" + flag.replace("_", "-")
+                if path and path not in files:
+                    problems.append(f"{name}: {option} {path} is not a file of a mounted Secret")
+                elif path and not files[path].read_only:
+                    problems.append(f"{name}: {option} {path} is mounted writable")
     return problems
 
 
@@ -139,9 +173,11 @@ def health_port_admitted(docs: list[Doc]) -> list[str]:
 
 def certificate_gaps(docs: list[Doc]) -> list[str]:
     """cert-manager Certificates that do not fit the TLS component: a pool's Secret that
-    no Certificate writes, a replica certificate without the Service name the
-    orchestrators check it against, an orchestrator certificate without clientAuth (it
-    is presented to the replicas), an issuer that is not in the documents."""
+    no Certificate writes (the http-servers': the one behind their ``--tls-ca``), a
+    replica certificate without the Service name the orchestrators check it against, an
+    orchestrator certificate without the name the http-servers check it against (the
+    host they dial, or their ``--tls-server-name``) or without clientAuth (it is
+    presented to the replicas), an issuer that is not in the documents."""
     certs = {c["spec"]["secretName"]: c for c in by_kind(docs, "Certificate").values()}
     issuers = set(by_kind(docs, "Issuer"))
     problems = [
@@ -158,6 +194,20 @@ def certificate_gaps(docs: list[Doc]) -> list[str]:
             ):
                 host = (endpoints or "").removeprefix("dns:///").partition(":")[0]
                 dialled[pool] = host
+    for name, dep in by_kind(docs, "Deployment").items():
+        pod = dep["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            argv = specserve_argv(c)
+            if argv is None or argv[0] != "http-server":
+                continue
+            args = cli_args(argv, container_env(c))
+            if not args.tls_ca:
+                continue
+            host = args.orchestrator.removeprefix("dns:///").rpartition(":")[0]
+            dialled[ORCHESTRATOR] = args.tls_server_name or host
+            ca = secret_files(pod, c).get(args.tls_ca)
+            if ca is None or ca.secret not in certs:
+                problems.append(f"{name}: no Certificate writes its TLS Secret")
     for name, pod, c, args in _servers(docs):
         secret = secret_files(pod, c).get(args.tls_cert or "")
         cert = certs.get(secret.secret) if secret else None
