@@ -15,6 +15,16 @@ from tests.orchestrator.conftest import redis_url  # noqa: F401  (the session's 
 from tests.orchestrator.stack import ENV, Reference, Stack
 
 MODEL = "tiny-pair"
+# A plain completion that decodes for seconds (4000 tokens past any end): a request still
+# running while a test does something else.
+LONG_COMPLETION = {
+    "model": MODEL,
+    "prompt": "Hello",
+    "max_tokens": 4000,
+    "temperature": 0,
+    "ignore_eos": True,
+    "speculation": {"drafter": "none"},
+}
 
 
 @dataclass

@@ -20,7 +20,7 @@ import pytest
 from specserve.openai_api.config import HttpServerConfig
 from specserve.orchestrator.api.text import MAX_PROMPT_TOKENS
 from specserve.orchestrator.types import MAX_NEW_TOKENS
-from tests.openai_api.conftest import MODEL, HttpStack
+from tests.openai_api.conftest import LONG_COMPLETION, MODEL, HttpStack
 from tests.orchestrator.stack import scrape
 
 pytestmark = pytest.mark.redis
@@ -191,14 +191,7 @@ def test_a_client_that_leaves_a_unary_request_leaves_no_traceback(stack: HttpSta
         return requests.get(f'{{endpoint="/v1/completions",status="{status}"}}', 0.0)
 
     before, errors = count("499"), count("500")
-    body = {
-        "model": MODEL,
-        "prompt": "Hello",
-        "max_tokens": 4000,
-        "temperature": 0,
-        "ignore_eos": True,
-        "speculation": {"drafter": "none"},
-    }
+    body = dict(LONG_COMPLETION)
     conn = http.client.HTTPConnection(stack.http.host, stack.http.port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps(body).encode(), {})
     time.sleep(0.5)  # decoding now

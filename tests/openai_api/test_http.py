@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.openai_api.conftest import MODEL, HttpStack
+from tests.openai_api.conftest import LONG_COMPLETION, MODEL, HttpStack
 from tests.orchestrator.stack import kv_used, scrape
 
 pytestmark = pytest.mark.redis
@@ -68,16 +68,6 @@ def test_sse_framing(http_stack: HttpStack) -> None:
     conn.close()
 
 
-LONG = {
-    "model": MODEL,
-    "prompt": "Hello",
-    "max_tokens": 4000,
-    "temperature": 0,
-    "ignore_eos": True,
-    "speculation": {"drafter": "none"},
-}
-
-
 def wait_for(check, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -92,11 +82,11 @@ def test_a_client_that_disconnects_cancels_its_session(http_stack: HttpStack, st
     before = cancelled(http_stack)
     conn = connect(http_stack)
     if stream:
-        r = post(conn, "/v1/completions", {**LONG, "stream": True})
+        r = post(conn, "/v1/completions", {**LONG_COMPLETION, "stream": True})
         assert r.status == 200
         assert r.readline().startswith(b"data: ")  # decoding now
     else:
-        data = json.dumps(LONG).encode()
+        data = json.dumps(LONG_COMPLETION).encode()
         conn.request("POST", "/v1/completions", data, {"Content-Type": "application/json"})
         wait_for(lambda: kv_used(target, "target")[0] > sessions_before)  # decoding now
     assert conn.sock is not None

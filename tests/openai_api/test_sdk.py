@@ -307,6 +307,17 @@ def test_a_chat_turn_ends_on_its_end_token_which_is_not_in_the_content(
     assert kept.choices[0].finish_reason == "stop"
 
 
+def _greedy_chat(messages: object, n: int) -> dict[str, object]:
+    """The openai SDK's arguments of a greedy chat of ``n`` tokens past any end of turn."""
+    return {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": n,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+
+
 def test_special_tokens_are_left_out_of_every_text_path(http_stack: HttpStack) -> None:
     """Past the end of turn (ignore_eos), a completion holding both <|im_start|> and
     <|im_end|>: the HTTP text (chat and completions, streamed or not) and the gRPC text
@@ -320,13 +331,7 @@ def test_special_tokens_are_left_out_of_every_text_path(http_stack: HttpStack) -
         ignore_eos=True,
     )
     c = http_stack.client()
-    args: dict[str, object] = {
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": n,
-        "temperature": 0,
-        "extra_body": {"ignore_eos": True},
-    }
+    args = _greedy_chat(messages, n)
     plain = c.chat.completions.create(**args).choices[0].message.content or ""  # type: ignore[call-overload]
     keep = {"ignore_eos": True, "skip_special_tokens": False}
     kept = c.chat.completions.create(**{**args, "extra_body": keep}).choices[0].message.content  # type: ignore[call-overload]
@@ -364,13 +369,7 @@ def test_a_stop_string_is_matched_in_the_text_without_special_tokens(
         ignore_eos=True,
     )
     c = http_stack.client()
-    args: dict[str, object] = {
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": n,
-        "temperature": 0,
-        "extra_body": {"ignore_eos": True},
-    }
+    args = _greedy_chat(messages, n)
     kept = (
         c.chat.completions.create(  # type: ignore[call-overload]
             **{**args, "extra_body": {"ignore_eos": True, "skip_special_tokens": False}}

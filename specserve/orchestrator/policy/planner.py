@@ -46,7 +46,9 @@ session's extra draft costs only a verified position: each session's k is then r
 toward that depth while ``a ** (k + 1)`` (its next draft's chance of being kept) beats
 ``verify_per_token`` times the round's tokens per unit of cost. One owner of
 exploration (:mod:`~specserve.orchestrator.policy.explore`) re-times the choice not
-made, in rounds that can be timed (no prefill, no warm-up beside them). On shared
+made, in rounds that can be timed (no prefill, no warm-up beside them, and no drafting
+session whose draft missed its last round: that round would also catch the draft up on
+the plain rounds' tokens, a cost that is not drafting's). On shared
 hardware, where a warm-up inside the round stalls it, re-timing drafting waits for a
 session whose draft is warm or has drafted this turn: an exploration never pays for a
 new turn's first warm-up of its whole history there. On separate devices a lone
