@@ -6,8 +6,6 @@ reference dequantization; on each instruction set this machine runs."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -19,13 +17,10 @@ from specserve.engine import cpu_kernels, ops
 from specserve.engine.quant import GGMLType, QuantizedWeight
 from specserve.engine.quant.activations import quantize_rows, reference_product
 from specserve.engine.quant.synthetic import random_weight
+from tests.support.isa import runnable_builds
 
 # The builds whose code this CPU runs (an AVX-512 CPU runs the AVX2 build too).
-_RUNS = {
-    "AVX512_VNNI": ["AVX512_VNNI", "AVX512", "AVX2"],
-    "AVX512": ["AVX512", "AVX2"],
-    "AVX2": ["AVX2"],
-}.get(cpu_kernels.build_isa(), [])
+_RUNS = runnable_builds()
 
 
 def _compiler() -> bool:
@@ -237,19 +232,3 @@ def test_bad_blocks_are_refused(
 ) -> None:
     with pytest.raises(RuntimeError, match=message):
         lib.q8_linears(torch.zeros(1, k), [blocks], [ggml_type], [None])
-
-
-def test_builds_this_cpu_cannot_run_still_compile(tmp_path: object) -> None:
-    """The AVX-512 + VNNI build (the widest source) compiles here even where the CPU
-    cannot run it: in a child process, which may fail to load it (not a failed build)."""
-    if not _compiler():
-        pytest.skip("no C++ compiler or ninja to build the kernels")
-    missing = [isa for isa in cpu_kernels.CAPABILITIES if isa not in _RUNS]
-    if not missing:
-        pytest.skip("this CPU runs every build (the tests above cover them)")
-    isa = missing[0]
-    code = f"from specserve.engine.cpu_kernels import compile_for; compile_for({isa!r})"
-    env = {**__import__("os").environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    subprocess.run([sys.executable, "-c", code], env=env, check=False, capture_output=True)
-    name = cpu_kernels.library_name(isa)
-    assert (tmp_path / name / f"{name}.so").exists(), f"the {isa} build failed"  # type: ignore[operator]
