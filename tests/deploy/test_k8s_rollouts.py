@@ -8,6 +8,8 @@
   kill a process still loading (the orchestrator's tokenizer had none).
 * A server under torchrun drains within torchrun's own 30 s between forwarding
   SIGTERM and SIGKILL (the TP target had ``--grace-s 40``: draining batches killed).
+* The draft pool and the orchestrators prefer the zones the target pods run in: a
+  round calls both replicas, and it should not cross zones (they had no affinity).
 """
 
 from __future__ import annotations
@@ -111,3 +113,42 @@ def test_torchrun_targets_drain_before_torchrun_kills_them(
     assert torchrun  # the gpu overlay's TP target
     for overlay, docs in rendered.items():
         assert torchrun_problems(docs) == [], overlay
+
+
+def zone_problems(docs: list[Doc]) -> list[str]:
+    """Draft and orchestrator Deployments without a preferred zone affinity to the pods
+    of the target Deployment."""
+    deployments = by_kind(docs, "Deployment")
+    target = deployments["specserve-target"]["spec"]["template"]["metadata"]["labels"]
+    out = []
+    for name in ("specserve-draft", "specserve-orchestrator"):
+        pod = deployments[name]["spec"]["template"]["spec"]
+        terms = pod.get("affinity", {}).get("podAffinity", {})
+        preferred = terms.get("preferredDuringSchedulingIgnoredDuringExecution", [])
+        near = [
+            t["podAffinityTerm"]
+            for t in preferred
+            if t["podAffinityTerm"].get("topologyKey") == "topology.kubernetes.io/zone"
+            and t["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= target.items()
+        ]
+        if not near:
+            out.append(f"{name}: no preferred affinity to the target pods' zone")
+    return out
+
+
+def test_rounds_stay_in_the_target_pods_zones(rendered: dict[str, list[Doc]]) -> None:
+    for overlay, docs in rendered.items():
+        assert zone_problems(docs) == [], overlay
+
+
+def test_a_pool_without_zone_affinity_would_be_caught(rendered: dict[str, list[Doc]]) -> None:
+    docs = [dict(d) for d in rendered["cpu"]]
+    for i, d in enumerate(docs):
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == "specserve-draft":
+            spec = {**d["spec"]["template"]["spec"]}
+            spec.pop("affinity")
+            template = {**d["spec"]["template"], "spec": spec}
+            docs[i] = {**d, "spec": {**d["spec"], "template": template}}
+    assert zone_problems(docs) == [
+        "specserve-draft: no preferred affinity to the target pods' zone"
+    ]
