@@ -19,13 +19,20 @@ from specserve.serving.executor import State
 from specserve.serving.server import RunningServer
 from specserve.telemetry.prometheus import histogram_family, serve
 
+# The batched operation each pool's autoscaler reads (its HPA metrics select this op).
+POOL_OP = {"draft": "propose", "target": "verify"}
+
 
 class ReplicaCollector(Collector):
-    """The metrics every replica of ``pool`` ("draft" or "target") shares."""
+    """The metrics every replica of ``pool`` ("draft" or "target") shares. The pool's
+    operation has its histogram series from the start, at zero: an autoscaler reading
+    them finds the pod before its first call (else: FailedGetPodsMetric until traffic)."""
 
     def __init__(self, running: RunningServer[Any], pool: str) -> None:
         self.running = running
         self.prefix = f"specserve_{pool}"
+        if pool in POOL_OP:
+            running.executor.stats.kind(POOL_OP[pool])
 
     def collect(self) -> Iterator[Metric]:
         p, executor = self.prefix, self.running.executor

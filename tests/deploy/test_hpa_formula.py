@@ -95,7 +95,13 @@ async def load(pools: dict[str, Pool], seconds: float) -> int:
     return rounds
 
 
-def decide(pools: dict[str, Pool]) -> dict[str, hpa.Decision]:
+@dataclass
+class Outcome:
+    decisions: dict[str, hpa.Decision]  # each pool's HPA's answer
+    before: dict[str, hpa.Series]  # each pool's metrics before its first call
+
+
+def decide(pools: dict[str, Pool]) -> Outcome:
     """Run the load against ``pools``; each pool's HPA's answer."""
     hpas = by_kind(load_docs([K8S / "base" / "autoscaling.yaml"]), "HorizontalPodAutoscaler")
     before = {role: hpa.scrape(p.metrics_port) for role, p in pools.items()}
@@ -119,11 +125,11 @@ def decide(pools: dict[str, Pool]) -> dict[str, hpa.Decision]:
         decisions[pool] = hpa.desired_replicas(
             hpas[f"specserve-{pool}"], REPLICAS[pool], values, setpoint
         )
-    return decisions
+    return Outcome(decisions, before)
 
 
 @pytest.fixture(scope="module")
-def decisions() -> Iterator[dict[str, dict[str, hpa.Decision]]]:
+def outcomes() -> Iterator[dict[str, Outcome]]:
     """The HPAs' answers with the draft, then the target, as the bottleneck."""
     pairs = {bound: pair(bound) for bound in ("draft", "target")}
     servers = [p.server for pools in pairs.values() for p in pools.values()]
@@ -139,6 +145,25 @@ def decisions() -> Iterator[dict[str, dict[str, hpa.Decision]]]:
                 server.proc.send_signal(signal.SIGTERM)
         for server in servers:
             server.stop(timeout_s=max(0.1, deadline - time.monotonic()))
+
+
+@pytest.fixture(scope="module")
+def decisions(outcomes: dict[str, Outcome]) -> dict[str, dict[str, hpa.Decision]]:
+    return {bound: o.decisions for bound, o in outcomes.items()}
+
+
+def test_the_autoscaled_series_exist_at_zero_before_the_first_call(
+    outcomes: dict[str, Outcome],
+) -> None:
+    """An HPA reads a pod's queue wait from the histogram of its pool's operation: the
+    series must exist from the start (at zero), or the adapter serves nothing for the
+    pod and the HPA reports FailedGetPodsMetric until traffic arrives."""
+    for o in outcomes.values():
+        for pool, op in POOL_OP.items():
+            count = o.before[pool].get(
+                (f"specserve_{pool}_queue_wait_seconds_count", frozenset({("op", op)}))
+            )
+            assert count == 0.0, (pool, sorted(k for k in o.before[pool] if "queue" in k[0]))
 
 
 def scale(decision: hpa.Decision, pool: str) -> float:
