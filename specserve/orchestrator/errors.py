@@ -24,6 +24,11 @@ class SessionBusy(EngineError):
     """A generation is already running on this session (FAILED_PRECONDITION)."""
 
 
+class SessionCancelled(EngineError):
+    """The session was cancelled with CancelSession: it cannot be continued, and no write
+    may end it other than CANCELLED (FAILED_PRECONDITION)."""
+
+
 class RecordError(EngineError):
     """A stored record cannot be read: corrupt, or written by a newer schema (INTERNAL)."""
 
@@ -31,6 +36,7 @@ class RecordError(EngineError):
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (VersionConflict, grpc.StatusCode.ABORTED),
     (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
+    (SessionCancelled, grpc.StatusCode.FAILED_PRECONDITION),
     (NoReplica, grpc.StatusCode.UNAVAILABLE),
 )
 

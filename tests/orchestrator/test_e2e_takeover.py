@@ -76,6 +76,39 @@ def test_a_killed_orchestrators_sessions_are_usable_within_the_lease(
             assert c.close_session(sid)
 
 
+def test_a_cancel_within_the_lease_of_a_killed_orchestrator_is_not_lost(
+    stack: Stack, doomed: OrchestratorProcess
+) -> None:
+    """The outside tester's report (issue 46): the owner of a generating kept session is
+    SIGKILLed and the session is cancelled on another orchestrator while the dead one's
+    lease still runs. Before, the cancel answered OK but was lost: once the lease ran
+    out the session read IDLE and could be continued. Now it reads CANCELLED, a
+    continuation is refused with FAILED_PRECONDITION, and the stored record ends
+    CANCELLED."""
+    with Client(doomed.address, timeout_s=60) as c:
+        stream = iter(
+            c.stream([*PROMPT, 9], max_new_tokens=4000, drafter="none", keep_session=True)
+        )
+        sid = next(stream).session_id
+        assert doomed.proc is not None
+        doomed.proc.kill()
+        killed = time.monotonic()
+    with Client(stack.address, timeout_s=30) as c:
+        assert c.cancel(sid)  # the dead orchestrator's lease still runs
+        assert time.monotonic() - killed < LEASE_S
+        while time.monotonic() - killed < LEASE_S + 1.0:  # refused all along, then too
+            with pytest.raises(grpc.RpcError) as info:
+                c.generate([3, 4], session_id=sid, max_new_tokens=5, keep_session=True)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            time.sleep(0.2)
+        assert "cancelled" in (info.value.details() or "")
+        assert c.get_session(sid).state == generate_pb2.SESSION_STATE_CANCELLED
+        record = stored_record(stack.redis_url, sid)
+        assert record is not None and record.state == generate_pb2.SESSION_STATE_CANCELLED
+        assert not c.cancel(sid)  # nothing runs it any more
+        assert c.close_session(sid)
+
+
 @pytest.fixture
 def two_targets(redis_url: str) -> Iterator[Stack]:
     s = Stack(redis_url, targets=2)

@@ -129,7 +129,8 @@ def test_commit_many_reports_each_session(make_store: StoreFactory) -> None:
         assert await store.get(s3) is None  # a missing record is not created by a commit
         got = await store.get(s1)
         assert got is not None and got.version == 2
-        # The final write clears the cancel flag.
+        # The final write clears the cancel flag (CANCELLED: no other end is written now).
+        got.state = generate_pb2.SESSION_STATE_CANCELLED
         await store.commit(got, final=True)
         assert keys.cancel_key(s1) not in await store.keys()
         await store.delete(s1)

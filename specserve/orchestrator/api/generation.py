@@ -34,11 +34,11 @@ from specserve.orchestrator.api.request_span import (
 )
 from specserve.orchestrator.api.request_stats import RequestStats
 from specserve.orchestrator.api.text import TextStream, Tokenization
-from specserve.orchestrator.errors import SessionBusy, VersionConflict
+from specserve.orchestrator.errors import SessionBusy, SessionCancelled, VersionConflict
 from specserve.orchestrator.round.runner import RoundRunner
 from specserve.orchestrator.session import Ended, LiveSession
 from specserve.orchestrator.store import records
-from specserve.orchestrator.store.session_store import SessionStore
+from specserve.orchestrator.store.session_store import SessionStore, cancelled_message
 from specserve.orchestrator.types import (
     MAX_NEW_TOKENS,
     Chunk,
@@ -186,13 +186,17 @@ class Orchestrator:
         """Write the turn's record (new session, or the next turn of a kept one)."""
         pre_turn = None
         if params.session_id:
-            pre_turn = await self._owned(params.session_id, params.owner)
+            pre_turn, cancelled = await self._owned(params.session_id, params.owner)
             if pre_turn is None:
                 raise NotFound(
                     f"session {params.session_id!r} does not exist: it was closed, expired, or "
                     "not kept (set keep_session to continue a session later)"
                 )
             leased = await self.store.leased(params.session_id)
+            if cancelled:  # ended here if its orchestrator died before it saw the cancel
+                if self._orphaned(pre_turn, leased, params.session_id in self.runner.sessions):
+                    await self._cancel_orphan(pre_turn)
+                raise SessionCancelled(cancelled_message(params.session_id))
             if records.is_active(pre_turn, leased=leased):
                 raise SessionBusy(
                     f"session {params.session_id!r} is generating; wait for it to finish or "
@@ -242,33 +246,50 @@ class Orchestrator:
         empty unless the request keeps special tokens, as in its text)."""
         return self.text().decode([token_id], skip_special_tokens=skip_special_tokens)
 
-    async def _owned(self, session_id: str, owner: bytes) -> session_pb2.SessionRecord | None:
-        """The session's record, or None when it does not exist *or belongs to another
-        API key*: a caller cannot tell another key's session from none at all."""
+    async def _owned(
+        self, session_id: str, owner: bytes
+    ) -> tuple[session_pb2.SessionRecord | None, bool]:
+        """The session's record and whether it was cancelled (CancelSession); None when it
+        does not exist *or belongs to another API key*: a caller cannot tell another
+        key's session from none at all."""
         check_session_id(session_id)
-        record = await self.store.get(session_id)
+        record, cancelled = await self.store.load(session_id)
         if record is None or not hmac.compare_digest(record.owner, owner):
-            return None
-        return record
+            return None, False
+        return record, cancelled
+
+    @staticmethod
+    def _orphaned(record: session_pb2.SessionRecord, leased: bool, local: bool) -> bool:
+        """ACTIVE with no lease and not run here (``local``): its orchestrator died mid-turn."""
+        active = record.state == records.STATES[SessionState.ACTIVE]
+        return active and not leased and not local
 
     async def cancel(self, session_id: str, owner: bytes = b"") -> bool:
-        """Stop a session's generation, on whichever replica runs it; False if none runs."""
-        record = await self._owned(session_id, owner)
+        """Stop a session's generation, on whichever replica runs it; False if none runs.
+
+        A generating (ACTIVE) session is first marked cancelled in the store, atomically
+        and for good, whether or not this orchestrator owns it and whether or not its
+        lease is live: its owner, if alive, stops at its next commit and ends it
+        CANCELLED; nothing (a dying owner's last write, a takeover, a client continuing
+        it) can end it otherwise; one whose owner is dead is ended CANCELLED here.
+        """
+        record, _ = await self._owned(session_id, owner)
         if record is None:
             raise NotFound(f"session {session_id!r} does not exist")
         local = self.runner.cancel(session_id)
-        if records.is_active(record, leased=await self.store.leased(session_id)):
-            await self.store.request_cancel(session_id)
-            return True
-        if not local and record.state == records.STATES[SessionState.ACTIVE]:
-            # Its orchestrator died mid-turn (the lease ran out): nothing will see a
+        if record.state != records.STATES[SessionState.ACTIVE]:
+            return local
+        await self.store.request_cancel(session_id)
+        leased = await self.store.leased(session_id)
+        if self._orphaned(record, leased, local):
+            # Its orchestrator died mid-turn (the lease ran out): nothing will see the
             # cancel flag, so end the turn here.
             return await self._cancel_orphan(record)
-        return local
+        return leased or local
 
     async def _cancel_orphan(self, record: session_pb2.SessionRecord) -> bool:
         """Mark a session whose orchestrator died CANCELLED (if it is kept) or delete it;
-        False if someone else wrote it first (it was continued meanwhile)."""
+        False if someone else wrote it first (it was continued or ended meanwhile)."""
         try:
             if record.keep:
                 await self.store.commit(
@@ -282,14 +303,17 @@ class Orchestrator:
         return True
 
     async def get(self, session_id: str, owner: bytes = b"") -> SessionSummary:
-        record = await self._owned(session_id, owner)
+        """What GetSession reports: CANCELLED for a session cancelled with CancelSession
+        even before anything wrote its final record (its orchestrator died)."""
+        record, cancelled = await self._owned(session_id, owner)
         if record is None:
             raise NotFound(f"session {session_id!r} does not exist")
-        return records.summary(record, leased=await self.store.leased(session_id))
+        leased = await self.store.leased(session_id)
+        return records.summary(record, leased=leased, cancelled=cancelled)
 
     async def close_session(self, session_id: str, owner: bytes = b"") -> bool:
         """Delete a session and free its caches; a generation in flight stops."""
-        record = await self._owned(session_id, owner)
+        record, _ = await self._owned(session_id, owner)
         if record is None:
             raise NotFound(f"session {session_id!r} does not exist")
         self.runner.cancel(session_id)

@@ -57,7 +57,7 @@ from opentelemetry.trace import Span
 
 from specserve.engine.decode_state import FinishReason
 from specserve.engine.errors import EngineError
-from specserve.orchestrator.errors import VersionConflict
+from specserve.orchestrator.errors import SessionCancelled, VersionConflict
 from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.fleet.scheduler import Scheduler
 from specserve.orchestrator.round.spans import RoundSpans
@@ -217,13 +217,20 @@ class Ledger:
     async def write_final(
         self, s: LiveSession, reason: FinishReason | None, error: BaseException | None, warm: bool
     ) -> None:
+        """The record a turn ends with: rolled back, deleted, or IDLE/CANCELLED. On a
+        session CancelSession marked cancelled meanwhile (the store refuses any other
+        end), a rollback or an IDLE end is written CANCELLED instead."""
         try:
             if s.gone:
                 return
             if error is not None and s.rounds_committed == 0 and s.pre_turn is not None:
                 back = records.ended(s.pre_turn, SessionState.IDLE, warm=False)
                 back.version = s.record.version  # roll the failed turn back
-                await self.store.commit(back, final=True)
+                try:
+                    await self.store.commit(back, final=True)
+                except SessionCancelled:
+                    back.state = records.STATES[SessionState.CANCELLED]
+                    await self.store.commit(back, final=True)
             elif not s.keep or (error is not None and s.rounds_committed == 0):
                 await self.store.delete(s.sid, version=s.record.version)
             else:
@@ -232,9 +239,16 @@ class Ledger:
                     if reason is FinishReason.CANCELLED
                     else SessionState.IDLE
                 )
-                await self.store.commit(
-                    records.ended(s.record, state, warm=warm), final=True, after=s.record
-                )
+                try:
+                    await self.store.commit(
+                        records.ended(s.record, state, warm=warm), final=True, after=s.record
+                    )
+                except SessionCancelled:
+                    await self.store.commit(
+                        records.ended(s.record, SessionState.CANCELLED, warm=False),
+                        final=True,
+                        after=s.record,
+                    )
         except EngineError as e:
             log.warning("could not write the final record of session %s: %s", s.sid, e)
 

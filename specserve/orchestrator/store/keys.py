@@ -4,7 +4,7 @@
 key                             type                   lifetime
 ==============================  =====================  ==========================================
 ``specserve:session:{<id>}``    hash ``v``, ``r``,     ``SESSION_TTL_S`` from the last write; a
-                                ``t``, ``d``           running generation writes it every round
+                                ``t``, ``d``, ``c``    running generation writes it every round
 ``specserve:cancel:{<id>}``     string (``1``)         ``CANCEL_TTL_S``; removed by the final write
 ``specserve:lease:{<id>}``      string: the owning     ``LEASE_S`` (``--session-lease-s``) from
                                 orchestrator's id      its last renewal; only while ACTIVE
@@ -18,9 +18,13 @@ written when its turn began, and (record schema 2) ``t``, the tokens committed
 since, little-endian int32, appended by each round, and ``d``, the latest
 ``specserve.v1.SessionDelta`` (state, round index, KV owners, usage). A round
 writes its new tokens and the delta, never the prompt, the stop strings or the
-sampling parameters again. Keeping the version beside the bytes lets a Lua
-script check it without parsing protobuf. The ``{<id>}`` hash tag puts a
-session's keys in one Redis Cluster slot, so one script may touch them all.
+sampling parameters again. ``c`` (``1``), set by CancelSession on a generating
+session, marks it cancelled for good: it lives as long as the record, whoever
+owns the lease and whether or not that one is alive, and the commit script lets
+no write end the session other than CANCELLED (nor start a new turn). Keeping
+the version beside the bytes lets a Lua script check it without parsing
+protobuf. The ``{<id>}`` hash tag puts a session's keys in one Redis Cluster
+slot, so one script may touch them all.
 Nothing is stored without an expiry: a crashed orchestrator leaves nothing
 behind for longer than the TTL.
 
@@ -51,6 +55,7 @@ FIELD_VERSION = "v"
 FIELD_RECORD = "r"
 FIELD_TOKENS = "t"  # schema 2: tokens appended since ``r`` was written
 FIELD_DELTA = "d"  # schema 2: the latest SessionDelta
+FIELD_CANCELLED = "c"  # '1': CancelSession cancelled the session (never cleared)
 
 # A kept session lives this long after its last write (every round and every turn writes).
 SESSION_TTL_S = 3600.0
@@ -71,7 +76,8 @@ def session_key(session_id: str) -> str:
 
 
 def cancel_key(session_id: str) -> str:
-    """The flag CancelSession sets for whichever orchestrator replica runs the session."""
+    """The flag CancelSession sets for whichever orchestrator replica runs the session (its
+    signal; the durable mark is the session hash's ``c``)."""
     return f"{CANCEL_PREFIX}{{{session_id}}}"
 
 

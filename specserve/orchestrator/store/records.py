@@ -119,12 +119,17 @@ def usage_pb(u: Usage) -> generate_pb2.Usage:
     )
 
 
-def summary(record: session_pb2.SessionRecord, *, leased: bool) -> SessionSummary:
+def summary(
+    record: session_pb2.SessionRecord, *, leased: bool, cancelled: bool = False
+) -> SessionSummary:
     """What GetSession reports; an ACTIVE record without a lease (its orchestrator died)
-    is IDLE: nothing generates it."""
+    is IDLE: nothing generates it, unless it was ``cancelled`` (marked by CancelSession),
+    which is CANCELLED once nothing generates it."""
     state = STATE_NAMES.get(record.state, SessionState.IDLE)
     if state is SessionState.ACTIVE and not leased:
-        state = SessionState.IDLE
+        state = SessionState.CANCELLED if cancelled else SessionState.IDLE
+    elif cancelled and state is SessionState.IDLE:
+        state = SessionState.CANCELLED
     return SessionSummary(
         session_id=record.session_id,
         state=state,

@@ -19,7 +19,13 @@ half of each — and every write sets the expiry:
   the new tokens and the few fields a round changes — never the prompt, the stop
   strings or the sampling parameters again;
 * :meth:`SessionStore.delete` removes the record, its cancel flag and its lease,
-  optionally only at a given version.
+  optionally only at a given version;
+* :meth:`SessionStore.request_cancel` marks the session cancelled in its hash (and
+  sets the cancel flag the running orchestrator's next commit sees). The mark is
+  durable: from then on a final commit whose record is not CANCELLED — the owner's
+  IDLE end, a dying owner's last write, a new turn, a rollback — writes nothing
+  and raises :class:`~specserve.orchestrator.errors.SessionCancelled`, whoever
+  holds the lease; :meth:`SessionStore.load` reads the mark with the record.
 
 A write that leaves a record ACTIVE takes this store's lease on it (``owner``,
 ``StoreTtls.lease_s``); :meth:`SessionStore.renew` keeps it while the session
@@ -52,7 +58,7 @@ from google.protobuf.message import DecodeError
 from redis.exceptions import NoScriptError
 
 from specserve.engine.errors import NotFound
-from specserve.orchestrator.errors import RecordError, VersionConflict
+from specserve.orchestrator.errors import RecordError, SessionCancelled, VersionConflict
 from specserve.orchestrator.store import keys, store_scripts
 from specserve.orchestrator.store.record_deltas import assemble, delta_of
 from specserve.orchestrator.store.store_retry import DEFAULT_WINDOW_S, RetryWindow
@@ -61,6 +67,7 @@ from specserve.v1 import generate_pb2, session_pb2
 # 2: a record is stored as deltas (``r`` + ``t`` + ``d``); 1 (``r`` alone) is still read.
 SCHEMA_VERSION = 2
 _ACTIVE = generate_pb2.SESSION_STATE_ACTIVE
+_CANCELLED = generate_pb2.SESSION_STATE_CANCELLED
 
 T = TypeVar("T")
 
@@ -70,6 +77,7 @@ class CommitStatus(enum.Enum):
     CANCEL_REQUESTED = "cancel_requested"  # written; CancelSession was called meanwhile
     MISSING = "missing"  # nothing written: the session was closed or expired
     CONFLICT = "conflict"  # nothing written: another writer got there first
+    CANCELLED = "cancelled"  # nothing written: a final write of a cancelled session not CANCELLED
 
 
 _STATUS = {
@@ -77,6 +85,7 @@ _STATUS = {
     1: CommitStatus.MISSING,
     2: CommitStatus.CONFLICT,
     3: CommitStatus.CANCEL_REQUESTED,
+    4: CommitStatus.CANCELLED,
 }
 
 
@@ -157,13 +166,21 @@ class SessionStore:
 
     async def get(self, session_id: str) -> session_pb2.SessionRecord | None:
         """The stored record, or None."""
-        r, t, d = await self._call(
+        record, _ = await self.load(session_id)
+        return record
+
+    async def load(self, session_id: str) -> tuple[session_pb2.SessionRecord | None, bool]:
+        """The stored record (or None) and whether CancelSession marked it cancelled,
+        in one read."""
+        r, t, d, c = await self._call(
             lambda: self.redis.hmget(
                 keys.session_key(session_id),
-                [keys.FIELD_RECORD, keys.FIELD_TOKENS, keys.FIELD_DELTA],
+                [keys.FIELD_RECORD, keys.FIELD_TOKENS, keys.FIELD_DELTA, keys.FIELD_CANCELLED],
             )
         )
-        return None if r is None else assemble(parse(r, session_id), t, d)
+        if r is None:
+            return None, False
+        return assemble(parse(r, session_id), t, d), c is not None
 
     async def leased(self, session_id: str) -> bool:
         """Whether some orchestrator holds the session's lease (is generating it, alive)."""
@@ -198,7 +215,9 @@ class SessionStore:
         ``final`` also removes the cancel flag. ``after``: the record as this store
         last wrote it, when ``record`` only appends tokens and changes delta fields
         (then only those are written). Raises VersionConflict when another writer got
-        there first, NotFound when the record is gone (closed or expired).
+        there first, NotFound when the record is gone (closed or expired), and
+        SessionCancelled (nothing written) when ``final`` writes a state other than
+        CANCELLED on a session marked cancelled.
         """
         [(status, written)] = await self.commit_many([record], final=final, after=[after])
         if status is CommitStatus.CONFLICT:
@@ -208,6 +227,8 @@ class SessionStore:
             )
         if status is CommitStatus.MISSING:
             raise NotFound(f"session {record.session_id!r} was closed or expired meanwhile")
+        if status is CommitStatus.CANCELLED:
+            raise SessionCancelled(cancelled_message(record.session_id))
         return written, status is CommitStatus.CANCEL_REQUESTED
 
     async def commit_many(
@@ -249,6 +270,7 @@ class SessionStore:
                         int(final),
                         self._lease_owner(rec),
                         self._lease_ms,
+                        int(rec.state == _CANCELLED),
                     ],
                 )
             )
@@ -279,7 +301,9 @@ class SessionStore:
         return int(done) == 1
 
     async def request_cancel(self, session_id: str) -> bool:
-        """Flag a session for cancellation (seen at its next commit); False if it is unknown."""
+        """Mark a session cancelled, for good, and flag it for whichever orchestrator runs
+        it (seen at its next commit); False if it is unknown. Atomic, and the same
+        whether or not this orchestrator owns the session or its lease is live."""
         done = await self._call(
             lambda: self._cancel(
                 keys=[keys.session_key(session_id), keys.cancel_key(session_id)],
@@ -334,6 +358,14 @@ class SessionStore:
         pipe = self.redis.pipeline(transaction=False)
         await fill(pipe)
         return list(await pipe.execute())
+
+
+def cancelled_message(session_id: str) -> str:
+    """The sentence of :class:`SessionCancelled` for ``session_id``."""
+    return (
+        f"session {session_id!r} was cancelled with CancelSession and cannot be continued; "
+        "read it with GetSession or delete it with CloseSession"
+    )
 
 
 def parse(raw: bytes, session_id: str) -> session_pb2.SessionRecord:

@@ -8,6 +8,12 @@ appended twice.
 
 Every write that leaves a record ACTIVE also sets the writer's lease (``owner``,
 ``lease_ms``); every other write drops the lease.
+
+A session that CancelSession marked cancelled (the hash's ``c``) is never ended
+other than CANCELLED: a final commit of any other state (IDLE from an owner that
+finished or died, a new turn, a rollback) writes nothing and answers status 4,
+whoever holds the lease; a round's commit is written and answers status 3 (cancel
+requested), as with the cancel flag.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ return 1
 # KEYS session, cancel, lease
 # ARGV 1 version read, 2 version written, 3 'r' (the whole record) or 'd' (a delta),
 #      4 the record or delta bytes, 5 tokens to append to 't' (delta only), 6 ttl_ms,
-#      7 final ('1': remove the cancel flag), 8 lease owner ('' = drop the lease), 9 lease_ms
-# -> {status, stored version}; status 0 ok, 1 missing, 2 conflict, 3 ok but cancel requested
+#      7 final ('1': remove the cancel flag), 8 lease owner ('' = drop the lease), 9 lease_ms,
+#      10 '1' if the record written is CANCELLED
+# -> {status, stored version}; status 0 ok, 1 missing, 2 conflict, 3 ok but cancel requested,
+#    4 nothing written: the session is cancelled and this final write is not CANCELLED
 COMMIT = """
 local v = redis.call('HGET', KEYS[1], 'v')
 if not v then return {1, 0} end
@@ -43,6 +51,8 @@ if v ~= ARGV[1] then
   if v == ARGV[2] and redis.call('HGET', KEYS[1], ARGV[3]) == ARGV[4] then return {0, 0} end
   return {2, tonumber(v)}
 end
+local cancelled = redis.call('HEXISTS', KEYS[1], 'c') == 1
+if cancelled and ARGV[7] == '1' and ARGV[10] ~= '1' then return {4, tonumber(v)} end
 if ARGV[3] == 'r' then
   redis.call('HDEL', KEYS[1], 't', 'd')
   redis.call('HSET', KEYS[1], 'v', ARGV[2], 'r', ARGV[4])
@@ -62,7 +72,7 @@ if ARGV[7] == '1' then
   redis.call('DEL', KEYS[2])
   return {0, 0}
 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return {3, 0} end
+if cancelled or redis.call('EXISTS', KEYS[2]) == 1 then return {3, 0} end
 return {0, 0}
 """
 
@@ -79,9 +89,10 @@ redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 return 1
 """
 
-# KEYS session, cancel; ARGV cancel_ttl_ms -> 1 flagged, 0 no such session
+# KEYS session, cancel; ARGV cancel_ttl_ms -> 1 marked and flagged, 0 no such session
 CANCEL = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'c', '1')
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[1])
 return 1
 """
