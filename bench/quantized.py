@@ -67,7 +67,8 @@ from bench.common import (
     parse_range,
     range_list,
 )
-from bench.quantized_report import markdown, summarize
+from bench.quantized_page import markdown
+from bench.quantized_report import summarize
 from specserve import model_store
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.draft_vocab import reduce_draft_head

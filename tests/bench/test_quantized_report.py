@@ -17,7 +17,8 @@ import pytest
 from bench.common import environment
 from bench.llama_cpp import REPACK_CRASHED, BenchFigure, BenchRun, SpeculativeRun
 from bench.quantized import Prompt, Variant
-from bench.quantized_report import markdown, summarize
+from bench.quantized_page import markdown
+from bench.quantized_report import summarize
 
 ARGS = argparse.Namespace(
     target="target.gguf", draft="draft.gguf", target_dtype="float32", draft_dtype="bfloat16",

@@ -83,14 +83,19 @@ def test_n_choices_with_a_seed_are_reproducible_and_each_is_its_own_sample(
 ) -> None:
     c = http_stack.client()
     # With drafts too: coupled sampling makes the tokens a function of the seed alone,
-    # however many drafts each round verified.
+    # however many drafts each round verified. A requested k drafts in every round (an
+    # adaptive one may decide from the shared stack's timings to draft nothing in 12
+    # tokens, and then nothing here would be verified).
+    speculation: dict[str, object] = {"drafter": drafter}
+    if drafter == "model":
+        speculation["k"] = 3
     args = {
         "model": MODEL,
         "prompt": "Once",
         "max_tokens": 12,
         "temperature": 1.0,
         "seed": 7,
-        "extra_body": {"speculation": {"drafter": drafter}},
+        "extra_body": {"speculation": speculation},
     }
     first = c.completions.create(**args, n=3)
     again = c.completions.create(**args, n=3)
