@@ -9,6 +9,7 @@ manifest uses. File paths are checked against the Secret volumes the container m
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from tests.deploy.manifests import Doc, by_kind, cli_args, container_env, specserve_argv
@@ -20,14 +21,17 @@ PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 CLIENT_AUTH = "client auth"
 
 
-def _servers(docs: list[Doc]) -> list[tuple[str, Doc, Doc, Any]]:
-    """(Deployment, pod spec, container, parsed flags) of every gRPC server container."""
+def _servers(
+    docs: list[Doc], commands: Collection[str] = GRPC_SERVERS
+) -> list[tuple[str, Doc, Doc, Any]]:
+    """(Deployment, pod spec, container, parsed flags) of every container running one of
+    ``commands`` (by default every gRPC server)."""
     found = []
     for name, dep in by_kind(docs, "Deployment").items():
         pod = dep["spec"]["template"]["spec"]
         for c in pod["containers"]:
             argv = specserve_argv(c)
-            if argv is not None and argv[0] in GRPC_SERVERS:
+            if argv is not None and argv[0] in commands:
                 found.append((name, pod, c, cli_args(argv, container_env(c))))
     return found
 
@@ -80,25 +84,19 @@ def http_server_tls_gaps(docs: list[Doc]) -> list[str]:
     """
     orchestrators_tls = [bool(s[3].tls_cert) for s in _servers(docs) if s[0] == ORCHESTRATOR]
     problems = []
-    for name, dep in by_kind(docs, "Deployment").items():
-        pod = dep["spec"]["template"]["spec"]
-        for c in pod["containers"]:
-            argv = specserve_argv(c)
-            if argv is None or argv[0] != "http-server":
-                continue
-            args = cli_args(argv, container_env(c))
-            if any(orchestrators_tls) and not args.tls_ca:
-                problems.append(f"{name}: the orchestrators serve TLS; no --tls-ca")
-            if not all(orchestrators_tls) and args.tls_ca:
-                problems.append(f"{name}: --tls-ca, but an orchestrator serves plaintext")
-            files = secret_files(pod, c)
-            for flag in ("tls_ca", "tls_cert", "tls_key"):
-                path = getattr(args, flag)
-                option = "--" + flag.replace("_", "-")
-                if path and path not in files:
-                    problems.append(f"{name}: {option} {path} is not a file of a mounted Secret")
-                elif path and not files[path].read_only:
-                    problems.append(f"{name}: {option} {path} is mounted writable")
+    for name, pod, c, args in _servers(docs, {"http-server"}):
+        if any(orchestrators_tls) and not args.tls_ca:
+            problems.append(f"{name}: the orchestrators serve TLS; no --tls-ca")
+        if not all(orchestrators_tls) and args.tls_ca:
+            problems.append(f"{name}: --tls-ca, but an orchestrator serves plaintext")
+        files = secret_files(pod, c)
+        for flag in ("tls_ca", "tls_cert", "tls_key"):
+            path = getattr(args, flag)
+            option = "--" + flag.replace("_", "-")
+            if path and path not in files:
+                problems.append(f"{name}: {option} {path} is not a file of a mounted Secret")
+            elif path and not files[path].read_only:
+                problems.append(f"{name}: {option} {path} is mounted writable")
     return problems
 
 
@@ -194,20 +192,14 @@ def certificate_gaps(docs: list[Doc]) -> list[str]:
             ):
                 host = (endpoints or "").removeprefix("dns:///").partition(":")[0]
                 dialled[pool] = host
-    for name, dep in by_kind(docs, "Deployment").items():
-        pod = dep["spec"]["template"]["spec"]
-        for c in pod["containers"]:
-            argv = specserve_argv(c)
-            if argv is None or argv[0] != "http-server":
-                continue
-            args = cli_args(argv, container_env(c))
-            if not args.tls_ca:
-                continue
-            host = args.orchestrator.removeprefix("dns:///").rpartition(":")[0]
-            dialled[ORCHESTRATOR] = args.tls_server_name or host
-            ca = secret_files(pod, c).get(args.tls_ca)
-            if ca is None or ca.secret not in certs:
-                problems.append(f"{name}: no Certificate writes its TLS Secret")
+    for name, pod, c, args in _servers(docs, {"http-server"}):
+        if not args.tls_ca:
+            continue
+        host = args.orchestrator.removeprefix("dns:///").rpartition(":")[0]
+        dialled[ORCHESTRATOR] = args.tls_server_name or host
+        ca = secret_files(pod, c).get(args.tls_ca)
+        if ca is None or ca.secret not in certs:
+            problems.append(f"{name}: no Certificate writes its TLS Secret")
     for name, pod, c, args in _servers(docs):
         secret = secret_files(pod, c).get(args.tls_cert or "")
         cert = certs.get(secret.secret) if secret else None
