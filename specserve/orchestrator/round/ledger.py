@@ -68,6 +68,7 @@ from specserve.orchestrator.store import records
 from specserve.orchestrator.store.session_store import CommitStatus, SessionStore
 from specserve.orchestrator.types import SessionState
 from specserve.telemetry import attributes as attr
+from specserve.v1 import session_pb2
 
 log = logging.getLogger(__name__)
 
@@ -226,11 +227,7 @@ class Ledger:
             if error is not None and s.rounds_committed == 0 and s.pre_turn is not None:
                 back = records.ended(s.pre_turn, SessionState.IDLE, warm=False)
                 back.version = s.record.version  # roll the failed turn back
-                try:
-                    await self.store.commit(back, final=True)
-                except SessionCancelled:
-                    back.state = records.STATES[SessionState.CANCELLED]
-                    await self.store.commit(back, final=True)
+                await self._commit_end(back)
             elif not s.keep or (error is not None and s.rounds_committed == 0):
                 await self.store.delete(s.sid, version=s.record.version)
             else:
@@ -239,18 +236,20 @@ class Ledger:
                     if reason is FinishReason.CANCELLED
                     else SessionState.IDLE
                 )
-                try:
-                    await self.store.commit(
-                        records.ended(s.record, state, warm=warm), final=True, after=s.record
-                    )
-                except SessionCancelled:
-                    await self.store.commit(
-                        records.ended(s.record, SessionState.CANCELLED, warm=False),
-                        final=True,
-                        after=s.record,
-                    )
+                await self._commit_end(records.ended(s.record, state, warm=warm), s.record)
         except EngineError as e:
             log.warning("could not write the final record of session %s: %s", s.sid, e)
+
+    async def _commit_end(
+        self, record: session_pb2.SessionRecord, after: session_pb2.SessionRecord | None = None
+    ) -> None:
+        """Write a turn's final ``record``; on a session CancelSession marked meanwhile (the
+        store refuses any other end) write it CANCELLED instead, its caches not kept."""
+        try:
+            await self.store.commit(record, final=True, after=after)
+        except SessionCancelled:
+            cancelled = records.ended(record, SessionState.CANCELLED, warm=False)
+            await self.store.commit(cancelled, final=True, after=after)
 
 
 class PendingCommit:
