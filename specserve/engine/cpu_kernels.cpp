@@ -485,125 +485,12 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   return y;
 }
 
-// y += w * x over n floats
-inline void axpy(float w, const float* x, float* y, int64_t n) {
-  const Vec wv = vset1(w);
-  int64_t i = 0;
-  for (; i + LANES <= n; i += LANES)  // the same elements in vectors on either ISA
-#pragma GCC unroll 2
-    for (int p = 0; p < P; ++p)
-      vstore(y + i + p * W, vfma(wv, vload(x + i + p * W), vload(y + i + p * W)));
-  for (; i < n; ++i) y[i] += w * x[i];
-}
-
-// out = x * cos + rotate_half(x) * sin for one head of D = 2 * half values.
-inline void rotate(const float* x, const float* c, const float* s, int64_t half, float* out) {
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = x[i], b = x[i + half];
-    out[i] = a * c[i] - b * s[i];
-    out[i + half] = b * c[i] + a * s[i];
-  }
-}
-
-// One attention step for a few new tokens over a paged KV cache, as the decoder's
-// torch path computes it (RoPE, cache write, causal SDPA with GQA, optional window):
-//   q [T, H, D], k and v [T, KH, D] (views with unit last stride) are the projections of the
-//   T packed new tokens; positions [T] their absolute positions; token_session [T] the
-//   row of read_slots [B, L] (each session's slots by position) each belongs to.
-//   K (after RoPE) and V go to k_cache / v_cache [S, KH, D] at write_slots [T] first, so
-//   a token sees the keys of the new tokens before it. Returns [T, H * D].
+// RoPE, the KV-cache write and attention of a few new tokens (cpu_kernels_attention.cpp).
 at::Tensor rope_cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& positions_in, const at::Tensor& inv_freq_in,
                                 double rope_scale, at::Tensor& k_cache, at::Tensor& v_cache,
                                 const at::Tensor& write_slots_in, const at::Tensor& read_slots_in,
-                                const at::Tensor& token_session_in, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, D]");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KH = k.size(1), half = D / 2;
-  for (const at::Tensor* t : {&q, &k, &v})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->size(0) == T &&
-                    t->size(2) == D && t->stride(2) == 1,
-                "q, k, v must be float32 CPU [T, heads, D] with unit last stride");
-  TORCH_CHECK(v.size(1) == KH && KH > 0 && H % KH == 0 && D % 2 == 0, "bad head counts");
-  for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->scalar_type() == at::kFloat && c->is_contiguous() && c->dim() == 3 &&
-                    c->size(1) == KH && c->size(2) == D,
-                "caches must be contiguous float32 [slots, KH, D]");
-  const at::Tensor positions = positions_in.contiguous(), write_slots = write_slots_in.contiguous();
-  const at::Tensor read_slots = read_slots_in.contiguous();
-  const at::Tensor token_session = token_session_in.contiguous();
-  const at::Tensor inv_freq = inv_freq_in.contiguous();
-  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.numel() == half, "bad inv_freq");
-  for (const at::Tensor* t : {&positions, &write_slots, &token_session})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == T, "bad index tensor");
-  TORCH_CHECK(read_slots.scalar_type() == at::kLong && read_slots.dim() == 2, "bad read_slots");
-  const int64_t B = read_slots.size(0), L = read_slots.size(1), S = k_cache.size(0);
-  const int64_t* pos = positions.const_data_ptr<int64_t>();
-  const int64_t* wslot = write_slots.const_data_ptr<int64_t>();
-  const int64_t* rslot = read_slots.const_data_ptr<int64_t>();
-  const int64_t* sess = token_session.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sess[t] >= 0 && sess[t] < B && pos[t] >= 0 && pos[t] < L && wslot[t] >= 0 &&
-                    wslot[t] < S,
-                "token ", t, " has an index outside the cache");
-  const float* inv = inv_freq.const_data_ptr<float>();
-  float* kc = k_cache.mutable_data_ptr<float>();
-  float* vc = v_cache.mutable_data_ptr<float>();
-  at::Tensor qr = at::empty({T, H, D}, q.options());
-  float* qrp = qr.mutable_data_ptr<float>();
-  // RoPE on q (into qr) and k (straight into the cache); v into the cache.
-  std::vector<float> cs(half), sn(half);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = (float)pos[t] * inv[i];
-      cs[i] = std::cos(a) * (float)rope_scale;
-      sn[i] = std::sin(a) * (float)rope_scale;
-    }
-    const float* qt = q.const_data_ptr<float>() + t * q.stride(0);
-    for (int64_t h = 0; h < H; ++h)
-      rotate(qt + h * q.stride(1), cs.data(), sn.data(), half, qrp + (t * H + h) * D);
-    const float* kt = k.const_data_ptr<float>() + t * k.stride(0);
-    const float* vt = v.const_data_ptr<float>() + t * v.stride(0);
-    for (int64_t g = 0; g < KH; ++g) {
-      rotate(kt + g * k.stride(1), cs.data(), sn.data(), half, kc + (wslot[t] * KH + g) * D);
-      std::copy(vt + g * v.stride(1), vt + g * v.stride(1) + D, vc + (wslot[t] * KH + g) * D);
-    }
-  }
-  // Attention per (token, kv head): the G query heads of a group share each K / V row read.
-  const int64_t G = H / KH;
-  const float sm_scale = 1.0f / std::sqrt((float)D);
-  at::Tensor out = at::empty({T, H * D}, q.options());
-  out.zero_();
-  float* op = out.mutable_data_ptr<float>();
-  at::parallel_for(0, T * KH, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> w;
-    for (int64_t idx = i0; idx < i1; ++idx) {
-      const int64_t t = idx / KH, g = idx % KH, p = pos[t];
-      const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
-      const int64_t* slots = rslot + sess[t] * L + lo;
-      w.resize(G * n);
-      const float* qg = qrp + (t * H + g * G) * D;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* krow = kc + (slots[j] * KH + g) * D;
-        for (int64_t h = 0; h < G; ++h) w[h * n + j] = dot(qg + h * D, krow, D) * sm_scale;
-      }
-      for (int64_t h = 0; h < G; ++h) {
-        float* wh = w.data() + h * n;
-        float m = wh[0];
-        for (int64_t j = 1; j < n; ++j) m = wh[j] > m ? wh[j] : m;
-        float z = 0.0f;
-        for (int64_t j = 0; j < n; ++j) z += (wh[j] = std::exp(wh[j] - m));
-        const float rz = 1.0f / z;
-        for (int64_t j = 0; j < n; ++j) wh[j] *= rz;
-      }
-      float* og = op + t * H * D + g * G * D;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vrow = vc + (slots[j] * KH + g) * D;
-        for (int64_t h = 0; h < G; ++h) axpy(w[h * n + j], vrow, og + h * D, D);
-      }
-    }
-  });
-  return out;
-}
+                                const at::Tensor& token_session_in, int64_t window);
 
 // Coupled sampling (specserve/engine/coupling.py): per row, argmax_v p[v] / E[v] with
 // E[v] = -log(u[v]) and u[v] from the SplitMix64 word mix(key + (v / 2 + 1) * GAMMA),

@@ -125,6 +125,7 @@ _SOURCES = (
     "cpu_kernels_qblocks.cpp",
     "cpu_kernels_quant.cpp",
     "cpu_kernels_int8.cpp",
+    "cpu_kernels_attention.cpp",
     "cpu_kernels_layer.cpp",
 )
 

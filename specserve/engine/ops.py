@@ -296,7 +296,8 @@ def rope_cache_attention(
     products and softmax in a fixed order), so a token's output does not depend on how
     many tokens share the call. Returns ``None`` where the kernel does not apply (more
     than :data:`MAX_KERNEL_ROWS` tokens: a prefill, whose long contexts torch's
-    vectorized softmax serves faster; not float32 on CPU; kernels off); the caller then
+    vectorized softmax serves faster; a head size that is not a multiple of 8; not
+    float32 on CPU; kernels off); the caller then
     runs its torch path, which computes the same up to float32 rounding (and whose bits
     depend on the token count: :meth:`CausalLM.forward` runs a prompt's rows without
     logits apart, so drafts appended to a prompt never change them).
@@ -304,6 +305,7 @@ def rope_cache_attention(
     if (
         not _enabled[0]
         or q.shape[0] > MAX_KERNEL_ROWS
+        or q.shape[-1] % 8
         or q.dtype != torch.float32
         or not q.is_cpu
         or k_cache.dtype != torch.float32
