@@ -7,7 +7,9 @@ synthetic GGML blocks of the types llama.cpp's Q4_K_M gives each tensor (Q4_K; Q
 embedding / LM head), fills a KV cache of ``--context`` tokens, then runs one-token
 (and ``--rows``-token verify) forwards under ``torch.profiler``: per op, the CPU time
 per step, so the share of the quantized products (``q8_linears``,
-``q8_gate_up_silu``) against norms, attention, RoPE and Python glue shows.
+``q8_gate_up_silu``) against norms, attention, RoPE and Python glue shows
+(``--by-op``: each layer's ops called one by one, so a layer's own products and its
+attention show apart; otherwise a layer is one ``decoder_layer`` op).
 
 No real model is loaded. ``python -m bench.quant_decode_profile --threads 2`` prints a
 table per row count (nothing is written).
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from specserve.engine import cpu_kernels
+from specserve.engine import model as model_module
 from specserve.engine.config import ModelConfig
 from specserve.engine.loader import prepare
 from specserve.engine.model import CausalLM, SeqInput
@@ -122,7 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=TARGET.num_layers)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument(
+        "--by-op",
+        action="store_true",
+        help="run each layer's ops one by one instead of the layer as one op, so the "
+        "table splits a layer into its products, attention and the rest",
+    )
     args = p.parse_args(argv)
+    if args.by_op:  # the forward asks model.layer_kernels whether a layer may run as one op
+        model_module.layer_kernels = lambda _h, _k: None
     if cpu_kernels.kernels() is None:
         print("the CPU kernels are not available here: nothing to profile", file=sys.stderr)
         return 1

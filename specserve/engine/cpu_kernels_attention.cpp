@@ -58,7 +58,7 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(t2) + _mm_cvtss_f32(_mm_shuffle_ps(t2, t2, 1));
 }
 
-constexpr int KEYS = 8;   // keys scored per vector (one lane each)
+constexpr int KEYS = 8;  // keys scored per vector (one lane each)
 
 // out[h, d0 : d0 + 8 C] = sum_j w[h, j] v_j[d0 : d0 + 8 C] over the n value rows (j in
 // order) for NH heads (w's rows n8 apart, out's D apart): the NH x C accumulators stay
