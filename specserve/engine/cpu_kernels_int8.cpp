@@ -382,8 +382,12 @@ struct Q6KX8Dot {
       const uint8_t* qh = blk + 1168;
       __m256i sumi[R];
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
-      for (int hs = 0; hs < 8; ++hs) {  // half h, part s
-        const int h = hs >> 2, s = hs & 3;
+      // half h, part s; s and tp unrolled, so the decoding's shifts and masks are constants
+      // (one row: 2x the products a second on the EPYC; the 1.5B's step 5% faster)
+      for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+#pragma GCC unroll 4
         for (int tp = 0; tp < 8; tp += 2) {  // t = tp, tp + 1: one half of a sub-block
           __m256i q[2];
 #pragma GCC unroll 2
