@@ -262,6 +262,7 @@ class KvTransfer:
                     f"{where} has key {chunk.key.hex()[:12]}, but the tokens given make "
                     f"{key.hex()[:12]}: it holds the K/V of another token prefix"
                 )
+            kv = kv_from_bytes(chunk.data, chunk.layout, size)  # the size first: cheap
             if not chunk.digest:
                 raise FailedPrecondition(
                     f"{where} carries no digest (an export of an older version); re-prefill instead"
@@ -274,7 +275,6 @@ class KvTransfer:
                     "key (altered, or exported under another internal token); re-prefill "
                     "instead"
                 )
-            kv = kv_from_bytes(chunk.data, chunk.layout, size)
             if not bool(torch.isfinite(kv).all()):
                 raise InvalidArgument(
                     f"{where} holds non-finite values (NaN or infinity): K/V a model "

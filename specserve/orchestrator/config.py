@@ -153,14 +153,6 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
     if args.api_keys_file:
         ApiKeys.load(args.api_keys_file)  # a bad file is a flag error now, not at the first call
     token = internal_token(args)
-    hosts = [ep.strip().rpartition(":")[0] for ep in f"{args.target},{args.draft}".split(",")]
-    mutual = replica_tls is not None and replica_tls.cert_file
-    if token is None and not mutual and any(h and h not in LOOPBACK_HOSTS for h in hosts):
-        warnings.append(  # a dns:///name host is never loopback
-            "the replicas are reached without mutual TLS and without an internal token: "
-            "they cannot tell this orchestrator from any other caller (give "
-            "--internal-token-file, the replicas' too, or mutual TLS)"
-        )
     policy = policy_config(args)
     return OrchestratorConfig(
         targets=EndpointSpec.parse(args.target or "", "target"),
