@@ -199,7 +199,9 @@ def test_an_import_checks_each_chunks_digest(
     undigested = dataclasses.replace(chunks[0], digest=b"")
     refused(kv, FailedPrecondition, "carries no digest", [undigested])
     # The forger recomputes an unkeyed digest: a replica with an internal token refuses it.
-    resealed = dataclasses.replace(forged, digest=chunk_digest(forged.key, forged.data))
+    first = dataclasses.replace(chunks[0], data=bytes(data[: len(chunks[0].data)]))
+    resealed = dataclasses.replace(first, digest=chunk_digest(first.key, first.data))
+    assert kv.check("b", PROMPT, 0, [resealed])  # unkeyed: a replica without a token takes it
     keyed = KvTransfer.for_model(dest.model, dest.kv, 256, digest_key=digest_key_of("t" * 32))
     refused(keyed, InvalidArgument, "digest does not match", [resealed])
     refused(keyed, InvalidArgument, "digest does not match", chunks[:1])  # exported unkeyed
