@@ -2,7 +2,9 @@
 
 * ``orchestrator`` serves the public API over draft and target replicas;
 * ``up`` starts a target server, a draft server and an orchestrator as child
-  processes (embedded store, or ``--redis-url``), prints where each listens,
+  processes (embedded store, or ``--redis-url``; their flags and environment come
+  from :mod:`specserve.cli_up`, which keeps secrets out of every command
+  line and gives the replicas an internal token when TLS is off), prints where each listens,
   sends one example request and prints its text, tokens/s and acceptance; it
   stops them on Ctrl-C, SIGTERM and SIGHUP, and they stop themselves if it dies
   (:mod:`specserve.serving.supervision`);
@@ -15,8 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+from specserve.cli_up import UpSettings, up_children
 from specserve.engine.dtypes import DTYPE_NAMES
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator.store.redis_settings import redacted
@@ -66,7 +71,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument(
         "--redis-url",
         default=os.environ.get("SPECSERVE_REDIS_URL"),
-        help="use this Redis instead of the embedded store",
+        help="use this Redis instead of the embedded store (keep a password out of it: "
+        "the command line is visible to every user; use --redis-password-file)",
+    )
+    p.add_argument(
+        "--redis-password-file",
+        default=os.environ.get("SPECSERVE_REDIS_PASSWORD_FILE"),
+        metavar="FILE",
+        help="the Redis password, handed to the orchestrator as this path (or set "
+        "SPECSERVE_REDIS_PASSWORD, which the orchestrator inherits)",
     )
     p.add_argument(
         "--devices",
@@ -205,7 +218,6 @@ def _up(args: argparse.Namespace) -> int:
 
             resolve(spec.source)  # NotFound says how to fetch it, before anything starts
     at = pair_placement(args.device, args.draft_device, args.dtype, args.draft_dtype)
-    threads = ["--threads", str(args.threads)] if args.threads else []
     tls_args, tls = _up_tls(args)
     api_key = os.environ.get("SPECSERVE_API_KEY")
     if args.api_keys_file and not api_key:
@@ -213,34 +225,38 @@ def _up(args: argparse.Namespace) -> int:
             "specserve up --api-keys-file sends its example request with the key in "
             "SPECSERVE_API_KEY: set it to one of the file's keys"
         )
-    placed = {
-        "target": ["--model", target, "--device", at.target_device, "--dtype", at.target_dtype],
-        "draft": ["--model", draft, "--device", at.draft_device, "--dtype", at.draft_dtype],
-    }
+    if args.redis_password_file and not os.path.isfile(args.redis_password_file):
+        raise InvalidArgument(f"--redis-password-file {args.redis_password_file!r} is not a file")
+    run_dir = tempfile.TemporaryDirectory(prefix="specserve-up-")  # mode 700
+    settings = UpSettings(
+        target,
+        draft,
+        at,
+        threads=args.threads,
+        tls_args=tuple(tls_args),
+        devices=args.devices,
+        api_keys_file=args.api_keys_file,
+        redis_url=args.redis_url,
+        redis_password_file=args.redis_password_file,
+    )
+    children = up_children(settings, Path(run_dir.name))
+    for warning in children.warnings:
+        print(f"specserve up: WARNING: {warning}", file=sys.stderr)
     servers = [
-        ServerProcess(kind, [*flags, *threads, *tls_args], tls=tls)
-        for kind, flags in placed.items()
+        ServerProcess("target", children.target_args, tls=tls),
+        ServerProcess("draft", children.draft_args, tls=tls),
     ]
     orchestrator: OrchestratorProcess | None = None
     try:
         for s in servers:
             s.start()
-        orch_args = [
-            "--target",
-            servers[0].address,
-            "--draft",
-            servers[1].address,
-            "--tokenizer",
-            target,
-        ]
-        apart = at.draft_device != at.target_device
-        devices = args.devices or ("separate" if apart else "shared")
-        orch_args += ["--devices", devices, *tls_args]
-        if args.api_keys_file:
-            orch_args += ["--api-keys-file", args.api_keys_file]
-        # The URL may carry a password: the environment keeps it out of the process list.
-        env = {"SPECSERVE_REDIS_URL": args.redis_url} if args.redis_url else {}
-        orchestrator = OrchestratorProcess(orch_args, port=args.port, env=env, tls=tls)
+        where = ["--target", servers[0].address, "--draft", servers[1].address]
+        orchestrator = OrchestratorProcess(
+            [*where, *children.orchestrator_args],
+            port=args.port,
+            env=children.orchestrator_env,
+            tls=tls,
+        )
         orchestrator.start()
         print(
             f"target {target} ({at.target_device}) on {servers[0].address}, "
@@ -278,6 +294,7 @@ def _up(args: argparse.Namespace) -> int:
         return 0
     finally:
         stop_all([orchestrator, *servers])
+        run_dir.cleanup()
 
 
 def _up_tls(args: argparse.Namespace) -> tuple[list[str], ClientTls | None]:

@@ -22,6 +22,16 @@ the last bits, as two prefills in different batch shapes may.)
 A chunk's **data** is the K/V of every layer and every KV head,
 ``[num_layers, 2 (K, V), tokens, num_kv_heads, head_dim]`` in C order,
 little-endian, keys after rotary embedding. Pure: no grpc, no redis.
+
+A chunk's **digest** binds its data to its key: ::
+
+    digest = blake2b-256(key || data, key=digest_key, person="specserve-kvdig1")
+
+written by the export and checked by every import, so K/V that was altered (in
+Redis, in transit, or made up by a caller) is refused. ``digest_key`` is derived
+from the deployment's internal token (:func:`digest_key_of`), so only a holder of
+the token can make a chunk an import accepts; without a token it is empty and the
+digest detects corruption only.
 """
 
 from __future__ import annotations
@@ -47,6 +57,8 @@ MAX_CHUNK_TOKENS = 4096
 FORMAT = "specserve-kv-v1"  # bump when the data layout or the hashing changes
 _PERSON = FORMAT.encode()  # blake2b personalisation (<= 16 bytes): keys of this format only
 _SAMPLE = 4096  # weight elements per tensor that enter the fingerprint
+_DIGEST_PERSON = b"specserve-kvdig1"
+_DIGEST_KEY_PERSON = b"specserve-kvmac1"
 
 assert sys.byteorder == "little", "KV chunks are little-endian; a big-endian host would swap"
 
@@ -125,6 +137,24 @@ def chain_keys(
 def check_chunk_tokens(chunk_tokens: int) -> None:
     if not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:
         raise InvalidArgument(f"chunk_tokens must be in 1..{MAX_CHUNK_TOKENS}, got {chunk_tokens}")
+
+
+def digest_key_of(token: str | None) -> bytes:
+    """The key of chunk digests under an internal token (b"" without one: unkeyed)."""
+    if not token:
+        return b""
+    h = hashlib.blake2b(token.encode(), digest_size=KEY_BYTES, person=_DIGEST_KEY_PERSON)
+    return h.digest()
+
+
+def chunk_digest(key: bytes, data: bytes, digest_key: bytes = b"") -> bytes:
+    """The digest an export writes for a chunk and an import checks (module docstring).
+    Hashes every byte of ``data``: about 2 ms per MB on one core (500 MB/s measured on a
+    shared 2-core CPU host)."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES, key=digest_key, person=_DIGEST_PERSON)
+    h.update(key)
+    h.update(data)
+    return h.digest()
 
 
 # -- fingerprint ---------------------------------------------------------------------

@@ -7,17 +7,27 @@ target's model thread, like a forward.
 
 An import changes nothing unless it succeeds: every chunk is checked first —
 size, chunk size and position, layout, model fingerprint, and its key against
-the key recomputed from the tokens given — then blocks are reserved (a full
+the key recomputed from the tokens given, and its digest (the export's, over key
+and data: :func:`~specserve.engine.kv_chunks.chunk_digest`) recomputed from its
+data — then blocks are reserved (a full
 budget raises :class:`~specserve.engine.errors.KVBudgetExceeded` before anything
 moved), and only then is the K/V copied in. Status of each refusal:
 ``InvalidArgument`` for a malformed request or a key that does not match the
 tokens, ``FailedPrecondition`` for chunks of another model, dtype or layout, or a
-cache shorter than the call assumes, ``NotFound`` for an export of a session not
-held here.
+cache shorter than the call assumes or a cache here of other tokens than the
+import's, ``NotFound`` for an export of a session not held here.
+
+**Nothing of a session's history is in an error message**: not its token ids, not
+how many it holds, not where a caller's tokens first differ from them. A refusal
+says which rule the *request* broke and echoes only the request's own numbers, so
+a caller who knows a session id learns no more than "these tokens are not what the
+cache holds" (the internal token, :mod:`specserve.serving.internal_token`, is what
+keeps strangers from asking at all).
 """
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +39,7 @@ from specserve.engine.kv_chunks import (
     KvLayout,
     chain_keys,
     check_chunk_tokens,
+    chunk_digest,
     dtype_name,
     kv_from_bytes,
     kv_to_bytes,
@@ -49,6 +60,7 @@ class KvChunk:
     start: int  # first position: chunk index * tokens
     tokens: int
     data: bytes  # [layers, 2, tokens, kv_heads, head_dim], little-endian
+    digest: bytes = b""  # chunk_digest(key, data) under the deployment's digest key
 
 
 @dataclass(frozen=True)
@@ -81,8 +93,12 @@ class KvTransfer:
         vocab: int,
         *,
         max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
+        digest_key: bytes = b"",
     ) -> None:
+        """``digest_key``: the key of chunk digests
+        (:func:`~specserve.engine.kv_chunks.digest_key_of` of the internal token)."""
         self.pool = pool
+        self.digest_key = digest_key
         self.fingerprint = fingerprint
         self.vocab = vocab
         self.max_export_bytes = max_export_bytes
@@ -90,9 +106,20 @@ class KvTransfer:
         self.layout = KvLayout(pool.num_layers, heads, head_dim, dtype_name(pool.dtype))
 
     @classmethod
-    def for_model(cls, model: CausalLM, pool: KVPool, vocab: int, **kw: int) -> KvTransfer:
+    def for_model(
+        cls,
+        model: CausalLM,
+        pool: KVPool,
+        vocab: int,
+        *,
+        max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
+        digest_key: bytes = b"",
+    ) -> KvTransfer:
         """Over ``pool``, with ``model``'s fingerprint (a single-process model only)."""
-        return cls(pool, model_fingerprint(model, model.config, pool.dtype), vocab, **kw)
+        fingerprint = model_fingerprint(model, model.config, pool.dtype)
+        return cls(
+            pool, fingerprint, vocab, max_export_bytes=max_export_bytes, digest_key=digest_key
+        )
 
     @property
     def bytes_per_token(self) -> int:
@@ -132,28 +159,25 @@ class KvTransfer:
             )
         if session_id not in self.pool:
             raise NotFound(f"session {session_id!r} has no KV cache on this replica")
-        have = self.pool.length(session_id)
-        if have < len(tokens):
+        if self.pool.length(session_id) < len(tokens):
             raise FailedPrecondition(
-                f"session {session_id!r}: the cache holds {have} tokens, fewer than the "
-                f"{len(tokens)} to export"
+                f"session {session_id!r}: the cache holds fewer tokens than the "
+                f"{len(tokens)} to export; export a shorter prefix"
             )
-        held = self.pool.tokens(session_id)[: len(tokens)]
-        if held.tolist() != list(tokens):
-            at = next(i for i, (a, b) in enumerate(zip(held, tokens, strict=True)) if a != b)
+        if self.pool.tokens(session_id)[: len(tokens)].tolist() != list(tokens):
             raise InvalidArgument(
-                f"session {session_id!r}: token {at} of the export is {tokens[at]}, but the "
-                f"cache at that position was computed from {held[at]}"
-                + (" (not known here)" if held[at] < 0 else "")
-                + "; export only the tokens the cache holds"
+                f"session {session_id!r}: the {len(tokens)} tokens of the export are not "
+                "the ones the cache was computed from; export only the tokens the cache holds"
             )
         keys = chain_keys(self.fingerprint, tokens, chunk_tokens, first=first_chunk)
         out = []
         for i, key in enumerate(keys, start=first_chunk):
             start = i * chunk_tokens
             kv = self.pool.read(session_id, start, start + chunk_tokens)
+            data = kv_to_bytes(kv)
+            digest = chunk_digest(key, data, self.digest_key)
             out.append(
-                KvChunk(key, self.fingerprint, self.layout, start, chunk_tokens, kv_to_bytes(kv))
+                KvChunk(key, self.fingerprint, self.layout, start, chunk_tokens, data, digest)
             )
         self.pool.alloc.touch(session_id)
         return out
@@ -172,12 +196,18 @@ class KvTransfer:
         if start > 0 and (session_id not in pool or have < start):
             raise FailedPrecondition(
                 f"session {session_id!r}: an import from position {start} continues a "
-                f"cache, but this replica holds {have} tokens of it; import from 0"
+                "cache, but this replica holds fewer tokens of it; import from 0"
             )
         if start > 0 and pool.tokens(session_id)[:start].tolist() != list(tokens[:start]):
             raise InvalidArgument(
                 f"session {session_id!r}: the tokens before position {start} differ from "
                 "the ones this replica's cache was computed from; import from 0"
+            )
+        if start == 0 and session_id in pool and not self._agrees(session_id, tokens[:end]):
+            raise FailedPrecondition(
+                f"session {session_id!r}: this replica holds a cache of the session computed "
+                "from other tokens than the import's; Release the session first (or "
+                "re-prefill) to replace it"
             )
         pool.reserve({session_id: max(0, end - have)})  # KVBudgetExceeded: nothing changed
         pos = start
@@ -232,7 +262,19 @@ class KvTransfer:
                     f"{where} has key {chunk.key.hex()[:12]}, but the tokens given make "
                     f"{key.hex()[:12]}: it holds the K/V of another token prefix"
                 )
-            kv = kv_from_bytes(chunk.data, chunk.layout, size)
+            kv = kv_from_bytes(chunk.data, chunk.layout, size)  # the size first: cheap
+            if not chunk.digest:
+                raise FailedPrecondition(
+                    f"{where} carries no digest (an export of an older version); re-prefill instead"
+                )
+            if not hmac.compare_digest(
+                chunk.digest, chunk_digest(chunk.key, chunk.data, self.digest_key)
+            ):
+                raise InvalidArgument(
+                    f"{where}: its digest does not match its data under this deployment's "
+                    "key (altered, or exported under another internal token); re-prefill "
+                    "instead"
+                )
             if not bool(torch.isfinite(kv).all()):
                 raise InvalidArgument(
                     f"{where} holds non-finite values (NaN or infinity): K/V a model "
@@ -240,6 +282,12 @@ class KvTransfer:
                 )
             views.append(kv)
         return views
+
+    def _agrees(self, session_id: str, tokens: Sequence[int]) -> bool:
+        """Whether the cache held here and ``tokens`` agree wherever both say a token."""
+        held = self.pool.tokens(session_id)
+        n = min(len(held), len(tokens))
+        return all(h == t or h < 0 for h, t in zip(held[:n], tokens[:n], strict=True))
 
     def _check_vocab(self, session_id: str, tokens: Sequence[int]) -> None:
         if tokens and (min(tokens) < 0 or max(tokens) >= self.vocab):

@@ -118,6 +118,7 @@ async def start(config: OrchestratorConfig) -> App:
         interceptors=interceptors,
         tls=config.replica_tls,
         stream_factory=stream_factory(ReplicaStream.propose, transport),
+        internal_token=config.internal_token,
     )
     targets = ReplicaPool(
         "target",
@@ -127,6 +128,7 @@ async def start(config: OrchestratorConfig) -> App:
         interceptors=interceptors,
         tls=config.replica_tls,
         stream_factory=stream_factory(ReplicaStream.verify, transport),
+        internal_token=config.internal_token,
     )
     await drafts.start()
     await targets.start()
@@ -171,7 +173,7 @@ async def start(config: OrchestratorConfig) -> App:
         },
     )
     log.info(
-        "public API: %s, %s; replicas: %s",
+        "public API: %s, %s; replicas: %s%s",
         "TLS" if config.server.tls else "plaintext",
         f"{len(keys.keys)} API keys" if keys is not None else "no API key needed",
         "mutual TLS"
@@ -179,6 +181,7 @@ async def start(config: OrchestratorConfig) -> App:
         else "TLS"
         if config.replica_tls
         else "plaintext",
+        ", internal token" if config.internal_token else "",
     )
     metrics_port = None
     if config.metrics_port is not None:

@@ -23,6 +23,7 @@ from specserve.orchestrator.store.redis_settings import RedisSettings, password_
 from specserve.orchestrator.store.session_store import StoreTtls
 from specserve.orchestrator.store.store_retry import DEFAULT_WINDOW_S as DEFAULT_REDIS_RETRY_S
 from specserve.serving.cli_args import flag_values
+from specserve.serving.internal_token import internal_token
 from specserve.serving.server import ServerOptions
 from specserve.serving.tls import (
     LOOPBACK_HOSTS,
@@ -60,6 +61,8 @@ class OrchestratorConfig:
     )
     replica_tls: ClientTls | None = None  # None = plaintext channels to the replicas
     api_keys_file: str | None = None  # None = the public API takes calls without a key
+    # sent on every call to the replicas (specserve.serving.internal_token); None = none
+    internal_token: str | None = field(default=None, repr=False)
     warnings: tuple[str, ...] = ()  # about unsafe settings, logged once logging is set up
 
     def __post_init__(self) -> None:
@@ -149,6 +152,7 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
         )
     if args.api_keys_file:
         ApiKeys.load(args.api_keys_file)  # a bad file is a flag error now, not at the first call
+    token = internal_token(args)
     policy = policy_config(args)
     return OrchestratorConfig(
         targets=EndpointSpec.parse(args.target or "", "target"),
@@ -205,5 +209,6 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
         ),
         replica_tls=replica_tls,
         api_keys_file=args.api_keys_file or None,
+        internal_token=token,
         warnings=tuple(warnings),
     )

@@ -29,6 +29,7 @@ flag                            environment                      default
 ``--tls-ca``                    ``SPECSERVE_TLS_CA``             plaintext to replicas
 ``--tls-server-name``           ``SPECSERVE_TLS_SERVER_NAME``    the host dialled
 ``--api-keys-file``             ``SPECSERVE_API_KEYS_FILE``      none (no key needed)
+``--internal-token-file``       ``SPECSERVE_INTERNAL_TOKEN_FILE``  none (no token sent)
 ``--health-port``               ``SPECSERVE_HEALTH_PORT``        none (plaintext health)
 ==============================  ===============================  ======================
 
@@ -36,7 +37,9 @@ Security (``docs/security.md``): ``--tls-cert``/``--tls-key`` serve the public A
 TLS and are the client certificate presented to the replicas; ``--tls-ca`` turns on
 TLS towards the replicas and is the CA their certificates must chain to;
 ``--api-keys-file`` makes every public call carry a bearer key
-(:mod:`specserve.orchestrator.api.api_keys`). Secrets come from files or the environment:
+(:mod:`specserve.orchestrator.api.api_keys`); ``--internal-token-file`` (or the token in
+``SPECSERVE_INTERNAL_TOKEN``) is the deployment's internal token, sent on every call to
+the replicas (:mod:`specserve.serving.internal_token`). Secrets come from files or the environment:
 a password on the command line works but warns (``warnings``, logged at start).
 
 the admission bounds (``--max-prompt-tokens``, ``--max-prompt-bytes``,
@@ -63,6 +66,7 @@ from specserve.orchestrator.fleet.stall import DEFAULT_STALL_S
 from specserve.orchestrator.store import keys
 from specserve.orchestrator.store.store_retry import DEFAULT_WINDOW_S as DEFAULT_REDIS_RETRY_S
 from specserve.serving.cli_args import add_health_port_argument
+from specserve.serving.internal_token import add_internal_token_argument
 from specserve.serving.tls import add_tls_arguments
 from specserve.telemetry.config import add_telemetry_arguments
 
@@ -306,4 +310,5 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         help="bearer keys the public API accepts, one per line (docs/security.md); "
         "default: no key needed",
     )
+    add_internal_token_argument(parser, env)
     add_telemetry_arguments(parser, env)

@@ -21,13 +21,16 @@ flag                      environment                     default
 ``--kv-budget``           ``SPECSERVE_KV_BUDGET``         per server
 ``--tls-cert/-key``       ``SPECSERVE_TLS_CERT/KEY``      none (plaintext)
 ``--tls-ca``              ``SPECSERVE_TLS_CA``            none (any client)
+``--internal-token-file`` ``SPECSERVE_INTERNAL_TOKEN_FILE`` none (any caller)
 ``--health-port``         ``SPECSERVE_HEALTH_PORT``       none
 ``--data-port``           ``SPECSERVE_DATA_PORT``         0 (ephemeral; ``off``: none)
 ``--prefill-chunk-tokens`` ``SPECSERVE_PREFILL_CHUNK_TOKENS`` 512 (0: no chunking)
 ========================  ==============================  =========================
 
 With ``--tls-ca`` a replica accepts only clients presenting a certificate from that CA
-(mutual TLS; :mod:`specserve.serving.tls`).
+(mutual TLS; :mod:`specserve.serving.tls`); with ``--internal-token-file`` (or the token
+in ``SPECSERVE_INTERNAL_TOKEN``) only calls carrying the deployment's internal token
+(:mod:`specserve.serving.internal_token`).
 
 and the telemetry flags of :mod:`specserve.telemetry.config` (tracing, logs,
 ``--metrics-port``), which the orchestrator takes as well.
@@ -52,6 +55,7 @@ from specserve.engine.devices import (
 from specserve.engine.dtypes import DTYPE_NAMES
 from specserve.engine.errors import EngineError, InvalidArgument
 from specserve.engine.model import DEFAULT_PREFILL_CHUNK_TOKENS
+from specserve.serving.internal_token import add_internal_token_argument, internal_token
 from specserve.serving.server import MAX_MESSAGE_BYTES, ServerOptions
 from specserve.serving.tls import add_tls_arguments, server_tls
 from specserve.telemetry.config import add_telemetry_arguments, telemetry_config
@@ -190,6 +194,7 @@ def add_server_arguments(
         help="testing: simulate a device failure after N model forwards",
     )
     add_tls_arguments(parser, env, role="replica")
+    add_internal_token_argument(parser, env)
     add_health_port_argument(parser, env)
     parser.add_argument(
         "--data-port",
@@ -297,6 +302,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         data_port=args.data_port,
         max_in_flight_bytes=args.max_in_flight_bytes,
         telemetry=telemetry_config(args),
+        internal_token=internal_token(args),
     )
 
 

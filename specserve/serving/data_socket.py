@@ -12,9 +12,12 @@ little-endian length and that many bytes.
 
 1. The client's first frame names the unary method its calls stand for, in UTF-8
    (``/specserve.v1.DraftService/Propose`` on a draft replica,
-   ``/specserve.v1.TargetService/Verify`` on a target). The replica answers an
-   empty frame; or, for a method it does not serve, a ``StreamCallError``
-   (``UNIMPLEMENTED``) and closes.
+   ``/specserve.v1.TargetService/Verify`` on a target), followed, when the
+   deployment has an internal token (:mod:`specserve.serving.internal_token`), by
+   a newline and the token. The replica answers an empty frame; or, for a method it
+   does not serve, a ``StreamCallError`` (``UNIMPLEMENTED``), and for a replica
+   with a token a hello without it or with another one (``UNAUTHENTICATED``), and
+   closes.
 2. Then each client frame is one call, a ``ProposeStreamRequest`` /
    ``VerifyStreamRequest`` (header with request id, deadline and trace context,
    and the unary request), and each replica frame one answer, a
@@ -51,6 +54,7 @@ from typing import Any
 import grpc
 
 from specserve.serving.call_stream import InFlightBytes, StreamMethod, serve_calls
+from specserve.serving.internal_token import HEADER, refusal
 from specserve.serving.malformed import Malformed, Oversized, RateLimitedWarning, tolerant
 from specserve.serving.tls import ServerTls
 from specserve.v1 import common_pb2
@@ -131,11 +135,16 @@ class DataSocketServer:
         self.bytes_in_flight = bytes_in_flight
         self.replica_budget = replica_budget  # shared with the replica's other connections
         self.draining = draining
+        self.token: str | None = None  # set by start
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[Any]] = set()
 
-    async def start(self, host: str, port: int, tls: ServerTls | None) -> int:
-        """Listen on ``host:port`` (0: any free port); the bound port."""
+    async def start(
+        self, host: str, port: int, tls: ServerTls | None, token: str | None = None
+    ) -> int:
+        """Listen on ``host:port`` (0: any free port); the bound port. ``token``: the
+        internal token every hello must carry (None: none asked)."""
+        self.token = token
         context = server_context(tls) if tls is not None else None
         self._server = await asyncio.start_server(
             self._serve, host, port, ssl=context, reuse_address=True
@@ -171,11 +180,19 @@ class DataSocketServer:
     async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         hello = await asyncio.wait_for(read_frame(reader, 1024), HELLO_TIMEOUT_S)
         wanted = self.method.unary_method
-        if hello == wanted.encode():
+        method, _, token = hello.partition(b"\n") if isinstance(hello, bytes) else (b"", b"", b"")
+        if method == wanted.encode() and self.token is not None:
+            why = refusal(self.token, [(HEADER, token)] if token else [])
+            if why is not None:
+                writer.write(
+                    error_frame(self.method.answer_type, grpc.StatusCode.UNAUTHENTICATED, why)
+                )
+                return False
+        if method == wanted.encode():
             writer.write(frame(b""))
             return True
         if hello is not None:
-            said = repr(hello[:200]) if isinstance(hello, bytes) else "a frame too long"
+            said = repr(method[:200]) if isinstance(hello, bytes) else "a frame too long"
             writer.write(
                 error_frame(
                     self.method.answer_type,

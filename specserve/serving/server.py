@@ -4,7 +4,9 @@
 when tracing is on, the OpenTelemetry server interceptor before it), the
 standard health service (``grpc.health.v1``) and reflection, binds ``host:port``
 (port 0 = an ephemeral port; TLS when ``ServerOptions.tls`` is set, see
-:mod:`specserve.serving.tls`) and returns a :class:`RunningServer` that knows the
+:mod:`specserve.serving.tls`; calls refused without the internal token when
+``ServerOptions.internal_token`` is set, see :mod:`specserve.serving.internal_token`)
+and returns a :class:`RunningServer` that knows the
 bound port. Health follows the model executor: NOT_SERVING while the model loads,
 SERVING once it is ready, NOT_SERVING again after a device failure or when a
 graceful shutdown begins. A failure the replica cannot recover from (a failed
@@ -43,6 +45,7 @@ from specserve.serving.call_stream import (
 from specserve.serving.data_socket import DataSocketServer
 from specserve.serving.errors import ErrorInterceptor, Overloaded
 from specserve.serving.executor import ModelExecutor, State
+from specserve.serving.internal_token import TokenInterceptor, warn_if_open
 from specserve.serving.reflection import enable_reflection
 from specserve.serving.tls import ServerTls, warn_if_exposed
 from specserve.telemetry.config import TelemetryConfig
@@ -79,6 +82,9 @@ class ServerOptions:
     # maximal messages
     max_in_flight_bytes: int | None = None
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    # the deployment's internal token: set, every call but health and reflection must
+    # carry it (specserve.serving.internal_token); never in a repr
+    internal_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -192,7 +198,7 @@ class RunningServer(Generic[B]):
             replica_budget=self.in_flight,
         )
         self.data_port = await socket.start(
-            self.options.host, self.options.data_port, self.options.tls
+            self.options.host, self.options.data_port, self.options.tls, self.options.internal_token
         )
         self.data_socket = socket
 
@@ -303,8 +309,10 @@ async def start_server(
         ("grpc.so_reuseport", 0),  # two servers must never share a port by accident
     ]
     # Tracing first: its server span then covers the error mapping and sees the status.
+    token = [TokenInterceptor(options.internal_token)] if options.internal_token else []
     chain = [
         *server_interceptors(options.telemetry.tracing),
+        *token,  # before anything reads the request
         *interceptors,
         ErrorInterceptor(request_bytes),
     ]
@@ -314,6 +322,8 @@ async def start_server(
     address = f"{options.host}:{options.port}"
     if options.tls is None:
         warn_if_exposed(options.host, None, f"the {name} server")
+        if name != "orchestrator" and options.internal_token is None:
+            warn_if_open(options.host, name)
         port = server.add_insecure_port(address)
     else:
         if options.tls.client_ca_file is None and name != "orchestrator":

@@ -10,11 +10,12 @@ stream-stream call, with the methods it uses (``write``, ``read``, ``done``,
 * On creation it asks the replica, over the gRPC channel, where its socket is
   (``GetLoad``'s ``data_port``), connects to the channel's host at that port (TLS
   with the channel's CA, client certificate and server name when the pool has TLS),
-  and says hello. A replica that reports no data port is served over its gRPC
-  stream method instead, through this same object: an older replica, or one with
-  ``--data-port off``; and one whose socket cannot be reached (refused, or no
-  answer within ``DIAL_TIMEOUT_S``: a firewall or network policy that admits only the
-  gRPC port), with a WARNING a minute at most.
+  and says hello (with the internal token when the pool has one). A replica that
+  reports no data port is served over its gRPC stream method instead, through this
+  same object: an older replica, or one with ``--data-port off``; and one whose
+  socket cannot be reached (refused, or no answer within ``DIAL_TIMEOUT_S``: a
+  firewall or network policy that admits only the gRPC port), with a WARNING a
+  minute at most.
 * ``write`` never waits for the connection: calls written before it is up are sent
   once it is, so a call's deadline runs from when it was written, as on gRPC.
 * A connection that cannot be made (within ``CONNECT_TIMEOUT_S``), a replica that
@@ -29,7 +30,7 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -61,14 +62,24 @@ class SocketDial:
     tls: ClientTls | None = None
     server_name: str | None = None
     max_bytes: int = 64 << 20  # the largest answer accepted
+    token: str | None = field(default=None, repr=False)  # the internal token, for the hello
 
     @classmethod
     def of(
-        cls, endpoint: str, tls: ClientTls | None = None, server_name: str | None = None
+        cls,
+        endpoint: str,
+        tls: ClientTls | None = None,
+        server_name: str | None = None,
+        token: str | None = None,
     ) -> SocketDial:
         """From a ``host:port`` / ``[v6]:port`` endpoint."""
         host = endpoint.rpartition(":")[0].removeprefix("[").removesuffix("]")
-        return cls(host, tls, server_name)
+        return cls(host, tls, server_name, token=token)
+
+    def hello(self, unary_method: str) -> bytes:
+        """The first frame's payload: the method, and the internal token if there is one."""
+        method = unary_method.encode()
+        return method if self.token is None else method + b"\n" + self.token.encode()
 
     def ssl_context(self) -> ssl.SSLContext | None:
         if self.tls is None:
@@ -151,7 +162,7 @@ class SocketCall:
             )
             return await self._over_grpc()
         tune(writer.get_extra_info("socket"))
-        writer.write(frame(self.unary_method.encode()))
+        writer.write(frame(self.dial.hello(self.unary_method)))
         reply = await read_frame(reader, 1 << 16)
         if reply is None or isinstance(reply, Oversized):
             writer.close()

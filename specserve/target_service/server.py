@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import grpc.aio
 
+from specserve.engine.kv_chunks import digest_key_of
 from specserve.engine.kv_transfer import KvTransfer
 from specserve.engine.verifier import TargetVerifier
 from specserve.serving.cli_args import parse_config
@@ -48,6 +49,7 @@ def load_backend(config: TargetServerConfig) -> TargetBackend:
         verifier.kv,
         verifier.vocab_limit,
         max_export_bytes=config.server.max_message_bytes - (1 << 20),
+        digest_key=digest_key_of(config.server.internal_token),
     )
     return TargetBackend(verifier, model_name=config.model, dtype=config.dtype, kv_transfer=kv)
 

@@ -122,20 +122,22 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("key", "fingerprint", "layout", "start", "tokens", "data")
+    __slots__ = ("key", "fingerprint", "layout", "start", "tokens", "data", "digest")
     KEY_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     fingerprint: bytes
     layout: KvLayout
     start: int
     tokens: int
     data: bytes
-    def __init__(self, key: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., start: _Optional[int] = ..., tokens: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, key: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., start: _Optional[int] = ..., tokens: _Optional[int] = ..., data: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class ExportKvRequest(_message.Message):
     __slots__ = ("session_id", "chunk_tokens", "tokens", "first_chunk")

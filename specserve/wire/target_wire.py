@@ -158,7 +158,7 @@ def kv_chunk(pb: target_pb2.KvChunk, sid: str = "", index: int = 0) -> KvChunk:
         layout = KvLayout(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype)
     except InvalidArgument as e:
         raise InvalidArgument(f"session {sid!r}: chunk {index}: {e}") from None
-    return KvChunk(pb.key, pb.fingerprint, layout, pb.start, pb.tokens, pb.data)
+    return KvChunk(pb.key, pb.fingerprint, layout, pb.start, pb.tokens, pb.data, pb.digest)
 
 
 def kv_chunk_pb(chunk: KvChunk) -> target_pb2.KvChunk:
@@ -176,6 +176,7 @@ def kv_chunk_pb(chunk: KvChunk) -> target_pb2.KvChunk:
         start=chunk.start,
         tokens=chunk.tokens,
         data=chunk.data,
+        digest=chunk.digest,
     )
 
 

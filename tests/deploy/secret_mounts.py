@@ -51,22 +51,26 @@ def secret_files(pod_spec: Doc, c: Doc) -> dict[str, SecretFile]:
 
 
 API_KEYS_TEXT = "# a stand-in key for the manifest checks\nstand-in-key-0123456789abcdef\n"
+INTERNAL_TOKEN_TEXT = "stand-in-internal-token-0123456789\n"
 
 
 class StandIns:
     """A local file for each Secret key the manifests mount: ``tls.crt``, ``tls.key`` and
-    ``ca.crt`` from a throwaway CA, ``api-keys`` a one-key file."""
+    ``ca.crt`` from a throwaway CA, ``api-keys`` a one-key file, ``internal-token`` a token."""
 
     def __init__(self, directory: Path) -> None:
         ca = make_ca(directory, "manifests")
         leaf = ca.issue("pool")
         keys = directory / "api-keys"
         keys.write_text(API_KEYS_TEXT)
+        token = directory / "internal-token"
+        token.write_text(INTERNAL_TOKEN_TEXT)
         self.by_key = {
             "tls.crt": leaf.cert,
             "tls.key": leaf.key,
             "ca.crt": ca.ca_file,
             "api-keys": str(keys),
+            "internal-token": str(token),
         }
 
     def local_paths(self, pod_spec: Doc, c: Doc) -> dict[str, str]:

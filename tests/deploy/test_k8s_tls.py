@@ -88,6 +88,22 @@ def test_the_orchestrator_reads_api_keys_from_a_secret(secured: dict[str, list[D
     ]
 
 
+def test_replicas_take_calls_only_from_the_orchestrators(
+    secured: dict[str, list[Doc]],
+) -> None:
+    """Every overlay: mutual TLS (gpu, +tls) or the internal token (cpu) on every gRPC
+    server; taking the token away from the cpu overlay's target is caught."""
+    cpu = render_overlay("cpu")
+    for name, docs in [*secured.items(), ("cpu", cpu)]:
+        assert tls_policies.replica_auth_gaps(docs) == [], name
+    broken = copy.deepcopy(cpu)
+    target = pool(broken, "target")["containers"][0]
+    target["env"] = [e for e in target["env"] if e["name"] != "SPECSERVE_INTERNAL_TOKEN_FILE"]
+    assert tls_policies.replica_auth_gaps(broken) == [
+        "specserve-target: neither mutual TLS nor --internal-token-file"
+    ]
+
+
 def test_secrets_are_read_only_and_policies_still_hold(secured: dict[str, list[Doc]]) -> None:
     for name, docs in [*secured.items(), ("cpu", render_overlay("cpu"))]:
         assert tls_policies.writable_secrets(docs) == [], name
@@ -228,7 +244,7 @@ def test_a_tls_server_probed_on_its_tls_port_fails_the_cli_check(
 
 def test_the_component_files_are_what_the_doc_names() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "kubernetes.md").read_text()
-    for name in ("tls", "api-keys", "cert-manager"):
+    for name in ("tls", "api-keys", "cert-manager", "internal-token"):
         assert f"components/{name}" in doc
 
 

@@ -119,6 +119,23 @@ def api_key_gaps(docs: list[Doc]) -> list[str]:
     return problems
 
 
+def replica_auth_gaps(docs: list[Doc]) -> list[str]:
+    """gRPC servers that would take calls from anyone (a replica) or could not prove who
+    they are to the replicas (an orchestrator): neither mutual TLS (--tls-ca with a
+    certificate) nor an --internal-token-file from a Secret mounted read-only."""
+    problems = []
+    for name, pod, c, args in _servers(docs):
+        if args.tls_ca and args.tls_cert:
+            continue
+        path = args.internal_token_file
+        files = secret_files(pod, c)
+        if not path:
+            problems.append(f"{name}: neither mutual TLS nor --internal-token-file")
+        elif path not in files or not files[path].read_only:
+            problems.append(f"{name}: --internal-token-file {path} is not a read-only Secret")
+    return problems
+
+
 def writable_secrets(docs: list[Doc]) -> list[str]:
     """Secret volumes mounted writable or with files others than owner and group can
     read (every mount of every container, init containers included)."""

@@ -13,7 +13,7 @@ from specserve.engine.errors import (
     KVBudgetExceeded,
     NotFound,
 )
-from specserve.engine.kv_chunks import KvLayout
+from specserve.engine.kv_chunks import KvLayout, chunk_digest, digest_key_of
 from specserve.engine.kv_transfer import KvChunk, KvTransfer
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.rejection import Proposal
@@ -133,8 +133,8 @@ def test_import_refusals_change_nothing(exported: tuple[TargetVerifier, list[KvC
     refused(kv, InvalidArgument, "outside the vocabulary", chunks, tokens=[300, *PROMPT[1:]])
     short = dataclasses.replace(chunks[1], data=chunks[1].data[:-4])
     refused(kv, InvalidArgument, "bytes, got", [chunks[0], short])
-    refused(kv, FailedPrecondition, "holds 5 tokens of it", chunks[2:], start=32)
-    refused(kv, FailedPrecondition, "holds 0 tokens of it", chunks[2:], start=32, sid="new")
+    refused(kv, FailedPrecondition, "holds fewer tokens of it", chunks[2:], start=32)
+    refused(kv, FailedPrecondition, "holds fewer tokens of it", chunks[2:], start=32, sid="new")
 
 
 def test_a_full_budget_refuses_the_import_and_keeps_other_sessions(
@@ -154,7 +154,7 @@ def test_export_refusals() -> None:
     prefill(source, "a", PROMPT[:40])
     with pytest.raises(NotFound, match="no KV cache"):
         kv.export("nobody", PROMPT[:32], C, 0)
-    with pytest.raises(FailedPrecondition, match="holds 40 tokens, fewer than the 48"):
+    with pytest.raises(FailedPrecondition, match="holds fewer tokens than the 48 to export"):
         kv.export("a", PROMPT[:48], C, 0)
     with pytest.raises(InvalidArgument, match="whole chunks of 16, got 40"):
         kv.export("a", PROMPT[:40], C, 0)
@@ -164,3 +164,70 @@ def test_export_refusals() -> None:
     with pytest.raises(InvalidArgument, match="ask for at most 1 per call"):
         small.export("a", PROMPT[:32], C, 0)
     assert len(small.export("a", PROMPT[:32], C, 1)) == 1
+
+
+def test_export_errors_say_nothing_of_the_session_history() -> None:
+    """A caller who knows a session id but not its tokens learns neither its token ids
+    nor its length from the errors: the messages are the same whatever the session holds
+    (ExportKv's errors once named the first differing position and the cached token)."""
+    secret = [211, 233, 239, 241, 251, 199, 197, 193] * 4 + [181] * 5  # 37 tokens
+    messages = []
+    for held in (secret, [5] * 37):
+        source, kv = replica()
+        prefill(source, "victim", held)
+        for guess in ([211] * 16, [7] * 16, [211, 233, 7] + [7] * 13, [5] * 48):
+            with pytest.raises((InvalidArgument, FailedPrecondition)) as info:
+                kv.export("victim", guess, C, 0)
+            messages.append(str(info.value))
+    assert messages[:4] == messages[4:]  # independent of what the cache holds
+    for message in messages:
+        assert not any(str(t) in message for t in {*secret, 37, 36}), message
+
+
+def test_an_import_checks_each_chunks_digest(
+    exported: tuple[TargetVerifier, list[KvChunk]],
+) -> None:
+    """K/V altered after the export (finite, plausible values) is refused; so is a chunk
+    without a digest, and one whose digest was made under another key."""
+    _, chunks = exported
+    assert all(len(c.digest) == 32 for c in chunks)
+    dest, kv = replica()
+    data = bytearray(chunks[1].data)
+    data[:4] = b"\x00\x00\x80\x3f"  # 1.0f: finite garbage the non-finite check lets by
+    forged = dataclasses.replace(chunks[1], data=bytes(data))
+    refused(kv, InvalidArgument, "digest does not match", [chunks[0], forged])
+    undigested = dataclasses.replace(chunks[0], digest=b"")
+    refused(kv, FailedPrecondition, "carries no digest", [undigested])
+    # The forger recomputes an unkeyed digest: a replica with an internal token refuses it.
+    first = dataclasses.replace(chunks[0], data=bytes(data[: len(chunks[0].data)]))
+    resealed = dataclasses.replace(first, digest=chunk_digest(first.key, first.data))
+    assert kv.check("b", PROMPT, 0, [resealed])  # unkeyed: a replica without a token takes it
+    keyed = KvTransfer.for_model(dest.model, dest.kv, 256, digest_key=digest_key_of("t" * 32))
+    refused(keyed, InvalidArgument, "digest does not match", [resealed])
+    refused(keyed, InvalidArgument, "digest does not match", chunks[:1])  # exported unkeyed
+
+
+def test_keyed_chunks_round_trip_between_replicas_of_one_deployment() -> None:
+    key = digest_key_of("deployment-token-0123456789")
+    source, _ = replica()
+    prefill(source, "a", PROMPT)
+    chunks = KvTransfer.for_model(source.model, source.kv, 256, digest_key=key).export(
+        "a", PROMPT[:32], C, 0
+    )
+    dest = TargetVerifier(tiny_model(3), BUDGET)
+    kv = KvTransfer.for_model(dest.model, dest.kv, 256, digest_key=key)
+    assert kv.import_("b", PROMPT[:32], 0, chunks) == 32
+
+
+def test_an_import_onto_a_live_session_of_other_tokens_is_refused(
+    exported: tuple[TargetVerifier, list[KvChunk]],
+) -> None:
+    """Overwriting a live session's cache with another history needs a Release first."""
+    _, chunks = exported
+    dest, kv = replica()
+    other = [9, *PROMPT[1:20]]
+    prefill(dest, "live", other)
+    refused(kv, FailedPrecondition, "other tokens than the import's", chunks, sid="live")
+    assert dest.kv.tokens("live").tolist() == other
+    prefill(dest, "prefix", PROMPT[:20])  # the same history, shorter: replaced
+    assert kv.import_("prefix", PROMPT, 0, chunks) == 64

@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from specserve.engine.kv_chunks import chain_keys
+from specserve.engine.kv_chunks import chain_keys, chunk_digest
 from specserve.serving.launch import ServerProcess
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
 from tests.services.conftest import sid
@@ -111,7 +111,7 @@ def test_refusals_have_the_right_status(stub: target_pb2_grpc.TargetServiceStub)
     refused(Code.NOT_FOUND, "no KV cache", export, stub, sid("nobody"), 32)
     short = sid("short")
     prefill(stub, short, PROMPT[:20])
-    refused(Code.FAILED_PRECONDITION, "holds 20 tokens, fewer than the 32", export, stub, short, 32)
+    refused(Code.FAILED_PRECONDITION, "fewer tokens than the 32", export, stub, short, 32)
     refused(Code.INVALID_ARGUMENT, "empty session_id", export, stub, "", 32)
     refused(Code.INVALID_ARGUMENT, "empty session_id", import_, stub, "", chunks)
     refused(Code.INVALID_ARGUMENT, "whole chunks of 16", export, stub, source, 40)
@@ -167,6 +167,7 @@ def test_an_import_past_the_budget_is_resource_exhausted(
             start=i * chunk,
             tokens=chunk,
             data=zeros,
+            digest=chunk_digest(k, zeros),  # a replica without a token: unkeyed
         )
         for i, k in enumerate(keys)
     ]
@@ -198,3 +199,59 @@ def test_load_report_counts_the_model_threads_progress(
         assert time.monotonic() < deadline, after
         time.sleep(0.01)
         after = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10)
+
+
+def test_errors_never_name_the_session_s_tokens_or_length(
+    stub: target_pb2_grpc.TargetServiceStub,
+) -> None:
+    """A caller who knows a session id and guesses at it (export, continue an import,
+    verify as if the cache held more) learns nothing of the history from the messages:
+    the answers for two sessions of different histories are word for word the same."""
+    secret = [211, 233, 239, 241, 251, 199, 197, 193] * 4 + [181] * 5  # 37 tokens
+    answers = []
+    for held in (secret, [5] * 37):
+        victim = sid("victim")
+        prefill(stub, victim, held)
+        calls = [
+            (export_guess, [211] * 16),
+            (export_guess, [211, 233, 7, *[7] * 13]),
+            (export_guess, [5] * 48),
+            (import_guess, [7] * 48),
+            (verify_guess, [5] * 3),
+        ]
+        for call, guess in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                call(stub, victim, guess)
+            answers.append((info.value.code(), info.value.details().replace(victim, "ID")))
+    assert answers[:5] == answers[5:]
+    for _, message in answers:
+        assert not any(str(t) in message for t in {*secret, 37, 36}), message
+
+
+def export_guess(stub: target_pb2_grpc.TargetServiceStub, victim: str, guess: list[int]) -> None:
+    request = target_pb2.ExportKvRequest(session_id=victim, chunk_tokens=C, tokens=guess)
+    stub.ExportKv(request, timeout=30)
+
+
+def import_guess(stub: target_pb2_grpc.TargetServiceStub, victim: str, guess: list[int]) -> None:
+    """Continue the victim's cache from position 32 (needs its first 32 tokens)."""
+    load = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10)
+    key = chain_keys(load.kv_fingerprint, guess, C)[2]
+    layout = target_pb2.KvLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
+    data = bytes(C * load.kv_bytes_per_token)
+    chunk = target_pb2.KvChunk(
+        key=key,
+        fingerprint=load.kv_fingerprint,
+        layout=layout,
+        start=32,
+        tokens=C,
+        data=data,
+        digest=chunk_digest(key, data),
+    )
+    request = target_pb2.ImportKvRequest(session_id=victim, tokens=guess, start=32, chunks=[chunk])
+    stub.ImportKv(request, timeout=30)
+
+
+def verify_guess(stub: target_pb2_grpc.TargetServiceStub, victim: str, guess: list[int]) -> None:
+    session = target_pb2.VerifySession(session_id=victim, start=48, new_tokens=guess)
+    stub.Verify(target_pb2.VerifyRequest(sessions=[session], strict=True), timeout=30)

@@ -14,7 +14,9 @@ that are up.
 Channels are TLS when the pool has a :class:`~specserve.serving.tls.ClientTls`: the
 replica's certificate must chain to its CA, and the orchestrator presents its own
 certificate (mutual TLS). A replica found by DNS is dialled by IP address, so its
-certificate is checked against the DNS name (or ``ClientTls.server_name``).
+certificate is checked against the DNS name (or ``ClientTls.server_name``). With an
+internal token (:mod:`specserve.serving.internal_token`) every call on the channels
+carries it, and so does the data-plane socket's hello.
 
 Round calls (Propose, Verify) go over one long-lived connection per replica when the
 pool has a ``stream_factory`` (:class:`~specserve.serving.replica_stream.ReplicaStream`,
@@ -40,6 +42,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.engine.errors import InvalidArgument
+from specserve.serving.internal_token import client_interceptors
 from specserve.serving.replica_stream import ReplicaStream
 from specserve.serving.server import MAX_MESSAGE_BYTES
 from specserve.serving.socket_call import SocketDial
@@ -126,11 +129,14 @@ class ReplicaPool:
         interceptors: Sequence[Any] = (),
         tls: ClientTls | None = None,
         stream_factory: StreamFactory | None = None,
+        internal_token: str | None = None,
     ) -> None:
         self.role = role
+        self.internal_token = internal_token
         self.stream_factory = stream_factory  # None: round calls go unary
         self.tls = tls
-        self.interceptors = list(interceptors)  # e.g. tracing's client interceptors
+        # tracing's client interceptors, and those that send the internal token
+        self.interceptors = [*interceptors, *client_interceptors(internal_token)]
         self.spec = spec
         self.stub_factory = stub_factory
         self.refresh_s = refresh_s
@@ -186,7 +192,7 @@ class ReplicaPool:
                     interceptors=self.interceptors or None,
                     server_name=names.get(ep),
                 )
-                dial = SocketDial.of(ep, self.tls, names.get(ep))
+                dial = SocketDial.of(ep, self.tls, names.get(ep), self.internal_token)
                 stream = self.stream_factory(channel, dial) if self.stream_factory else None
                 self.replicas[ep] = Replica(ep, channel, self.stub_factory(channel), stream)
                 changed = True
