@@ -143,14 +143,17 @@ class DecodeState:
         )
 
     def verify_input(
-        self, proposal: Proposal, *, full: bool = False, steps: int = 1
+        self, proposal: Proposal, *, full: bool = False, steps: int = 1, chunk: int = 0
     ) -> VerifyInput:
-        """The target's input; ``steps`` > 1: a multi-step plain verify (no drafts)."""
+        """The target's input; ``steps`` > 1: a multi-step plain verify (no drafts);
+        ``chunk`` > 0: only the first ``chunk`` of the tokens it lacks (a prefill chunk,
+        whose verdict is not committed: the target then holds ``committed_len`` tokens)."""
         start = 0 if full else self.target_start
+        end = start + chunk if chunk > 0 else len(self.tokens)
         return VerifyInput(
             self.session_id,
             start,
-            self.tokens[start:],
+            self.tokens[start:end],
             proposal,
             self.params,
             self.round_index,

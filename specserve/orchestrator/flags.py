@@ -203,8 +203,9 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         "--max-prefill-tokens",
         type=int,
         default=int(str(e("MAX_PREFILL_TOKENS", 512))),
-        help="new history a round prefills on its target (at least one session's); "
-        "sessions whose prompt does not fit wait for the next round",
+        help="the most rows a round sends its target (verify rows and prefill chunks "
+        "together); the budget is measured below it, so a round stays near its usual "
+        "length, and a longer prompt is prefilled in chunks over several rounds",
     )
     window = e("ADMISSION_WINDOW_MS")
     g.add_argument(

@@ -141,6 +141,12 @@ class RunnerCollector(Collector):
             "Sessions a target answered NEEDS_HISTORY and got the whole history",
             stats.target_history_resends,
         )
+        yield CounterMetricFamily(
+            f"{P}_prefill_chunks",
+            "Session rounds that sent part of a prompt past the round's token budget "
+            "(a chunked prefill; the session emits nothing in them)",
+            stats.prefill_chunks,
+        )
         if self.runner.snapshots is not None:
             yield from snapshot_metrics(self.runner.snapshots.stats)
         for role, pool in (("draft", self.runner.drafts), ("target", self.runner.targets)):

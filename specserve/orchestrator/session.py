@@ -78,6 +78,9 @@ class LiveSession:
         self.phase = Phase.WAITING
         self.draft_warming = False  # its draft replica is prefilling it beside the rounds
         self.gone = False  # the record was deleted or taken over: never write it again
+        # > 0 in a round that sends only this many of the tokens its target lacks (a
+        # prefill chunk: the session drafts and emits nothing in it)
+        self.prefill_chunk = 0
         # How far KV snapshots reach (--kv-snapshots); goes into the next record written.
         self.kv_snapshot: session_pb2.KvSnapshot | None = None
         self.started_ns = time.perf_counter_ns()

@@ -8,7 +8,9 @@ What holds, measured on the tiny models (float32, CPU):
   the same greedy tokens (the chunks' products and attention sum in another order);
 * :func:`blocked_attention` equals SDPA within 1e-5 (online softmax over blocks);
 * the lossless property: speculative decoding equals target-only decoding, token for
-  token, with chunking on (the same configuration on both sides), drafts accepted.
+  token, with chunking on (the same configuration on both sides), drafts accepted;
+* a prompt sent over several verifies (the orchestrator's chunked prefill, chunks of
+  any size, beside another session) decodes the greedy tokens of one prefill.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.k_policy import KPolicy
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.model_drafter import ModelDrafter
+from specserve.engine.rejection import Proposal
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
-from specserve.engine.verifier import TargetVerifier
+from specserve.engine.verifier import TargetVerifier, VerifyInput
 from tests.support.tiny import noisy_copy, tiny_model
 
 BUDGET = 16 << 20
@@ -120,3 +123,42 @@ def test_speculative_equals_target_only_with_chunked_prefill() -> None:
         assert s.completion == p.completion
     assert sum(s.stats.drafted for s in spec) > 0
     assert sum(s.stats.accepted for s in spec) > 0
+
+
+def greedy_after_prefill(
+    verifier: TargetVerifier, sid: str, tokens: list[int], chunks: list[int], n: int
+) -> list[int]:
+    """Send ``tokens`` to the target a chunk per verify (the orchestrator's chunked
+    prefill: each verdict dropped), then decode ``n`` tokens greedily, one verify each,
+    beside another session decoding in the same batches."""
+    assert sum(chunks) < len(tokens)
+    tokens = list(tokens)
+    other = [5, 6, 7]
+    start = 0
+    for c in chunks:
+        part = VerifyInput(sid, start, tokens[start : start + c], Proposal([]), SamplingParams(), 0)
+        bystander = VerifyInput(f"{sid}-other", 0, other, Proposal([]), SamplingParams(), 0)
+        verifier.verify([part, bystander])
+        start += c
+    out = []
+    for i in range(n):
+        x = VerifyInput(sid, start, tokens[start:], Proposal([]), SamplingParams(), i)
+        [outcome] = verifier.verify([x])
+        assert outcome.verdict is not None
+        start = len(tokens)
+        tokens.append(outcome.verdict.next_token)
+        out.append(outcome.verdict.next_token)
+    return out
+
+
+@pytest.mark.parametrize("chunks", [[1000, 1, 333, 2047], [512, 512, 512], [37] * 20])
+def test_a_prompt_prefilled_over_several_verifies_decodes_as_one_prefill(
+    chunks: list[int],
+) -> None:
+    """The orchestrator's chunks need not align with the engine's (512): the cache
+    then differs from one prefill's by float32 rounding, and the greedy tokens agree."""
+    model = tiny_model(3)
+    tokens = prompt(4000, 11)
+    whole = greedy_after_prefill(TargetVerifier(model, BUDGET), "s", tokens, [], 24)
+    chunked = greedy_after_prefill(TargetVerifier(model, BUDGET), "s", tokens, chunks, 24)
+    assert chunked == whole

@@ -48,21 +48,21 @@ def test_a_targets_sessions_share_one_lane() -> None:
     s.set_usable(["t"], ["d"])
     for i in range(5):
         s.join(f"s{i}", s.place(f"s{i}"))
-    assert s.lanes() == ["t"] and len(s.begin_round("t")) == 5
+    assert s.lanes() == ["t"] and len(s.begin_round("t").ids) == 5
 
 
 def test_continuous_batching_joins_and_leaves_at_round_boundaries() -> None:
     s = Scheduler()
     s.set_usable(["t"], ["d"])
     lane = s.join("a", s.place("a"))
-    assert s.begin_round(lane) == ["a"]
+    assert s.begin_round(lane).ids == ["a"]
     s.join("b", s.place("b"))  # arrives mid-round: runs from the next round
     s.end_round([])
-    assert sorted(s.begin_round(lane)) == ["a", "b"]
+    assert sorted(s.begin_round(lane).ids) == ["a", "b"]
     s.end_round(["a"])
-    assert s.begin_round(lane) == ["b"]
+    assert s.begin_round(lane).ids == ["b"]
     s.end_round(["b"])
-    assert s.begin_round(lane) == [] and s.lanes() == []
+    assert s.begin_round(lane).ids == [] and s.lanes() == []
 
 
 def test_batches_rotate_when_a_lane_exceeds_max_batch() -> None:
@@ -70,7 +70,7 @@ def test_batches_rotate_when_a_lane_exceeds_max_batch() -> None:
     s.set_usable(["t"], [])
     for sid in "abc":
         s.join(sid, s.place(sid))
-    seen = [s.begin_round("t") for _ in range(3)]
+    seen = [s.begin_round("t").ids for _ in range(3)]
     assert all(len(b) == 2 for b in seen)
     counts = {sid: sum(sid in b for b in seen) for sid in "abc"}
     assert counts == {"a": 2, "b": 2, "c": 2}
@@ -84,14 +84,14 @@ def test_move_and_set_draft() -> None:
     new = s.place("a", avoid_targets=["t1"])
     assert new.target == "t2"
     s.move("a", new)
-    assert s.begin_round("t1") == [] and s.begin_round("t2") == ["a"]
+    assert s.begin_round("t1").ids == [] and s.begin_round("t2").ids == ["a"]
     s.set_draft("a", None)
     placement = s.placement("a")
     assert placement is not None and placement.draft is None
     assert s.draft_load("d1") == 0
 
 
-def test_long_prompts_are_prefilled_over_several_rounds() -> None:
+def test_a_round_sends_at_most_its_budget_and_long_prompts_go_in_chunks() -> None:
     s = Scheduler(SchedulerConfig(max_prefill_tokens=300))
     lane = "t1"
     behind = {"d1": 1, "p1": 200, "p2": 200, "d2": 5, "p3": 90, "huge": 5000}
@@ -101,15 +101,34 @@ def test_long_prompts_are_prefilled_over_several_rounds() -> None:
     def prefill(sid: str) -> int:
         return behind[sid]
 
-    # Decoding sessions always go; prompts fill the budget in line order, p2 waits.
-    assert s.begin_round(lane, prefill) == ["d1", "p1", "d2", "p3"]
-    for sid in ("d1", "p1", "d2", "p3"):
+    # Decoding sessions always go and are charged first (6 rows); prompts take the
+    # rest in line order: p1 whole, p2 the 94 rows left; p3 and huge wait.
+    first = s.begin_round(lane, prefill)
+    assert first.ids == ["d1", "p1", "p2", "d2"] and first.chunks == {"p2": 94}
+    for sid in ("d1", "p1", "d2"):
         behind[sid] = 1  # prefilled / decoded: a round's worth behind now
-    # Whoever waited is first in line, and one session always goes, however long.
-    assert s.begin_round(lane, prefill) == ["p2", "d1", "p1", "d2", "p3"]
-    behind["p2"] = 1
-    assert s.begin_round(lane, prefill)[0] == "huge"
-    assert len(s.begin_round(lane)) == len(behind)  # without costs, no budget applies
+    behind["p2"] -= 94
+    # The chunked prompt goes first, then whoever waited; huge gets what is left.
+    second = s.begin_round(lane, prefill)
+    assert second.ids == ["p2", "p3", "huge", "d1", "p1", "d2"]
+    assert second.chunks == {"huge": 300 - 3 - 106 - 90}
+    behind["p2"] = behind["p3"] = 1
+    behind["huge"] -= second.chunks["huge"]
+    # The measured budget replaces the flag's; huge stays first until it is prefilled.
+    third = s.begin_round(lane, prefill, 50)
+    assert third.ids[0] == "huge" and third.chunks == {"huge": 50 - 5}
+    # Decoding rows past the budget still leave a prompt one token: it always progresses.
+    assert s.begin_round(lane, prefill, 3).chunks == {"huge": 1}
+    no_costs = s.begin_round(lane)
+    assert len(no_costs.ids) == len(behind) and not no_costs.chunks  # no budget applies
+
+
+def test_a_round_of_decoding_sessions_only_is_never_cut() -> None:
+    s = Scheduler(SchedulerConfig(max_prefill_tokens=4))
+    for sid in "abcdef":
+        s.join(sid, Placement("t1", "d1"))
+    batch = s.begin_round("t1", lambda sid: 2)
+    assert len(batch.ids) == 6 and not batch.chunks
 
 
 def test_max_prefill_tokens_is_validated() -> None:

@@ -15,11 +15,15 @@ alike; docs/benchmarks.md).
 :meth:`Scheduler.join` parks a session as pending, :meth:`Scheduler.begin_round`
 admits the pending ones and returns the batch (at most ``max_batch``, rotating
 so every session gets its turn), :meth:`Scheduler.end_round` drops the finished.
-A round prefills at most ``max_prefill_tokens`` of new history on its target
-(at least one session's, however long): a session whose prompt does not fit
-waits at the head of the lane for the next round, so eight long prompts
-arriving together are prefilled over a few rounds, decoding sessions keep their
-rounds in between, and no single ``Verify`` grows past the target's deadline.
+**Token budget.** A round computes at most ``budget`` rows on its target (as
+vLLM's ``max_num_batched_tokens``): the tokens each session sends that the target
+has not seen, verify rows and prefill alike. Decoding sessions always go and are
+charged first; prompts then take what is left in line order, and the first prompt
+that does not fit whole is sent in part, a *chunk* (at least one token, so a prompt
+always progresses), and goes first again next round. A long prompt is thus prefilled
+over consecutive rounds while the decoding sessions keep theirs, and no round grows
+much past its usual length (the runner measures the budget:
+:mod:`~specserve.orchestrator.fleet.prefill_budget`).
 
 **Affinity.** A session prefers the target and draft replicas named in its
 record (they hold a warm KV cache up to some position); otherwise it goes to
@@ -51,7 +55,9 @@ class NoReplica(EngineError):
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch: int = 64  # sessions per Verify call
-    max_prefill_tokens: int = 512  # new history a round prefills on its target (>= one session)
+    # Rows a round computes on its target (verify rows and prefill chunks): the most
+    # the measured budget may be, and the budget until a round has been measured.
+    max_prefill_tokens: int = 512
     admission_window_s: float = 0.01  # an idle lane waits this long for company
 
     def __post_init__(self) -> None:
@@ -73,6 +79,16 @@ class Placement:
     @property
     def lane(self) -> LaneKey:
         return self.target
+
+
+@dataclass
+class RoundBatch:
+    """A round's sessions, in line order, and the prompts it prefills only in part."""
+
+    ids: list[str]
+    # session -> how many of its unseen tokens this round sends (fewer than it lacks):
+    # it emits nothing this round and goes on prefilling in the next
+    chunks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -173,33 +189,50 @@ class Scheduler:
 
     # -- rounds ------------------------------------------------------------------------
 
-    def begin_round(self, lane: LaneKey, prefill: Callable[[str], int] | None = None) -> list[str]:
+    def begin_round(
+        self,
+        lane: LaneKey,
+        behind: Callable[[str], int] | None = None,
+        budget: int | None = None,
+    ) -> RoundBatch:
         """Admit the lane's pending sessions and return this round's batch (may be empty).
 
-        ``prefill(sid)`` is how many tokens of the session's history its target has
-        not seen; sessions past ``max_prefill_tokens`` of them (after the first) wait.
-        Decoding sessions (a round's worth behind, :data:`DECODING_TOKENS`) never do.
+        ``behind(sid)`` is how many tokens of the session's history its target has not
+        seen; ``budget`` (default ``max_prefill_tokens``) the rows the round may send
+        in all. Decoding sessions (a round's worth behind, :data:`DECODING_TOKENS`)
+        always go; prompts share what they leave, the first that does not fit whole
+        goes as a chunk, the rest wait. Without ``behind`` no budget applies.
         """
         state = self._lanes.get(lane)
         if state is None:
-            return []
+            return RoundBatch([])
         state.running.extend(state.pending)
         state.pending.clear()
         n = min(len(state.running), self.config.max_batch)
         head = [state.running.popleft() for _ in range(n)]
-        batch, waiting, spent = [], [], 0
+        cost = {sid: behind(sid) if behind is not None else 0 for sid in head}
+        batch = [sid for sid in head if cost[sid] <= DECODING_TOKENS]
+        left = (budget or self.config.max_prefill_tokens) - sum(cost[sid] for sid in batch)
+        chunks: dict[str, int] = {}
+        waiting: list[str] = []
         for sid in head:
-            cost = prefill(sid) if prefill is not None else 0
-            if cost <= DECODING_TOKENS:
+            if cost[sid] <= DECODING_TOKENS:
+                continue
+            if cost[sid] <= left:
                 batch.append(sid)
-            elif spent == 0 or spent + cost <= self.config.max_prefill_tokens:
+                left -= cost[sid]
+            elif not chunks:  # the first that does not fit goes in part
+                chunks[sid] = max(1, left)
                 batch.append(sid)
-                spent += cost
+                left = 0
             else:
                 waiting.append(sid)
-        state.running.extendleft(reversed(waiting))  # first in line next round
-        state.running.extend(batch)  # the next round starts with whoever waited
-        return batch
+        chosen = set(batch)
+        batch = [sid for sid in head if sid in chosen]  # in line order
+        # A chunked prompt goes on first next round, then whoever waited, then the rest.
+        state.running.extendleft(reversed([*chunks, *waiting]))
+        state.running.extend(sid for sid in batch if sid not in chunks)
+        return RoundBatch(batch, chunks)
 
     def end_round(self, finished: Iterable[str]) -> None:
         """Drop sessions that finished in the round."""

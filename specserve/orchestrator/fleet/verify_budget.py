@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 # A row's measured cost is an average over many; one call may meet a cold cache, a
 # long prompt's attention or a busy moment: this many times the mean still passes.
 MARGIN = 8.0
-_EWMA = 0.2  # weight of the newest measurement in a target's seconds per row
+EWMA = 0.2  # weight of the newest measurement in a running average (seconds per row, per round)
 _MAX_STRETCH = 64.0  # doubling stops here (with a 60 s floor: an hour)
 
 
@@ -44,7 +44,7 @@ class VerifyBudget:
             return
         sample = compute_s / rows
         old = self.per_row_s.get(target)
-        self.per_row_s[target] = sample if old is None else old + _EWMA * (sample - old)
+        self.per_row_s[target] = sample if old is None else old + EWMA * (sample - old)
         if target in self.stretch:  # in time again: halve back towards 1
             self.stretch[target] /= 2
             if self.stretch[target] <= 1.0:

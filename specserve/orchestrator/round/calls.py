@@ -107,6 +107,8 @@ class Plan:
     proposal: Proposal = field(default_factory=lambda: Proposal(tokens=[]))
     draft: draft_pb2.DraftResult | None = None  # q travels on to the target as it came
     steps: int = 1  # > 1 (no drafts): tokens the target decodes in this round's Verify
+    # > 0: a prefill chunk, only this many of the tokens the target lacks (no drafts)
+    chunk: int = 0
 
 
 @dataclass
@@ -123,6 +125,8 @@ class VerifyOutcome:
     compute_s: float = 0.0  # the target's compute for the calls, as it reported it
     resent: int = 0  # sessions the target answered NEEDS_HISTORY, resent whole
     expired: bool = False  # the clients' deadlines passed first: nothing was verified
+    # per session sent a prefill chunk that the target took: the tokens it holds now
+    prefilled: dict[str, int] = field(default_factory=dict)
 
 
 class Answer(Protocol):
@@ -288,15 +292,17 @@ async def verify(
         out.lost, out.why = True, f"target replica {endpoint} left the pool"
         return out
     plans = {s.sid: p for s, p in items}
+    sent: dict[str, int] = {}  # committed tokens a prefill chunk's request ends at
 
     def request(which: list[LiveSession], full: bool) -> target_pb2.VerifyRequest:
         sessions = []
         for s in which:
             plan = plans[s.sid]
-            pb = target_wire.verify_session(
-                s.state.verify_input(plan.proposal, full=full, steps=plan.steps), plan.draft
-            )
-            if s.top_logprobs is not None:
+            vin = s.state.verify_input(plan.proposal, full=full, steps=plan.steps, chunk=plan.chunk)
+            pb = target_wire.verify_session(vin, plan.draft)
+            if plan.chunk:
+                sent[s.sid] = vin.committed_len
+            elif s.top_logprobs is not None:
                 pb.top_logprobs = s.top_logprobs
             sessions.append(pb)
         return target_pb2.VerifyRequest(sessions=sessions)
@@ -357,6 +363,7 @@ async def verify(
             out.verdicts.update(part.verdicts)
             out.logprobs.update(part.logprobs)
             out.errors.update(part.errors)
+            out.prefilled.update(part.prefilled)
             out.lost |= part.lost
             out.progressed |= part.progressed
             out.why = out.why or part.why
@@ -376,6 +383,8 @@ async def verify(
             out.errors[s.sid] = EngineError("the target replica asked twice for the full history")
             continue
         out.verdicts[s.sid] = verdict
-        if s.top_logprobs is not None:
+        if plan.chunk:  # its next token is the history's: only the position counts
+            out.prefilled[s.sid] = sent[s.sid]
+        elif s.top_logprobs is not None:
             out.logprobs[s.sid] = target_wire.token_logprobs(results[s.sid])
     return out

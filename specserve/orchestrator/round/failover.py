@@ -31,6 +31,7 @@ from opentelemetry import trace
 
 from specserve.engine.errors import EngineError
 from specserve.orchestrator.errors import VersionConflict
+from specserve.orchestrator.fleet.prefill_budget import PrefillBudget
 from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.fleet.scheduler import Scheduler
 from specserve.orchestrator.fleet.verify_budget import VerifyBudget, rows_of
@@ -72,6 +73,9 @@ class Failover:
         self.snapshots = snapshots  # None: --kv-snapshots is off
         self.refresh_usable = refresh_usable  # the scheduler's view of usable replicas
         self.budget = VerifyBudget(timeouts.target_s)  # each Verify's timeout
+        self.prefill_budget = PrefillBudget(
+            scheduler.config.max_prefill_tokens
+        )  # each round's rows
 
     async def verify(
         self,
@@ -94,10 +98,7 @@ class Failover:
         todo = items
         slow_before = False  # this replica already missed the target timeout once
         while todo:
-            rows = sum(
-                rows_of(s.state.tokens[s.state.target_start :], len(p.proposal.tokens), p.steps)
-                for s, p in todo
-            )
+            rows = sum(rows_of(_unseen(s, p), len(p.proposal.tokens), p.steps) for s, p in todo)
             budget = self.budget.timeout_s(target, rows)
             timeout = batch_timeout(budget, [s for s, _ in todo])
             cut = timeout < budget
@@ -136,6 +137,7 @@ class Failover:
                 break
             if out.lost:
                 self.planner.forget(target)  # a replacement may be another machine
+                self.prefill_budget.forget(target)
                 self.budget.forget(target)
             if settle is not None:  # the store must hold the last round before it is read
                 ended = await settle()
@@ -158,6 +160,7 @@ class Failover:
     def _add(self, total: calls.VerifyOutcome, out: calls.VerifyOutcome) -> None:
         total.verdicts.update(out.verdicts)
         total.logprobs.update(out.logprobs)
+        total.prefilled.update(out.prefilled)
         total.errors.update(out.errors)
         total.batch_sizes.extend(out.batch_sizes)
         total.compute_s += out.compute_s
@@ -208,3 +211,9 @@ class Failover:
             if time.monotonic() >= give_up:
                 return None
             await asyncio.sleep(0.2)
+
+
+def _unseen(s: LiveSession, p: Plan) -> list[int]:
+    """The committed tokens this round sends the target (a chunk of them, for a prefill chunk)."""
+    unseen = s.state.tokens[s.state.target_start :]
+    return unseen[: p.chunk] if p.chunk else unseen

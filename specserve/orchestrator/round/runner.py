@@ -29,6 +29,14 @@ A round of a lane (see :mod:`specserve.orchestrator.fleet.scheduler`) is the rou
    (:class:`~.ledger.PendingCommit`). A session whose record changed under it
    (another replica took it over) stops.
 
+**Long prompts.** A round sends its target at most the token budget the scheduler
+gives it (:mod:`~specserve.orchestrator.fleet.prefill_budget`); a prompt past it sends
+a chunk a round, is left out of the plan (no drafts) and emits nothing until its last
+chunk, while the lane's decoding sessions keep their rounds. A chunk moves only the
+session's ``target_start``: nothing is written to the store until its first token, so a
+takeover or a failover meanwhile prefills from the record's KV position (the target
+rolls back to it).
+
 **From an answer to the next call.** Once a round's ``Verify`` answers, its lane
 applies the verdicts, starts the commit (capturing only what the next round may
 change: :mod:`~.writes`), plans the next round and sends its first call on the
@@ -67,7 +75,7 @@ from specserve.orchestrator.round.ledger import (
 )
 from specserve.orchestrator.round.spans import RoundSpans
 from specserve.orchestrator.round.stats import RunnerStats
-from specserve.orchestrator.round.views import session_view, target_backlog
+from specserve.orchestrator.round.views import prefill_tokens, session_view, target_backlog
 from specserve.orchestrator.session import LiveSession, Phase
 from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
 from specserve.orchestrator.store.leases import LeaseKeeper
@@ -184,10 +192,17 @@ class RoundRunner:
         await asyncio.sleep(self.scheduler.config.admission_window_s)
         pending: PendingCommit | None = None  # the last round's commit, in flight
         while True:
-            ids = self.scheduler.begin_round(lane, lambda sid: target_backlog(self.sessions[sid]))
+            admitted = self.scheduler.begin_round(
+                lane,
+                lambda sid: target_backlog(self.sessions[sid]),
+                self.failover.prefill_budget.rows(lane),
+            )
+            ids = admitted.ids
             # A session that failed over mid-round joins this lane before that round ends;
             # one whose turn finished waits, in no round, for its commit to end it.
             batch = [self.sessions[sid] for sid in ids]
+            for s in batch:
+                s.prefill_chunk = admitted.chunks.get(s.sid, 0)
             batch = [s for s in batch if s.phase is Phase.WAITING and not s.state.finished]
             if not batch and pending is not None:
                 await self.ledger.finish(await self.commits.settle(pending))
@@ -268,22 +283,28 @@ class RoundRunner:
         keeps nothing this round computed (a failover settles it before reading the
         store)."""
         started = time.perf_counter()
-        views = [session_view(s, self.planner.config.warm_above_tokens) for s in live]
-        batch_plan = self.planner.plan(
-            target, self.scheduler.target_load(target), views, self._waiting(target, live)
-        )
+        # A session prefilling in chunks is not planned: it sends its chunk, drafts nothing
+        # and emits nothing until its last chunk, a round that plans it as any prompt.
+        chunked = [s for s in live if s.prefill_chunk]
+        prefilled = prefill_tokens(live)  # what the round's time is set against
+        planned = [s for s in live if not s.prefill_chunk]
+        views = [session_view(s, self.planner.config.warm_above_tokens) for s in planned]
+        waiting = self._waiting(target, live) + len(chunked)
+        batch_plan = self.planner.plan(target, self.scheduler.target_load(target), views, waiting)
         cap = batch_plan.cap
-        if any(s.state.drafter != "none" for s in live):
+        if any(s.state.drafter != "none" for s in planned):
             self.stats.k_caps[cap] += 1
         # Each session's depth floor weighs its drafts at what this target's rounds cost.
-        costs = self.planner.cost_model(target, len(live))
-        for s in live:
+        costs = self.planner.cost_model(target, len(planned))
+        for s in planned:
             s.state.k_policy.measured(costs)
         with spans.phase(attr.SPAN_PROPOSE) as pspan:
-            plans = await self.drafting.propose(live, spans, batch_plan)
+            plans = await self.drafting.propose(planned, spans, batch_plan)
             spans.proposed(pspan, plans, cap)
+        for s in chunked:
+            plans[s.sid] = Plan(chunk=s.prefill_chunk)
         if batch_plan.steps and not any(p.proposal.tokens for p in plans.values()):
-            for s in live:  # a plain round: several steps in its Verify
+            for s in planned:  # a plain round: several steps in its Verify
                 plans[s.sid].steps = batch_plan.steps.get(s.sid, 1)
         last_commit = SettleOnce(self.commits, pending)
         with spans.phase(attr.SPAN_VERIFY) as vspan:
@@ -311,25 +332,32 @@ class RoundRunner:
                 spans.fail(s, outcome.errors[s.sid])
                 ending.append((s, None, outcome.errors[s.sid]))
                 continue
+            if s.sid in outcome.prefilled:  # a chunk: the target holds more, nothing to say
+                s.state.target_start = outcome.prefilled[s.sid]
+                self.stats.prefill_chunks += 1
+                continue
             plan, verdict = plans[s.sid], outcome.verdicts[s.sid]
             spans.verdict(s, len(plan.proposal.tokens), verdict.accepted)
             kept = s.state.commit(plan.proposal, verdict)
             s.logprobs.extend(outcome.logprobs.get(s.sid, ())[: len(kept)])
             committed.append((s, kept))
         self._move(target, moved)
+        undisturbed = not (
+            moved or outcome.errors or outcome.expired or ending or self.drafting.warmups.beside_now
+        )
+        if undisturbed and not batch_plan.warm:
+            self.failover.prefill_budget.observe(target, prefilled, seconds)
         result = RoundOutcome(
-            drafted={sid: len(p.proposal.tokens) for sid, p in plans.items()},
-            accepted={sid: v.accepted for sid, v in outcome.verdicts.items()},
+            drafted={sid: len(p.proposal.tokens) for sid, p in plans.items() if not p.chunk},
+            accepted={
+                sid: v.accepted
+                for sid, v in outcome.verdicts.items()
+                if sid not in outcome.prefilled
+            },
             seconds=seconds,
             steps=max((p.steps for p in plans.values()), default=1),
             compute_s=outcome.compute_s,
-            clean=not (
-                moved
-                or outcome.errors
-                or outcome.expired
-                or ending
-                or self.drafting.warmups.beside_now
-            ),
+            clean=undisturbed and not chunked,  # a chunk's time is not its sessions' rounds'
         )
         self.planner.observe(target, views, batch_plan, result)
         pending = self.commits.start(target, committed, moved, spans)

@@ -33,6 +33,7 @@ class RunnerStats:
     slow_verifies: int = 0  # Verify batches past the target timeout on a SERVING target
     target_history_resends: int = 0  # sessions a target asked for the whole history
     multi_step_rounds: int = 0  # batch rounds whose Verify decoded several plain steps
+    prefill_chunks: int = 0  # session rounds that sent a prompt in part (emitting nothing)
 
     def note_verdict(self, drafted: int, accepted: int, steps: int = 1) -> None:
         """A committed verdict; a multi-step one counts as its ``steps`` plain rounds."""

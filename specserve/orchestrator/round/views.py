@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from specserve.orchestrator.fleet.scheduler import DECODING_TOKENS
 from specserve.orchestrator.policy import Cache, SessionView
 from specserve.orchestrator.session import LiveSession
 
@@ -36,6 +37,12 @@ def session_view(s: LiveSession, warm_above_tokens: int) -> SessionView:
 def target_backlog(s: LiveSession) -> int:
     """Tokens of a session's history its target has not seen (its prefill)."""
     return len(s.state.tokens) - s.state.target_start
+
+
+def prefill_tokens(sessions: Iterable[LiveSession]) -> int:
+    """Tokens of prefill a round sends its target: each prompt's chunk, or all it lacks
+    (a session a round's worth behind, :data:`DECODING_TOKENS`, is decoding)."""
+    return sum(s.prefill_chunk or b for s in sessions if (b := target_backlog(s)) > DECODING_TOKENS)
 
 
 def draft_backlog(sessions: Iterable[LiveSession]) -> int:
