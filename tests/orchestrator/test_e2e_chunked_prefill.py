@@ -26,13 +26,13 @@ from tests.orchestrator.stack import Reference, Stack
 
 pytestmark = pytest.mark.redis
 
-LONG = 6_000  # tokens: prefilled in one round, the other streams waited ~1,000 gaps
+LONG = 3_000  # tokens: prefilled in one round, the others wait ~150 normal gaps
 # The others' largest gap while it prefills, in normal gaps. Issue 46 asks for 3; the
 # measured budget does not reach it yet (docs/scheduling.md: the first chunk is sized
 # before any prefill was measured, and a chunk's cost has a part that grows with the
-# context, not with its tokens); this bound keeps what holds and fails the one-round
-# prefill by far.
-BOUND = 50.0
+# context, not with its tokens); chunked, 5.6x was measured at 3,000 tokens: this bound
+# keeps what holds with room for a slow host and fails the one-round prefill by far.
+BOUND = 30.0
 SHORT = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
 
 
