@@ -26,7 +26,7 @@ from specserve.engine.verifier import TargetVerifier
 from specserve.orchestrator.launch import OrchestratorProcess
 from specserve.orchestrator.store.redis_settings import RedisSettings
 from specserve.orchestrator.store.session_store import SessionStore
-from specserve.serving.launch import ServerProcess
+from specserve.serving.launch import ServerProcess, stop_all
 from specserve.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from tests.orchestrator.redis_server import free_port
 
@@ -40,7 +40,14 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 @dataclass
 class Stack:
-    """Replicas and an orchestrator; :meth:`start` launches them all, overlapping start-ups."""
+    """Replicas and an orchestrator; :meth:`start` launches them all, overlapping start-ups.
+
+    With ``replicas`` (another started stack) only the orchestrator is this stack's own:
+    it runs over that stack's target(s) and draft, and :meth:`stop` stops it alone. For
+    tests that need an orchestrator of their own (its flags, its metrics, a planner that
+    has seen no other test's rounds) but nothing of the replicas': each replica process
+    saved is a torch import and a model build (about a second and a half on two cores).
+    """
 
     redis_url: str
     targets: int = 1
@@ -52,18 +59,24 @@ class Stack:
     draft: ServerProcess | None = None
     orchestrator: OrchestratorProcess | None = None
     metrics_port: int = 0
+    replicas: Stack | None = None  # a started stack whose target(s) and draft this one uses
 
     def start(self) -> Stack:
-        extra = [*self.target_args, *[()] * self.targets][: self.targets]
-        self.target_procs = [
-            ServerProcess("target", ["--model", TARGET, *SERVER_ARGS, *more], env=ENV)
-            for more in extra
-        ]
-        self.draft = ServerProcess(
-            "draft", ["--model", self.draft_model, *SERVER_ARGS, *self.draft_args], env=ENV
-        )
-        for s in [*self.target_procs, self.draft]:
-            s.start()
+        if self.replicas is not None:
+            assert self.replicas.draft is not None, "the replicas' stack is not started"
+            assert not (self.target_args or self.draft_args), "those are the replicas' flags"
+            self.target_procs, self.draft = self.replicas.target_procs, self.replicas.draft
+        else:
+            extra = [*self.target_args, *[()] * self.targets][: self.targets]
+            self.target_procs = [
+                ServerProcess("target", ["--model", TARGET, *SERVER_ARGS, *more], env=ENV)
+                for more in extra
+            ]
+            self.draft = ServerProcess(
+                "draft", ["--model", self.draft_model, *SERVER_ARGS, *self.draft_args], env=ENV
+            )
+            for s in [*self.target_procs, self.draft]:
+                s.start()
         self.metrics_port = free_port()
         self.orchestrator = OrchestratorProcess(
             [
@@ -85,9 +98,12 @@ class Stack:
         return self
 
     def stop(self) -> None:
-        for s in [self.orchestrator, self.draft, *self.target_procs]:
-            if s is not None:
-                s.stop()
+        """Stop this stack's own processes, all draining at once (as ``specserve up``
+        stops its children): one process's shutdown overlaps the others'."""
+        if self.replicas is not None:
+            stop_all([self.orchestrator])
+        else:
+            stop_all([self.orchestrator, self.draft, *self.target_procs])
 
     @property
     def address(self) -> str:

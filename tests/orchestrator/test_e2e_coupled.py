@@ -109,9 +109,12 @@ def test_the_rejection_rule_is_selectable(stack: Stack) -> None:
 
 
 @pytest.fixture
-def loaded(redis_url: str) -> Iterator[Stack]:
-    """A load curve whose cap is 0 from two sessions on: adaptive sessions draft nothing."""
-    s = Stack(redis_url, orchestrator_args=["--k-full-below", "1", "--k-zero-at", "2"])
+def loaded(stack: Stack) -> Iterator[Stack]:
+    """A load curve whose cap is 0 from two sessions on: adaptive sessions draft nothing
+    (the curve and its metrics are the orchestrator's: one of its own over the session's
+    replicas)."""
+    curve = ["--k-full-below", "1", "--k-zero-at", "2"]
+    s = Stack(stack.redis_url, orchestrator_args=curve, replicas=stack)
     try:
         yield s.start()
     finally:

@@ -51,15 +51,18 @@ def test_unary_greedy_equals_target_only(
 
 
 @pytest.fixture(params=["stream", "unary"])
-def fresh(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Stack]:
-    """A stack of its own, as a new deployment's first request meets the default policy,
-    with its rounds over the data-plane streams (the default) or unary calls.
+def fresh(stack: Stack, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """An orchestrator of its own over the session's replicas, as a new deployment's
+    first request meets the default policy, with its rounds over the data-plane streams
+    (the default) or unary calls.
 
-    The session's shared stack has learnt every earlier test's rounds, and on two shared
-    cores with a draft as large as its target its planner rightly stops drafting, so
-    only a fresh stack can be asked to draft at adaptive k.
+    The session's shared orchestrator has learnt every earlier test's rounds, and on two
+    shared cores with a draft as large as its target its planner rightly stops drafting,
+    so only a fresh orchestrator (the planner's state is the orchestrator's alone) can
+    be asked to draft at adaptive k.
     """
-    s = Stack(redis_url, orchestrator_args=["--round-transport", request.param])
+    args = ["--round-transport", request.param]
+    s = Stack(stack.redis_url, orchestrator_args=args, replicas=stack)
     try:
         yield s.start()
     finally:
@@ -79,10 +82,10 @@ def test_a_fresh_stacks_first_request_speculates_at_adaptive_k(
 
 
 @pytest.fixture(scope="module")
-def measured(redis_url: str) -> Iterator[Stack]:
-    """A stack of its own on the default policy: its metrics count this module's rounds
-    alone."""
-    s = Stack(redis_url)
+def measured(stack: Stack) -> Iterator[Stack]:
+    """An orchestrator of its own on the default policy, over the session's replicas:
+    its metrics count this module's rounds alone."""
+    s = Stack(stack.redis_url, replicas=stack)
     try:
         yield s.start()
     finally:
@@ -105,16 +108,18 @@ def test_a_long_prompt_warms_the_draft_beside_the_rounds(
 
 
 def test_prompts_past_the_prefill_budget_wait_their_turn(
-    redis_url: str, reference: Reference
+    stack: Stack, reference: Reference
 ) -> None:
-    """Four 42-token prompts at once on a 40-token budget: one prefill per round, all exact."""
+    """Four 42-token prompts at once on a 40-token budget: one prefill per round, all exact
+    (the budget is the orchestrator's: one of its own over the session's replicas)."""
     prompts = [prompt(30 + i, n=14) for i in range(4)]
     want = [reference.decode(p, 12) for p in prompts]
-    stack = Stack(redis_url, orchestrator_args=["--max-prefill-tokens", "40"]).start()
+    budget = ["--max-prefill-tokens", "40"]
+    budgeted = Stack(stack.redis_url, orchestrator_args=budget, replicas=stack).start()
     try:
 
         async def run_all() -> list[list[int]]:
-            async with AsyncClient(stack.address, timeout_s=120) as c:
+            async with AsyncClient(budgeted.address, timeout_s=120) as c:
                 outs = await asyncio.gather(
                     *(c.generate(p, max_new_tokens=12, k=3) for p in prompts)
                 )
@@ -122,7 +127,7 @@ def test_prompts_past_the_prefill_budget_wait_their_turn(
 
         assert asyncio.run(run_all()) == want
     finally:
-        stack.stop()
+        budgeted.stop()
 
 
 def test_stream_equals_unary_and_text_adds_up(stack: Stack, reference: Reference) -> None:

@@ -38,8 +38,11 @@ def prompt(seed: int) -> list[int]:
 
 
 @pytest.fixture(params=[8, 1], ids=["8-steps", "1-step"])
-def stepped(redis_url: str, request: pytest.FixtureRequest) -> Iterator[tuple[Stack, int]]:
-    s = Stack(redis_url, orchestrator_args=["--plain-steps", str(request.param)])
+def stepped(stack: Stack, request: pytest.FixtureRequest) -> Iterator[tuple[Stack, int]]:
+    """An orchestrator of its own (its metrics count this test's rounds) over the
+    session's replicas."""
+    args = ["--plain-steps", str(request.param)]
+    s = Stack(stack.redis_url, orchestrator_args=args, replicas=stack)
     try:
         yield s.start(), request.param
     finally:
