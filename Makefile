@@ -25,7 +25,10 @@ demo: install
 	$(VENV)/bin/specserve models fetch demo
 	$(VENV)/bin/specserve up --once
 
+# The CPU kernels (one ~17 s compile) build in the background while Redis starts, ruff
+# runs and pytest collects; the first test that needs them waits on the build's lock.
 test: install
+	$(PY) -c "from specserve.engine import cpu_kernels; cpu_kernels.kernels()" >/dev/null 2>&1 &
 	bash scripts/ensure-redis.sh
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -m "not slow" -q
