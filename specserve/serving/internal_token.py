@@ -161,12 +161,14 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or method.startswith(OPEN_SERVICES):
             return handler
         why = refusal(self.token, handler_call_details.invocation_metadata)
-        return handler if why is None else _refusing(handler, why)
+        return handler if why is None else refusing(handler, grpc.StatusCode.UNAUTHENTICATED, why)
 
 
-def _refusing(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s shape that answers UNAUTHENTICATED, reading nothing."""
-    code = grpc.StatusCode.UNAUTHENTICATED
+def refusing(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, why: str
+) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s shape that answers ``code`` with ``why``, reading
+    nothing (the server interceptors' refusal: this token's, the API keys')."""
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(code, why)

@@ -41,6 +41,7 @@ import grpc
 import grpc.aio
 
 from specserve.engine.errors import InvalidArgument
+from specserve.serving.internal_token import refusing
 
 log = logging.getLogger(__name__)
 
@@ -234,25 +235,5 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 handler_call_details.invocation_metadata, method.removeprefix(PROTECTED_SERVICE)
             )
         except Refused as refused:
-            return _refusal(handler, refused)
+            return refusing(handler, refused.code, str(refused))
         return handler
-
-
-def _refusal(handler: grpc.RpcMethodHandler, refused: Refused) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that answers ``refused``."""
-
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(refused.code, str(refused))
-
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(refused.code, str(refused))
-        yield  # unreachable: abort raises; makes this an async generator
-
-    kw = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(stream, **kw)
-    assert handler.unary_unary is not None, "the Generation service has no client streams"
-    return grpc.unary_unary_rpc_method_handler(unary, **kw)
