@@ -200,7 +200,8 @@ class BenchRun:
 
 
 def parse_llama_bench(stdout: str) -> tuple[dict[str, BenchFigure], dict[str, Any]]:
-    """``llama-bench -o json`` output -> figures by test name, and the first row's facts."""
+    """``llama-bench -o json`` output -> figures by test name (``pp512``, ``tg128``; a test
+    after ``-d`` cached tokens ``pp5@d512``), and the first row's facts."""
     rows = json.loads(stdout)
     if not isinstance(rows, list) or not rows:
         raise ValueError("llama-bench printed no test results")
@@ -208,6 +209,8 @@ def parse_llama_bench(stdout: str) -> tuple[dict[str, BenchFigure], dict[str, An
     for row in rows:
         n_prompt, n_gen = int(row["n_prompt"]), int(row["n_gen"])
         test = f"tg{n_gen}" if n_prompt == 0 else f"pp{n_prompt}" if n_gen == 0 else "pg"
+        depth = int(row.get("n_depth", 0))
+        test += f"@d{depth}" if depth else ""  # llama-bench prints "pp5 @ d512"
         figures[test] = BenchFigure(
             test,
             float(row["avg_ts"]),
@@ -264,17 +267,21 @@ def llama_bench(
     model: Path,
     *,
     threads: int,
-    prompt: int,
+    prompt: int | Sequence[int],
     gen: int,
     reps: int,
     repacking: Repacking | None = None,
+    depth: int = 0,
 ) -> BenchRun:
-    """``llama-bench`` pp``prompt`` and tg``gen`` on ``model``, ``reps`` repetitions each,
-    with weight repacking on unless ``repacking`` says otherwise (default: on, and a
-    crash with it falls back to a run without)."""
+    """``llama-bench`` pp``prompt`` (each of several sizes) and tg``gen`` (none for 0) on
+    ``model``, after ``depth`` cached tokens, ``reps`` repetitions each, with weight
+    repacking on unless ``repacking`` says otherwise (default: on, and a crash with it
+    falls back to a run without)."""
     repacking = repacking if repacking is not None else Repacking()
+    sizes = [prompt] if isinstance(prompt, int) else list(prompt)
     argv = [str(tools.bench), "-m", str(model), "-t", str(threads)]
-    argv += ["-p", str(prompt), "-n", str(gen), "-r", str(reps), "-o", "json"]
+    argv += ["-p", ",".join(map(str, sizes)), "-n", str(gen), "-r", str(reps), "-o", "json"]
+    argv += ["-d", str(depth)] if depth else []
     on, off = [*argv, *BENCH_REPACK[True]], [*argv, *BENCH_REPACK[False]]
     done, mode = run_repacking(repacking, f"llama-bench {model.name}", on, off)
     figures, info = parse_llama_bench(done.stdout)

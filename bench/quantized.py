@@ -7,6 +7,9 @@ written here):
 
 * ``llama-bench`` on the target and on the draft, pp``--pp`` and tg``--new-tokens``,
   ``--threads`` threads, ``--bench-reps`` repetitions; run before and after the prompts;
+* ``llama-bench -p ROWS -n 0 -d PP`` on the target: llama.cpp's cost of a batch of r new
+  tokens after ``--pp`` cached ones, for each of ``--curve-rows`` (beside specserve's
+  forward curve below);
 * ``llama-speculative`` per prompt: greedy, ``--draft-max`` drafted tokens a round,
   ``--new-tokens`` tokens, end-of-generation ignored.
 
@@ -310,6 +313,25 @@ def forward_curve(
     return out
 
 
+def llama_forward_curve(
+    tools: llama_cpp.Tools,
+    target: Path,
+    rows: list[int],
+    args: argparse.Namespace,
+    repacking: llama_cpp.Repacking,
+) -> dict[int, float]:
+    """llama.cpp's milliseconds for a batch of r new tokens after ``--pp`` cached ones
+    (``llama-bench -p ROWS -n 0 -d PP``), for each r in ``rows``: the same curve as
+    :func:`forward_curve`, from the other engine on the same file."""
+    if not rows:
+        return {}
+    run = llama_cpp.llama_bench(
+        tools, target, threads=args.threads, prompt=rows, gen=0, reps=args.bench_reps,
+        repacking=repacking, depth=args.pp,
+    )  # fmt: skip
+    return {r: 1e3 * r / run.figures[f"pp{r}@d{args.pp}"].tokens_per_s for r in rows}
+
+
 def _stretch(ids: list[int], length: int) -> list[int]:
     return (ids * (length // max(1, len(ids)) + 1))[:length]
 
@@ -468,6 +490,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     side.rss["peak"] = resident_bytes()["VmHWM"]
     if tools is not None:
+        print("llama-bench by rows ...", flush=True)
+        llama["forward_ms_by_rows"] = llama_forward_curve(
+            tools, gguf["target"], args.curve_rows, args, repacking
+        )
         print("llama-bench (after) ...", flush=True)
         llama["bench"].append(run_llama_bench(tools, gguf, args, repacking))
     env["other_processes_cpu_share"] = probe.others_share()

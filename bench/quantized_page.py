@@ -53,6 +53,10 @@ def _adaptive_lines(h: dict[str, Any]) -> list[str]:
     if rows:
         cells = ", ".join(f"{r} rows {_num(x, '.2f', 'x')}" for r, x in rows.items())
         lines.append(f"- target forward by new tokens, against one: {cells}")
+    llama_rows = h.get("llama_forward_rows_over_one") or {}
+    if llama_rows:
+        cells = ", ".join(f"{r} rows {_num(x, '.2f', 'x')}" for r, x in llama_rows.items())
+        lines.append(f"- llama.cpp's, same file and context: {cells}")
     return lines
 
 
@@ -219,7 +223,18 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "| rows | " + " | ".join(str(r) for r in curve) + " |",
             "|---|" + "---:|" * len(curve),
-            "| ms | " + " | ".join(f"{v:.1f}" for v in curve.values()) + " |",
+            "| specserve ms | " + " | ".join(f"{v:.1f}" for v in curve.values()) + " |",
+        ]
+        # keys are ints in the run, strings once read back from the JSON file
+        llama_curve = {str(r): ms for r, ms in (ll.get("forward_ms_by_rows") or {}).items()}
+        if llama_curve:
+            cells = (_num(llama_curve.get(str(r)), ".1f") for r in curve)
+            lines.append("| llama.cpp ms | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            f"Both after {a['pp']} cached tokens; llama.cpp's is `llama-bench -p ROWS -n 0 "
+            f"-d {a['pp']}` (a batch of r tokens, as a verify), the same weights mode as its "
+            "tg above.",
         ]
     else:
         lines.append("Not measured: the curve was skipped (`--curve-rows ''`).")

@@ -169,6 +169,10 @@ def summarize(
     headline["forward_rows_over_one"] = {
         str(r): ms / curve[1] for r, ms in curve.items() if 1 in curve and r != 1
     }
+    llama_curve = llama.get("forward_ms_by_rows") or {}
+    headline["llama_forward_rows_over_one"] = {
+        str(r): ms / llama_curve[1] for r, ms in llama_curve.items() if 1 in llama_curve and r != 1
+    }
     headline["targets"] = {
         f"{key} {op} {goal}": _judge(headline, key, op, goal) for key, op, goal in TARGETS
     }
@@ -186,6 +190,7 @@ def summarize(
             "repack_disabled": llama.get("repack_disabled", False),
             "repack_crashed": dict(llama.get("repack_crashed", {})),
             "bench": bench,
+            "forward_ms_by_rows": llama_curve,
             "speculative": spec,
         },
         "per_prompt": per_prompt,

@@ -62,6 +62,7 @@ def _result(
         "build": "native",
         "repack_disabled": False,
         "repack_crashed": crashed or {},
+        "forward_ms_by_rows": {1: 40.0, 2: 60.0},
     }
     rss = {"before_load": GIB // 4, "target_loaded": GIB, "target_and_draft_loaded": 2 * GIB,
            "engine_built": 5 * GIB, "kv_budget": 3 * GIB, "peak": 5 * GIB}  # fmt: skip
@@ -108,6 +109,9 @@ def test_the_headline_divides_by_llama_cpps_target_tg_and_judges_the_targets() -
     assert "target forward_rows_over_one.5 <= 1.3: not measured" in md
     assert "- adaptive speculation: **2.00x** specserve target-only, 2.00x" in md
     assert "- target forward by new tokens, against one: 2 rows 1.10x" in md
+    assert h["llama_forward_rows_over_one"] == {"2": pytest.approx(1.5)}
+    assert "- llama.cpp's, same file and context: 2 rows 1.50x" in md
+    assert "| specserve ms | 50.0 | 55.0 |" in md and "| llama.cpp ms | 40.0 | 60.0 |" in md
     assert "cpu_info a CPU" in md
 
 

@@ -45,7 +45,8 @@ def test_a_tiny_run_skips_llama_cpp_and_checks_greedy_equality(
     assert accepted > 0
     assert "| specserve speculative k=3 |" in md and "| specserve speculative k=auto |" in md
     assert "target target_only_over_llama_tg >= 1.05: not measured" in md
-    assert "| ms | " in md  # the forward cost curve
+    assert "| specserve ms | " in md  # the forward cost curve
+    assert "| llama.cpp ms |" not in md  # no llama.cpp side
 
 
 def test_gguf_models_without_llama_cpp_stop_with_a_sentence(
@@ -277,3 +278,22 @@ def test_a_repacking_crash_runs_once_more_without_it_and_says_so(tmp_path: Path)
     broken = llama_cpp.Tools(_fake_tool(tmp_path / "b", "True", ""), tools.speculative)
     with pytest.raises(RuntimeError, match="exited -11"):
         llama_cpp.llama_bench(broken, model, threads=1, prompt=8, gen=4, reps=1)
+
+
+def test_llama_cpps_curve_is_a_batch_of_rows_after_the_same_context(tmp_path: Path) -> None:
+    rows = [{"n_prompt": r, "n_gen": 0, "n_depth": 16, "avg_ts": 10.0 * r} for r in (1, 2, 5)]
+    rows[2]["avg_ts"] = 25.0  # 5 tokens in 200 ms
+    bench = _fake_tool(
+        tmp_path / "llama-bench", "'-p 1,2,5 -n 0' not in args or '-d 16' not in args",
+        json.dumps(rows),
+    )  # fmt: skip
+    tools = llama_cpp.Tools(bench, bench)
+    args = quantized.argparse.Namespace(threads=1, bench_reps=1, pp=16)
+    curve = quantized.llama_forward_curve(
+        tools, tmp_path / "m.gguf", [1, 2, 5], args, llama_cpp.Repacking()
+    )
+    assert curve == {1: pytest.approx(100.0), 2: pytest.approx(100.0), 5: pytest.approx(200.0)}
+    assert (
+        quantized.llama_forward_curve(tools, tmp_path / "m.gguf", [], args, llama_cpp.Repacking())
+        == {}
+    )
