@@ -19,6 +19,11 @@ child processes. Three ways it can end, and what stops its children in each:
 
 ``PR_SET_PDEATHSIG`` follows the *thread* that forked the child: start children
 from the main thread (or from a thread that outlives them).
+
+A launcher that is not ours may ask nothing of the kernel: torchrun starts each rank
+in a session of its own and without a parent-death signal, so a SIGKILLed torchrun
+left both ranks serving. A process started that way asks for itself, first thing,
+with :func:`stop_with_parent`.
 """
 
 from __future__ import annotations
@@ -99,3 +104,23 @@ def die_with_parent() -> Callable[[], None] | None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return preexec
+
+
+def stop_with_parent(signum: int = signal.SIGTERM) -> bool:
+    """Ask the kernel for ``signum`` when this process's parent dies (from inside the
+    child, for a launcher that did not ask: see the module docstring).
+
+    Returns False where the platform has no parent-death signal. If the parent is
+    already gone (this process was adopted by init before it asked), the signal is
+    sent at once. Called early, from the main thread; it holds across ``exec``.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+        log.warning("no parent-death signal (prctl: errno %d)", ctypes.get_errno())
+        return False
+    if parent == 1 or os.getppid() != parent:  # the launcher went before we asked
+        os.kill(os.getpid(), signum)
+    return True

@@ -21,12 +21,13 @@ from specserve.serving.cli_args import parse_config
 from specserve.serving.metrics import serve_replica_metrics
 from specserve.serving.models import load_model
 from specserve.serving.server import RunningServer, identity_of, run_process, start_server
+from specserve.serving.supervision import stop_with_parent
 from specserve.target_service import config as target_config
 from specserve.target_service.backend import TargetBackend
 from specserve.target_service.config import TargetServerConfig
 from specserve.target_service.metrics import TargetCollector
 from specserve.target_service.servicer import TargetServicer
-from specserve.target_service.tp_config import is_torchrun_worker
+from specserve.target_service.tp_config import is_torchrun, is_torchrun_worker
 from specserve.target_service.tp_serving import GroupWatch, exit_now, serve_worker_rank
 from specserve.v1 import target_pb2, target_pb2_grpc
 
@@ -90,7 +91,12 @@ def run(config: TargetServerConfig) -> int:
     """Serve verification (Prefill / Verify / Release / GetLoad) until SIGTERM.
 
     A torchrun process of rank > 0 serves nothing: it mirrors rank 0's forwards.
+    Every torchrun rank asks for SIGTERM when torchrun dies (torchrun does not ask for
+    its ranks): rank 0 then drains and closes the group, and the other ranks, which
+    ignore SIGTERM, leave with it.
     """
+    if is_torchrun(config.tp):
+        stop_with_parent()
     if is_torchrun_worker(config.tp):
         return serve_worker_rank(config)
     identity = identity_of(config.server, "target", config.model)

@@ -150,8 +150,11 @@ def torchrun_rank() -> int:
     return int(os.environ.get("RANK", "0"))  # torchrun's contract is the environment
 
 
+def is_torchrun(settings: TPSettings) -> bool:
+    """True in a rank of a torchrun group (any rank, 0 included)."""
+    return settings.world_size > 1 and settings.launcher == "torchrun"
+
+
 def is_torchrun_worker(settings: TPSettings) -> bool:
     """True in a torchrun process of rank > 0: it serves as a worker and binds no gRPC port."""
-    if settings.world_size == 1 or settings.launcher != "torchrun":
-        return False
-    return torchrun_rank() != 0
+    return is_torchrun(settings) and torchrun_rank() != 0

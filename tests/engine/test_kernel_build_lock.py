@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from specserve.engine.cpu_kernels import CAPABILITIES, build_isa, library_name
 from tests.support.isa import runnable_builds, unrunnable_builds
@@ -87,3 +88,17 @@ def test_the_cache_name_follows_the_compiler(monkeypatch: pytest.MonkeyPatch) ->
     default = library_name(isa)
     monkeypatch.setenv("CXX", "another-c++")
     assert library_name(isa) != default  # another compiler's build gets its own directory
+
+
+def test_the_cache_name_follows_the_torch_build_and_the_isa(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    names = {library_name(isa) for isa in CAPABILITIES}
+    assert len(names) == len(CAPABILITIES)  # one build directory per instruction set
+    isa = build_isa() if build_isa() in CAPABILITIES else "AVX2"
+    default = library_name(isa)
+    monkeypatch.setattr(torch, "__version__", "0.0.0+another")
+    assert library_name(isa) != default  # another torch's build gets its own directory
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.version, "git_version", "another-commit")
+    assert library_name(isa) != default  # so does another build of the same version
