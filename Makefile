@@ -36,11 +36,17 @@ demo: kernels
 # Built at install; after a change to their sources the CPU kernels (one ~17 s compile)
 # rebuild in the background while Redis starts, ruff runs and pytest collects; the first
 # test that needs them waits on the build's lock.
+# The suite on TEST_WORKERS processes (pytest-xdist; a file's tests stay on one worker, so
+# its fixtures start once), then the tensor-parallel tests alone: each starts a group of
+# ranks with rendezvous and heartbeat deadlines that a second worker's load can break.
+TEST_WORKERS ?= 2
+
 test: install
 	$(PY) -m specserve.engine.kernel_prebuild --this-cpu >/dev/null 2>&1 &
 	bash scripts/ensure-redis.sh
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow and not tp" -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -m "tp and not slow" -q
 
 slow: install
 	$(PY) -m pytest -m slow -q -s
