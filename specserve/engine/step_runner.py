@@ -1,0 +1,261 @@
+"""Verify batches through static-shape steps: buckets, their buffers, CUDA graphs.
+
+A :class:`StepRunner` serves a :class:`~specserve.engine.verifier.TargetVerifier`'s
+decode and verify steps through a :class:`~specserve.engine.static_step.StaticStep`
+where the step applies (:meth:`StepRunner.takes`): every session greedy or coupled,
+no logprobs, one step, at most ``k_max + 1`` new tokens after its committed ones and a
+context that fits the slot tables. Prompts and everything else stay on the eager
+forward. Per round the host fills one int64 and one float64 tensor (on a GPU: copied
+in two transfers into the bucket's fixed buffers), runs the step (a CUDA graph's
+replay, a compiled function or the eager step) and reads back one ``[sessions, 3]``
+tensor: accepted drafts, next token, new length.
+
+Options (:class:`StepOptions`):
+
+* ``capture`` (CUDA): every bucket is captured as a CUDA graph when the runner is
+  built (a server's start), the capture time logged; off, the step runs eagerly
+  (or compiled), launching its kernels from the host each round.
+* ``compile``: a ``torch.compile`` backend for the step (``"inductor"``,
+  ``"aot_eager"``), ``fullgraph=True``, one graph per bucket; None runs it as written.
+* ``batch_invariant``: every step runs in the ``k_max + 1``-token bucket, so a one-token
+  decode and a (k + 1)-token verify run the same kernels at the same shapes and each
+  row gets the same bits either way (what makes greedy bfloat16 speculation equal to
+  target-only decoding on a GPU, where a GEMM's rounding depends on its row count). A
+  session's committed tokens but the last (a prompt) then run on the eager forward
+  first, in a forward of their own, so only its last token and drafts take the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from specserve.engine import coupling
+from specserve.engine.kv_cache import KVPool
+from specserve.engine.model import CausalLM, SeqInput
+from specserve.engine.rejection import Verdict
+from specserve.engine.static_step import (
+    COUPLED,
+    N_DRAFT,
+    N_NEW,
+    SESSION_BUCKETS,
+    START,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    Bucket,
+    StaticStep,
+)
+
+if TYPE_CHECKING:
+    from specserve.engine.verifier import VerifyInput
+
+log = logging.getLogger(__name__)
+
+Step = Callable[[Bucket, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a target runs its static steps (see the module doc)."""
+
+    k_max: int = 8  # drafts per session a step takes
+    context: int = 4096  # positions a step addresses (its slot tables' width)
+    sessions: tuple[int, ...] = SESSION_BUCKETS  # session buckets built (and captured)
+    capture: bool = True  # CUDA graphs per bucket (CUDA only)
+    compile: str | None = None  # torch.compile backend, None: the step as written
+    batch_invariant: bool = False  # every step in the k_max + 1 bucket
+    sampled: bool = True  # build (capture) sampled buckets too; off: greedy batches only
+
+    def __post_init__(self) -> None:
+        if self.k_max < 0 or self.context < 1 or not self.sessions:
+            raise ValueError(f"bad step options {self}")
+        if any(s not in SESSION_BUCKETS for s in self.sessions):
+            raise ValueError(f"session buckets must be among {SESSION_BUCKETS}")
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        return (self.k_max + 1,) if self.batch_invariant else tuple(range(1, self.k_max + 2))
+
+
+@dataclass
+class _Graph:
+    ints: torch.Tensor
+    floats: torch.Tensor
+    out: torch.Tensor
+    graph: torch.cuda.CUDAGraph
+
+
+class StepRunner:
+    """Static steps for one target model and its KV pool."""
+
+    def __init__(
+        self, model: CausalLM, kv: KVPool, options: StepOptions, *, vocab_limit: int
+    ) -> None:
+        self.model, self.kv, self.options = model, kv, options
+        context = min(options.context, model.config.max_position_embeddings)
+        self.step = StaticStep(model, kv, context, vocab_limit)
+        self.context = context
+        self._run: Step = self.step
+        if options.compile is not None:
+            _raise_recompile_limit(4 * len(options.sessions) * len(options.token_buckets))
+            self._run = torch.compile(self.step._step, backend=options.compile, fullgraph=True)
+        self.graphs: dict[Bucket, _Graph] = {}
+        # Per bucket: host inputs reused round after round (pinned on CUDA); the read back
+        # of each step's output ends it before the next fills them.
+        self._host: dict[Bucket, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.capture_seconds: float | None = None
+        self.runs = 0  # steps run (for tests and metrics)
+        if options.capture and model.device.type == "cuda":
+            self.capture_all()
+
+    @staticmethod
+    def unsupported(model: CausalLM) -> str | None:
+        """Why ``model`` cannot take static steps, or None when it can."""
+        return StaticStep.supports(model)
+
+    # -- which batches ---------------------------------------------------------------
+
+    def takes(self, inputs: Sequence[VerifyInput]) -> bool:
+        """Whether a static step can serve this verify batch (else the eager forward)."""
+        if not 0 < len(inputs) <= max(self.options.sessions):
+            return False
+        for x in inputs:
+            k = len(x.proposal.tokens)
+            if (
+                x.steps != 1
+                or x.want_logprobs
+                or x.top_logprobs is not None
+                or not (x.params.greedy or (x.params.coupled and self.options.sampled))
+                or k > self.options.k_max
+                or x.start + len(x.new_tokens) + k > self.context
+            ):
+                return False
+        return True
+
+    # -- one batch -------------------------------------------------------------------
+
+    def verify(self, inputs: Sequence[VerifyInput]) -> list[Verdict]:
+        """Run the batch's step (space reserved, caches synced to each ``start``) and
+        advance each cache by the tokens written; the caller truncates to the verdicts."""
+        heads = [
+            SeqInput(x.session_id, x.new_tokens[:-1], 0) for x in inputs if len(x.new_tokens) > 1
+        ]
+        if heads:  # prompts (and catch-ups): all but the last committed token, eagerly
+            self.model(heads, self.kv)
+        n_new = [1 + len(x.proposal.tokens) for x in inputs]
+        tokens = self.options.k_max + 1 if self.options.batch_invariant else max(n_new)
+        sampled = any(not x.params.greedy for x in inputs)
+        sessions = min(s for s in self.options.sessions if s >= len(inputs))
+        bucket = Bucket(sessions, tokens, sampled)
+        ints, floats = self._host_inputs(bucket, inputs)
+        out = self.run(bucket, ints, floats).tolist()  # the one read back
+        verdicts = []
+        for x, n, row in zip(inputs, n_new, out, strict=False):
+            self.kv.advance(x.session_id, n, [x.new_tokens[-1], *x.proposal.tokens])
+            verdicts.append(Verdict(accepted=int(row[0]), next_token=int(row[1])))
+        return verdicts
+
+    def run(self, bucket: Bucket, ints: torch.Tensor, floats: torch.Tensor) -> torch.Tensor:
+        """The step's ``[sessions, 3]`` output for host (or device) inputs ``ints`` and
+        ``floats``: a captured graph's replay where there is one, else the step."""
+        self.runs += 1
+        graph = self.graphs.get(bucket)
+        if graph is not None:
+            graph.ints.copy_(ints, non_blocking=True)
+            graph.floats.copy_(floats, non_blocking=True)
+            graph.graph.replay()
+            return graph.out
+        device = self.model.device
+        with torch.inference_mode():
+            return self._run(bucket, ints.to(device), floats.to(device))
+
+    def _host_inputs(
+        self, bucket: Bucket, inputs: Sequence[VerifyInput]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's ``ints`` and ``floats`` for ``inputs`` on the host (pinned on CUDA)."""
+        lay = self.step.layout(bucket)
+        host = self._host.get(bucket)
+        if host is None:
+            cpu = torch.device("cpu")
+            pin = self.model.device.type == "cuda"
+            host = self._host[bucket] = self.step.inputs(bucket, cpu, pin=pin)
+        else:
+            self.step.clear(bucket, *host)
+        ints, floats = host
+        # Filled through numpy views of the same memory: ~1 us an assignment, not ~10.
+        a, f = ints.numpy(), floats.numpy()
+        offsets = np.arange(bucket.tokens)
+        for b, x in enumerate(inputs):
+            drafts = list(x.proposal.tokens)
+            k = len(drafts)
+            a[b, START] = x.start + len(x.new_tokens) - 1  # cached before the step's tokens
+            a[b, N_NEW], a[b, N_DRAFT] = 1 + k, k
+            a[b, TOP_K], a[b, COUPLED] = x.params.top_k, int(x.params.coupled)
+            a[b, lay.token_ids][: 1 + k] = [x.new_tokens[-1], *drafts]
+            a[b, lay.drafts][:k] = drafts
+            if x.params.coupled:
+                seed = np.full(bucket.tokens, x.params.seed & ((1 << 64) - 1), dtype=np.uint64)
+                a[b, lay.keys] = coupling.keys(seed, x.committed_len + offsets).view(np.int64)
+            blocks = len(self.kv.alloc.block_table(x.session_id))
+            reserved = min(blocks * self.kv.block_size, self.context)
+            a[b, lay.table][:reserved] = self.kv.host_slots(x.session_id, 0, reserved).numpy()
+            f[b, TEMPERATURE] = max(x.params.temperature, 1e-30)
+            f[b, TOP_P] = x.params.top_p
+        return ints, floats
+
+    # -- CUDA graphs -----------------------------------------------------------------
+
+    def buckets(self) -> list[Bucket]:
+        """Every bucket the options name, largest first (what capture builds)."""
+        return [
+            Bucket(s, t, sampled)
+            for s in sorted(self.options.sessions, reverse=True)
+            for t in sorted(self.options.token_buckets, reverse=True)
+            for sampled in ((True, False) if self.options.sampled else (False,))
+        ]
+
+    def capture_all(self) -> float:
+        """Capture every bucket's step as a CUDA graph (sharing one memory pool); returns
+        and logs the seconds it took."""
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in self.buckets():
+            self.graphs[bucket] = self._capture(bucket, pool)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        log.info(
+            "captured %d CUDA graphs (sessions %s x tokens %s x greedy/sampled) in %.1f s",
+            len(self.graphs),
+            ",".join(map(str, self.options.sessions)),
+            ",".join(map(str, self.options.token_buckets)),
+            self.capture_seconds,
+        )
+        return self.capture_seconds
+
+    def _capture(self, bucket: Bucket, pool: tuple[int, int]) -> _Graph:
+        ints, floats = self.step.inputs(bucket)  # padding sessions: writes the scratch slot only
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: cuBLAS handles, autotuning, a compile
+                self._run(bucket, ints, floats)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+            out = self._run(bucket, ints, floats)
+        return _Graph(ints, floats, out, graph)
+
+
+def _raise_recompile_limit(graphs: int) -> None:
+    """Let dynamo keep one compiled graph per bucket (its default keeps 8 per function)."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name) and getattr(config, name) < graphs:
+            setattr(config, name, graphs)
