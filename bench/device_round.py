@@ -12,9 +12,9 @@ before a real model's compute, and what the stack's own overhead is compared aga
 * **ms / round**: median over ``--reps`` decodes (each after the same warm-up), the
   device synchronised before and after.
 * On CUDA, three decode rounds of one more decode under ``torch.profiler``:
-  **launches / round** (kernel launches the host issued) and **device busy** (the
-  kernels' summed device time over those rounds' wall time; the rest of a round the
-  GPU waits on the host).
+  **launches / round** (kernel launches the host issued, a CUDA graph's replay one)
+  and **device busy** (the kernels' summed device time over those rounds' wall time;
+  the rest of a round the GPU waits on the host).
 
 * ``--steps``: how the target runs its decode/verify steps: ``graphs`` (static-shape
   steps replayed as CUDA graphs captured when the engine is built, the default on
@@ -146,7 +146,9 @@ def profiled(
         seconds = time.perf_counter() - t0
     decode(engine, states, device)  # to the end, and release
     events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key.startswith(("cudaLaunch", "cuLaunch")))
+    # A CUDA graph's replay is one launch (cudaGraphLaunch), however many kernels it holds.
+    prefixes = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")
+    launches = sum(e.count for e in events if e.key.startswith(prefixes))
     busy_us = sum(
         getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
         for e in events
