@@ -34,13 +34,13 @@ step() {  # step NAME SECONDS COMMAND...: run, log to OUT_DIR/NAME.log, print it
 
 # Only the files that hold gpu tests: collecting the rest needs every dev dependency.
 mapfile -t gpu_files < <(grep -rl "mark.gpu" tests --include='test_*.py')
-step gpu-tests 100 "$py" -m pytest -q -rs -p no:cacheprovider -m gpu -k "not inductor" \
+step gpu-tests 120 "$py" -m pytest -q -rs -p no:cacheprovider -m gpu -k "not inductor" \
   "${gpu_files[@]}"
-step device-shapes 100 "$py" -m bench.device_shapes --device cuda --rows 1-9 --sessions 1,8 \
+step device-shapes 90 "$py" -m bench.device_shapes --device cuda --rows 1-9 --sessions 1,8 \
   --reps 20
 step round-graphs 60 "$py" -m bench.device_round --device cuda --steps graphs --sessions 1,8 \
   --reps 2
-step round-eager 45 "$py" -m bench.device_round --device cuda --steps eager --sessions 1,8 \
+step round-eager 40 "$py" -m bench.device_round --device cuda --steps eager --sessions 1,8 \
   --reps 2
 step inductor 60 "$py" -m pytest -q -rs -p no:cacheprovider -m gpu -k inductor \
   tests/engine/test_static_step.py

@@ -78,7 +78,13 @@ def noise(row_keys: np.ndarray, vocab: int, device: torch.device) -> torch.Tenso
 
 def noise_at(row_keys: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
     """The noise of :func:`noise` at ``ids`` int64 [n, m] only; float32 [n, m] on ids' device."""
-    words = _words(_key_column(row_keys, ids.device), ids >> 1)  # [n, m]
+    return noise_at_keys(_key_column(row_keys, ids.device), ids)
+
+
+def noise_at_keys(key: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """:func:`noise_at` for keys already a tensor (int64 [n, 1], the keys' bits, on ids'
+    device): tensor ops only, for a static-shape step."""
+    words = _words(key, ids >> 1)  # [n, m]
     even = (ids & 1) == 0
     bits = torch.where(even, (words >> (64 - _BITS)) & _LOW, words & _LOW)
     return _exponential(bits.float()).log_().neg_()

@@ -68,12 +68,21 @@ def choices(
     top_k: torch.Tensor,  # [r] int64
     top_p: torch.Tensor,  # [r] float64
     keys: torch.Tensor,  # [r] int64: coupling.keys(seed, position) of each row, as int64 bits
+    support: int = 0,  # > 0: a draft's choice among the row's support likeliest ids
 ) -> torch.Tensor:  # [r] int64
-    """The target's own token of every row: argmax, or argmax(log p + g) where coupled."""
+    """The target's own token of every row: argmax, or argmax(log p + g) where coupled
+    (with ``support``: the draft's coupled draw, ``draft_sampling.draw_rows``: among the
+    top ``support`` ids renormalised)."""
     greedy = logits.argmax(dim=-1)  # first max wins
     if not sampled:
         return greedy
     probs = probabilities(logits, temperature.clamp(min=_MIN_TEMPERATURE), top_k, top_p)
+    if support > 0:
+        vals, ids = torch.topk(probs, min(support, probs.shape[1]), dim=-1)  # [r, m]
+        vals = vals / vals.sum(dim=-1, keepdim=True)
+        g = coupling.noise_at_keys(keys[:, None], ids)  # [r, m]
+        pick = (vals.float().log() + g).argmax(dim=-1, keepdim=True)
+        return torch.where(coupled, ids.gather(1, pick)[:, 0], greedy)
     kern = cpu_kernels.kernels() if probs.is_cpu and ops.kernels_on() else None
     if kern is not None:
         drawn = kern.coupled_argmax(probs.contiguous(), keys)

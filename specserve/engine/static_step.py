@@ -38,8 +38,10 @@ third column is all of it on the device; the host's block bookkeeping
 (:class:`~specserve.engine.kv_cache.KVPool`) truncates from the counts it reads back.
 
 Greedy and coupled sessions only (:mod:`specserve.engine.static_sampling`); the
-rejection rule's draws, logprobs, restricted heads, quantized weights and tensor
-parallel hooks stay on the eager path (:meth:`StaticStep.supports`).
+rejection rule's draws, logprobs, quantized weights and tensor parallel hooks stay on
+the eager path (:meth:`StaticStep.supports`). A draft model's step is the same step
+with no drafts (its next token is its draft) and a bucket whose ``support`` makes a
+coupled row choose as a draft does.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class Bucket:
     sessions: int
     tokens: int  # 1 .. k_max + 1
     sampled: bool  # False: every row greedy (no probabilities computed)
+    # A draft's step: a coupled row picks among its ``support`` likeliest ids, as a draft
+    # draws (draft_sampling); 0: among all, as the target chooses.
+    support: int = 0
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,9 @@ class StaticStep:
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
         self.head = model.lm_head.weight
+        # A draft's head restricted to some ids (draft_vocab): those rows, the rest -inf.
+        self.head_rows, self.head_ids = model._head_rows, model._head_ids
+        self.vocab = cfg.vocab_size
         self.layers = [
             _Layer(
                 qkv=(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
@@ -157,8 +165,8 @@ class StaticStep:
         """Why ``model`` cannot take static steps, or None when it can."""
         from torch import nn
 
-        if model._head_rows is not None:
-            return "its head is restricted to some ids (a draft vocabulary)"
+        if model._head_rows is not None and not isinstance(model._head_rows, torch.Tensor):
+            return "its restricted head is block-quantized"
         for module in model.modules():
             if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
                 return "a module carries hooks (tensor parallelism, a counter)"
@@ -229,7 +237,13 @@ class StaticStep:
         rows = (first[:, None] + j[None, :]).clamp(min=0, max=t - 1)
         rows = (rows + t * torch.arange(b, device=device)[:, None]).reshape(-1)  # [b * t]
         h = rms_norm(h.index_select(0, rows), self.final_norm, self.eps)
-        logits = linear(h, self.head).float()[:, : self.vocab_limit]  # [b * t, vocab]
+        if self.head_rows is None or self.head_ids is None:
+            logits = linear(h, self.head).float()
+        else:  # the draft vocabulary's rows; every other id -inf (never chosen)
+            scored = linear(h, self.head_rows).float()
+            logits = scored.new_full((b * t, self.vocab), float("-inf"))
+            logits = logits.index_copy(1, self.head_ids, scored)
+        logits = logits[:, : self.vocab_limit]  # [b * t, vocab]
 
         per_row = [x[:, None].expand(b, t).reshape(-1) for x in (ints[:, TOP_K], ints[:, COUPLED])]
         temperature = floats[:, TEMPERATURE].float()[:, None].expand(b, t).reshape(-1)
@@ -242,6 +256,7 @@ class StaticStep:
             per_row[0],
             top_p,
             ints[:, lay.keys].reshape(-1),
+            bucket.support,
         ).view(b, t)  # [b, t] the target's own token at each row
 
         # Greedy and coupled sessions keep drafts while they equal the target's choice.

@@ -40,6 +40,7 @@ from specserve.engine import coupling
 from specserve.engine.kv_cache import KVPool
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.rejection import Verdict
+from specserve.engine.sampling import SamplingParams
 from specserve.engine.static_step import (
     COUPLED,
     N_DRAFT,
@@ -72,6 +73,9 @@ class StepOptions:
     compile: str | None = None  # torch.compile backend, None: the step as written
     batch_invariant: bool = False  # every step in the k_max + 1 bucket
     sampled: bool = True  # build (capture) sampled buckets too; off: greedy batches only
+    # > 0: a draft model's steps (k_max 0): a coupled row picks among its support
+    # likeliest ids, as draft_sampling draws (Bucket.support)
+    support: int = 0
 
     def __post_init__(self) -> None:
         if self.k_max < 0 or self.context < 1 or not self.sessions:
@@ -82,6 +86,30 @@ class StepOptions:
     @property
     def token_buckets(self) -> tuple[int, ...]:
         return (self.k_max + 1,) if self.batch_invariant else tuple(range(1, self.k_max + 2))
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One session's part of a step: its new tokens (committed ones, then ``drafts``
+    draft tokens) after the ``start`` it holds, its sampling parameters, and the absolute
+    position of the first token the step draws (the one after the committed tokens)."""
+
+    session_id: str
+    start: int
+    tokens: Sequence[int]  # at least one committed token, then the drafts
+    drafts: int
+    params: SamplingParams
+    position: int
+
+    @property
+    def head(self) -> Sequence[int]:
+        """The committed tokens but the last: run on the eager forward first."""
+        return self.tokens[: len(self.tokens) - self.drafts - 1]
+
+    @property
+    def tail(self) -> Sequence[int]:
+        """The last committed token and the drafts: what the step runs."""
+        return self.tokens[len(self.tokens) - self.drafts - 1 :]
 
 
 @dataclass
@@ -139,28 +167,55 @@ class StepRunner:
                 return False
         return True
 
+    def takes_rows(self, rows: Sequence[StepRow]) -> bool:
+        """Whether a static step can serve these rows (greedy or coupled, within the
+        buckets and the context)."""
+        if not 0 < len(rows) <= max(self.options.sessions):
+            return False
+        return all(
+            (r.params.greedy or (r.params.coupled and self.options.sampled))
+            and r.drafts <= self.options.k_max
+            and r.start + len(r.tokens) <= self.context
+            for r in rows
+        )
+
     # -- one batch -------------------------------------------------------------------
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[Verdict]:
         """Run the batch's step (space reserved, caches synced to each ``start``) and
         advance each cache by the tokens written; the caller truncates to the verdicts."""
-        heads = [
-            SeqInput(x.session_id, x.new_tokens[:-1], 0) for x in inputs if len(x.new_tokens) > 1
+        rows = [
+            StepRow(
+                x.session_id,
+                x.start,
+                [*x.new_tokens, *x.proposal.tokens],
+                len(x.proposal.tokens),
+                x.params,
+                x.committed_len,
+            )
+            for x in inputs
         ]
-        if heads:  # prompts (and catch-ups): all but the last committed token, eagerly
+        out = self.run_rows(rows)
+        return [Verdict(accepted=a, next_token=t) for a, t in out]
+
+    def run_rows(self, rows: Sequence[StepRow]) -> list[tuple[int, int]]:
+        """(accepted, next token) of each row's step; every row's tokens are written to
+        its cache (space reserved) and its length advanced past them. A row's tokens
+        before its last committed one (a prompt, a catch-up) run first on the eager
+        forward, in one forward for the batch."""
+        heads = [SeqInput(r.session_id, r.head, 0) for r in rows if r.head]
+        if heads:
             self.model(heads, self.kv)
-        n_new = [1 + len(x.proposal.tokens) for x in inputs]
-        tokens = self.options.k_max + 1 if self.options.batch_invariant else max(n_new)
-        sampled = any(not x.params.greedy for x in inputs)
-        sessions = min(s for s in self.options.sessions if s >= len(inputs))
-        bucket = Bucket(sessions, tokens, sampled)
-        ints, floats = self._host_inputs(bucket, inputs)
+        tokens = self.options.k_max + 1 if self.options.batch_invariant else 0
+        tokens = max(tokens, *(len(r.tail) for r in rows))
+        sampled = any(not r.params.greedy for r in rows)
+        sessions = min(s for s in self.options.sessions if s >= len(rows))
+        bucket = Bucket(sessions, tokens, sampled, self.options.support)
+        ints, floats = self._host_inputs(bucket, rows)
         out = self.run(bucket, ints, floats).tolist()  # the one read back
-        verdicts = []
-        for x, n, row in zip(inputs, n_new, out, strict=False):
-            self.kv.advance(x.session_id, n, [x.new_tokens[-1], *x.proposal.tokens])
-            verdicts.append(Verdict(accepted=int(row[0]), next_token=int(row[1])))
-        return verdicts
+        for r in rows:
+            self.kv.advance(r.session_id, len(r.tail), r.tail)
+        return [(int(o[0]), int(o[1])) for o in out[: len(rows)]]
 
     def run(self, bucket: Bucket, ints: torch.Tensor, floats: torch.Tensor) -> torch.Tensor:
         """The step's ``[sessions, 3]`` output for host (or device) inputs ``ints`` and
@@ -177,9 +232,9 @@ class StepRunner:
             return self._run(bucket, ints.to(device), floats.to(device))
 
     def _host_inputs(
-        self, bucket: Bucket, inputs: Sequence[VerifyInput]
+        self, bucket: Bucket, rows: Sequence[StepRow]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bucket's ``ints`` and ``floats`` for ``inputs`` on the host (pinned on CUDA)."""
+        """The bucket's ``ints`` and ``floats`` for ``rows`` on the host (pinned on CUDA)."""
         lay = self.step.layout(bucket)
         host = self._host.get(bucket)
         if host is None:
@@ -192,22 +247,21 @@ class StepRunner:
         # Filled through numpy views of the same memory: ~1 us an assignment, not ~10.
         a, f = ints.numpy(), floats.numpy()
         offsets = np.arange(bucket.tokens)
-        for b, x in enumerate(inputs):
-            drafts = list(x.proposal.tokens)
-            k = len(drafts)
-            a[b, START] = x.start + len(x.new_tokens) - 1  # cached before the step's tokens
-            a[b, N_NEW], a[b, N_DRAFT] = 1 + k, k
-            a[b, TOP_K], a[b, COUPLED] = x.params.top_k, int(x.params.coupled)
-            a[b, lay.token_ids][: 1 + k] = [x.new_tokens[-1], *drafts]
-            a[b, lay.drafts][:k] = drafts
-            if x.params.coupled:
-                seed = np.full(bucket.tokens, x.params.seed & ((1 << 64) - 1), dtype=np.uint64)
-                a[b, lay.keys] = coupling.keys(seed, x.committed_len + offsets).view(np.int64)
-            blocks = len(self.kv.alloc.block_table(x.session_id))
+        for b, r in enumerate(rows):
+            tail = r.tail
+            a[b, START] = r.start + len(r.head)  # cached before the step's tokens
+            a[b, N_NEW], a[b, N_DRAFT] = len(tail), r.drafts
+            a[b, TOP_K], a[b, COUPLED] = r.params.top_k, int(r.params.coupled)
+            a[b, lay.token_ids][: len(tail)] = tail
+            a[b, lay.drafts][: r.drafts] = tail[1:]
+            if r.params.coupled:
+                seed = np.full(bucket.tokens, r.params.seed & ((1 << 64) - 1), dtype=np.uint64)
+                a[b, lay.keys] = coupling.keys(seed, r.position + offsets).view(np.int64)
+            blocks = len(self.kv.alloc.block_table(r.session_id))
             reserved = min(blocks * self.kv.block_size, self.context)
-            a[b, lay.table][:reserved] = self.kv.host_slots(x.session_id, 0, reserved).numpy()
-            f[b, TEMPERATURE] = max(x.params.temperature, 1e-30)
-            f[b, TOP_P] = x.params.top_p
+            a[b, lay.table][:reserved] = self.kv.host_slots(r.session_id, 0, reserved).numpy()
+            f[b, TEMPERATURE] = max(r.params.temperature, 1e-30)
+            f[b, TOP_P] = r.params.top_p
         return ints, floats
 
     # -- CUDA graphs -----------------------------------------------------------------
@@ -215,7 +269,7 @@ class StepRunner:
     def buckets(self) -> list[Bucket]:
         """Every bucket the options name, largest first (what capture builds)."""
         return [
-            Bucket(s, t, sampled)
+            Bucket(s, t, sampled, self.options.support)
             for s in sorted(self.options.sessions, reverse=True)
             for t in sorted(self.options.token_buckets, reverse=True)
             for sampled in ((True, False) if self.options.sampled else (False,))

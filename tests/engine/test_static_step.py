@@ -51,9 +51,11 @@ def decode(
     params: list[SamplingParams],
     k: int,
     steps: StepOptions | None,
-) -> tuple[list[DecodeState], TargetVerifier]:
+    draft_steps: StepOptions | None = None,
+) -> tuple[list[DecodeState], TargetVerifier, ModelDrafter]:
     verifier = TargetVerifier(target, BUDGET, steps=steps)
-    engine = SpeculativeEngine(verifier, {"model": ModelDrafter(draft, BUDGET)})
+    drafter = ModelDrafter(draft, BUDGET, steps=draft_steps)
+    engine = SpeculativeEngine(verifier, {"model": drafter})
     rng = random.Random(5)
     states = [
         DecodeState(
@@ -67,14 +69,14 @@ def decode(
         for i, p in enumerate(params)
     ]
     engine.run(states)
-    return states, verifier
+    return states, verifier, drafter
 
 
 def check_equal_to_target_only(
     pair: tuple[CausalLM, CausalLM], params: list[SamplingParams], steps: StepOptions
 ) -> TargetVerifier:
-    plain, _ = decode(*pair, params, 0, None)  # the eager engine, target only
-    spec, verifier = decode(*pair, params, 4, steps)
+    plain, _, _ = decode(*pair, params, 0, None)  # the eager engine, target only
+    spec, verifier, _ = decode(*pair, params, 4, steps)
     assert [s.completion for s in spec] == [p.completion for p in plain]
     assert sum(s.stats.drafted for s in spec) > 0 and sum(s.stats.accepted for s in spec) > 0
     assert verifier.steps is not None and verifier.steps.runs > 0  # the static step ran
@@ -156,6 +158,21 @@ def test_a_compiled_step_gives_the_eager_steps_tokens(pair: tuple) -> None:
     assert eager.steps is not None and eager.steps.runs > 0
 
 
+def test_static_draft_steps_propose_the_eager_drafts(pair: tuple) -> None:
+    """A draft's static steps (no drafts; coupled rows choose among max_support ids as
+    draft_sampling does) propose what its eager steps propose: the same accepted counts,
+    the target-only tokens."""
+    params = [GREEDY, coupled(1), coupled(2)]
+    eager, _, _ = decode(*pair, params, 4, None)
+    steps = StepOptions(context=128)
+    static, _, drafter = decode(*pair, params, 4, None, draft_steps=steps)
+    plain, _, _ = decode(*pair, params, 0, None)
+    assert [s.completion for s in static] == [p.completion for p in plain]
+    assert [s.stats.accepted for s in static] == [s.stats.accepted for s in eager]
+    assert sum(s.stats.accepted for s in static) > 0
+    assert drafter.steps is not None and drafter.steps.runs > 0
+
+
 @pytest.mark.slow  # inductor compiles C++ for about a minute on two cores
 def test_an_inductor_compiled_step_gives_the_eager_steps_output(pair: tuple) -> None:
     """(The inputs' slot tables are all scratch: every run writes and reads the same slot,
@@ -203,17 +220,23 @@ def test_static_probabilities_are_the_engines(top_k: int, top_p: float) -> None:
 @pytest.mark.gpu
 @gpu
 def test_captured_graphs_give_the_eager_steps_tokens_on_cuda() -> None:
+    """The target's and the draft's steps as CUDA graphs: the tokens of the target's
+    eager static steps and of target-only decoding (float32), drafts accepted."""
     target = tiny_model(11).cuda()
     draft = noisy_copy(tiny_model(11), noise=0.3, seed=111).cuda()
     params = [GREEDY, coupled(1), GREEDY, coupled(3)]
     base = {"k_max": 4, "context": 256, "sessions": (1, 4)}
-    eager, _ = decode(target, draft, params, 4, StepOptions(**base, capture=False))
-    captured, verifier = decode(target, draft, params, 4, StepOptions(**base))
+    eager, _, _ = decode(target, draft, params, 4, StepOptions(**base, capture=False))
+    captured, verifier, drafter = decode(
+        target, draft, params, 4, StepOptions(**base), draft_steps=StepOptions(**base)
+    )
     assert verifier.steps is not None and verifier.steps.graphs
+    assert drafter.steps is not None and drafter.steps.graphs and drafter.steps.runs > 0
     assert verifier.steps.capture_seconds is not None
     assert [s.completion for s in captured] == [s.completion for s in eager]
-    plain, _ = decode(target, draft, params, 0, None)
+    plain, _, _ = decode(target, draft, params, 0, None)
     assert [s.completion for s in captured] == [s.completion for s in plain]  # float32
+    assert sum(s.stats.accepted for s in captured) > 0
 
 
 @pytest.mark.gpu
@@ -223,8 +246,8 @@ def test_batch_invariant_bfloat16_speculation_is_target_only_on_cuda() -> None:
     draft = noisy_copy(tiny_model(11), noise=0.3, seed=111).to("cuda", torch.bfloat16)
     params = [GREEDY] * 4
     steps = StepOptions(k_max=4, context=256, sessions=(4,), batch_invariant=True)
-    plain, _ = decode(target, draft, params, 0, steps)
-    spec, _ = decode(target, draft, params, 4, steps)
+    plain, _, _ = decode(target, draft, params, 0, steps)
+    spec, _, _ = decode(target, draft, params, 4, steps)
     assert [s.completion for s in spec] == [p.completion for p in plain]
     assert sum(s.stats.accepted for s in spec) > 0
 
@@ -238,7 +261,7 @@ def test_inductor_compiled_steps_give_the_eager_steps_tokens_on_cuda() -> None:
     draft = noisy_copy(tiny_model(11), noise=0.3, seed=111).cuda()
     params = [GREEDY, coupled(1), GREEDY, coupled(3)]
     base = StepOptions(k_max=4, context=256, sessions=(4,), batch_invariant=True)
-    eager, _ = decode(target, draft, params, 4, replace(base, capture=False))
-    compiled, verifier = decode(target, draft, params, 4, replace(base, compile="inductor"))
+    eager, _, _ = decode(target, draft, params, 4, replace(base, capture=False))
+    compiled, verifier, _ = decode(target, draft, params, 4, replace(base, compile="inductor"))
     assert verifier.steps is not None and verifier.steps.graphs
     assert [s.completion for s in compiled] == [s.completion for s in eager]

@@ -86,6 +86,12 @@ def test_the_target_s_cuda_step_flags() -> None:
     assert not cfg.cuda_graphs and cfg.batch_invariant
 
 
+def test_the_draft_s_cuda_graphs_flag() -> None:
+    assert draft_config.from_args(parse(["draft-server", "--model", "tiny:1"])).cuda_graphs
+    argv = ["draft-server", "--model", "tiny:1", "--no-cuda-graphs"]
+    assert not draft_config.from_args(parse(argv)).cuda_graphs
+
+
 def test_the_draft_serves_bfloat16_weights_by_default() -> None:
     """Half the bytes of a draft step; SPECSERVE_DTYPE and --dtype still choose."""
     cfg = draft_config.from_args(parse(["draft-server", "--model", "tiny:1"]))
