@@ -19,7 +19,7 @@ before a real model's compute, and what the stack's own overhead is compared aga
 * ``--steps``: how the target runs its decode/verify steps: ``graphs`` (static-shape
   steps replayed as CUDA graphs captured when the engine is built, the default on
   CUDA), ``static`` (the same steps launched from the host), ``eager`` (the eager
-  forward and acceptance, the default on a CPU). The draft runs eagerly in all three.
+  forward and acceptance, the default on a CPU). The draft's steps run the same way.
 
     .venv/bin/python -m bench.device_round [--device cuda] [--vocab 150000]
         [--steps graphs|static|eager] [--no-write]
@@ -78,7 +78,8 @@ def make_engine(
     draft = tiny_from_spec(f"tiny:3:noise=0.3:vocab={vocab}").to(device)
     options = step_options(steps or default_steps(device), widths or [1])
     return SpeculativeEngine(
-        TargetVerifier(target, KV_BUDGET, steps=options), {"model": ModelDrafter(draft, KV_BUDGET)}
+        TargetVerifier(target, KV_BUDGET, steps=options),
+        {"model": ModelDrafter(draft, KV_BUDGET, steps=options)},
     )
 
 

@@ -53,3 +53,6 @@ def test_static_steps_run_the_target_and_say_so() -> None:
     rows = device_round.measure(torch.device("cpu"), vocab=256, widths=[2], reps=1, steps="static")
     assert {r["steps"] for r in rows} == {"static"}
     assert all(r["static_steps"] > 0 for r in rows)
+    engine = device_round.make_engine(torch.device("cpu"), 256, "static", [2])
+    drafter = engine.drafters["model"]
+    assert drafter.steps is not None  # type: ignore[attr-defined]
