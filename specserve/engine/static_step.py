@@ -170,6 +170,8 @@ class StaticStep:
         for module in model.modules():
             if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
                 return "a module carries hooks (tensor parallelism, a counter)"
+        if not isinstance(model.model.embed_tokens, nn.Embedding):
+            return "its embedding is block-quantized"
         for module in model.modules():
             if isinstance(module, nn.Linear | nn.Embedding) and not isinstance(
                 module.__dict__.get("weight", module._parameters.get("weight")), torch.Tensor

@@ -185,6 +185,13 @@ def test_an_inductor_compiled_step_gives_the_eager_steps_output(pair: tuple) -> 
     assert torch.equal(got, want)
 
 
+def test_a_model_with_hooks_stays_on_the_eager_forward() -> None:
+    """Tensor parallelism's all-reduce is a forward hook the static step would skip."""
+    target = tiny_model(11)
+    target.model.layers[0].mlp.register_forward_hook(lambda *_: None)
+    assert TargetVerifier(target, BUDGET, steps=StepOptions(context=64)).steps is None
+
+
 def test_padding_rows_touch_no_session_cache(pair: tuple) -> None:
     """A step whose sessions are all padding writes the scratch slot and nothing else."""
     step, (bucket, ints, floats) = step_and_inputs(pair[0], Bucket(2, 3, False))
