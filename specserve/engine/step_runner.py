@@ -4,11 +4,11 @@ A :class:`StepRunner` serves a :class:`~specserve.engine.verifier.TargetVerifier
 decode and verify steps through a :class:`~specserve.engine.static_step.StaticStep`
 where the step applies (:meth:`StepRunner.takes`): every session greedy or coupled,
 no logprobs, one step, at most ``k_max + 1`` new tokens after its committed ones and a
-context that fits the slot tables. Prompts and everything else stay on the eager
-forward. Per round the host fills one int64 and one float64 tensor (on a GPU: copied
-in two transfers into the bucket's fixed buffers), runs the step (a CUDA graph's
-replay, a compiled function or the eager step) and reads back one ``[sessions, 3]``
-tensor: accepted drafts, next token, new length.
+context that fits the slot tables; other batches run on the eager forward. Per round
+the host fills one int64 and one float64 tensor (on a GPU: copied in two transfers
+into the bucket's fixed buffers), runs the step (a CUDA graph's replay, a compiled
+function or the eager step) and reads back one ``[sessions, 3]`` tensor: accepted
+drafts, next token, new length.
 
 Options (:class:`StepOptions`):
 
@@ -19,10 +19,14 @@ Options (:class:`StepOptions`):
   ``"aot_eager"``), ``fullgraph=True``, one graph per bucket; None runs it as written.
 * ``batch_invariant``: every step runs in the ``k_max + 1``-token bucket, so a one-token
   decode and a (k + 1)-token verify run the same kernels at the same shapes and each
-  row gets the same bits either way (what makes greedy bfloat16 speculation equal to
-  target-only decoding on a GPU, where a GEMM's rounding depends on its row count). A
-  session's committed tokens but the last (a prompt) then run on the eager forward
-  first, in a forward of their own, so only its last token and drafts take the step.
+  row gets the same bits either way (what should make greedy bfloat16 speculation equal to
+  target-only decoding on a GPU, where a GEMM's rounding depends on its row count).
+
+A session's committed tokens but the last (a prompt, a catch-up) run on the eager
+forward first, in one forward for the batch; the step takes the last one and the
+drafts (:class:`StepRow`). A draft model's steps (``support`` > 0, ``k_max`` 0) are the
+same step with no drafts: its next token is the draft
+(:class:`~specserve.engine.model_drafter.ModelDrafter`).
 """
 
 from __future__ import annotations
