@@ -12,13 +12,20 @@ before a real model's compute, and what the stack's own overhead is compared aga
 * **ms / round**: median over ``--reps`` decodes (each after the same warm-up), the
   device synchronised before and after.
 * On CUDA, three decode rounds of one more decode under ``torch.profiler``:
-  **launches / round** (kernel launches the host issued) and **device busy** (the
-  kernels' summed device time over those rounds' wall time; the rest of a round the
-  GPU waits on the host).
+  **launches / round** (kernel launches the host issued, a CUDA graph's replay one)
+  and **device busy** (the kernels' summed device time over those rounds' wall time;
+  the rest of a round the GPU waits on the host).
 
-    .venv/bin/python -m bench.device_round [--device cuda] [--vocab 150000] [--no-write]
+* ``--steps``: how the target runs its decode/verify steps: ``graphs`` (static-shape
+  steps replayed as CUDA graphs captured when the engine is built, the default on
+  CUDA), ``static`` (the same steps launched from the host), ``eager`` (the eager
+  forward and acceptance, the default on a CPU). The draft's steps run the same way.
 
-Writes ``bench/results/device_round_<cpu|cuda>.{md,json}``.
+    .venv/bin/python -m bench.device_round [--device cuda] [--vocab 150000]
+        [--steps graphs|static|eager] [--no-write]
+
+Writes ``bench/results/device_round_<cpu|cuda>.{md,json}`` for the device's default
+steps, ``device_round_<cpu|cuda>_<steps>`` for another.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from specserve.engine.k_policy import KPolicy
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
+from specserve.engine.static_step import SESSION_BUCKETS
+from specserve.engine.step_runner import StepOptions
 from specserve.engine.tiny import tiny_from_spec
 from specserve.engine.verifier import TargetVerifier
 
@@ -46,14 +55,31 @@ K = 4
 NEW_TOKENS = 24
 KV_BUDGET = 64 << 20
 MODES = ("greedy", "sampled")
+STEPS = ("graphs", "static", "eager")
 PROFILED_ROUNDS = 3
 
 
-def make_engine(device: torch.device, vocab: int) -> SpeculativeEngine:
+def default_steps(device: torch.device) -> str:
+    return "graphs" if device.type == "cuda" else "eager"
+
+
+def step_options(steps: str, widths: list[int]) -> StepOptions | None:
+    """The target's step options for ``steps`` (:data:`STEPS`), buckets for ``widths``."""
+    if steps == "eager":
+        return None
+    buckets = tuple(sorted({min(b for b in SESSION_BUCKETS if b >= w) for w in widths}))
+    return StepOptions(k_max=K, sessions=buckets, capture=steps == "graphs")
+
+
+def make_engine(
+    device: torch.device, vocab: int, steps: str | None = None, widths: list[int] | None = None
+) -> SpeculativeEngine:
     target = tiny_from_spec(f"tiny:3:vocab={vocab}").to(device)
     draft = tiny_from_spec(f"tiny:3:noise=0.3:vocab={vocab}").to(device)
+    options = step_options(steps or default_steps(device), widths or [1])
     return SpeculativeEngine(
-        TargetVerifier(target, KV_BUDGET), {"model": ModelDrafter(draft, KV_BUDGET)}
+        TargetVerifier(target, KV_BUDGET, steps=options),
+        {"model": ModelDrafter(draft, KV_BUDGET, steps=options)},
     )
 
 
@@ -121,7 +147,9 @@ def profiled(
         seconds = time.perf_counter() - t0
     decode(engine, states, device)  # to the end, and release
     events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key.startswith(("cudaLaunch", "cuLaunch")))
+    # A CUDA graph's replay is one launch (cudaGraphLaunch), however many kernels it holds.
+    prefixes = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")
+    launches = sum(e.count for e in events if e.key.startswith(prefixes))
     busy_us = sum(
         getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
         for e in events
@@ -132,8 +160,13 @@ def profiled(
     }
 
 
-def measure(device: torch.device, vocab: int, widths: list[int], reps: int) -> list[dict]:
-    engine = make_engine(device, vocab)
+def measure(
+    device: torch.device, vocab: int, widths: list[int], reps: int, steps: str | None = None
+) -> list[dict]:
+    engine = make_engine(device, vocab, steps, widths)
+    runner = engine.verifier.steps
+    if runner is not None and runner.capture_seconds is not None:
+        print(f"captured CUDA graphs in {runner.capture_seconds:.1f} s", file=sys.stderr)
     rows = []
     for width in widths:
         for mode in MODES:
@@ -144,6 +177,8 @@ def measure(device: torch.device, vocab: int, widths: list[int], reps: int) -> l
                 "mode": mode,
                 "ms_per_round": statistics.median(s / n * 1e3 for s, n in runs),
                 "rounds": statistics.median(n for _, n in runs),
+                "steps": steps or default_steps(device),
+                "static_steps": runner.runs if runner is not None else 0,
             }
             if device.type == "cuda":
                 row.update(profiled(engine, sessions(width, mode, 99), device))
@@ -177,7 +212,8 @@ def report(rows: list[dict], args: argparse.Namespace, env: dict[str, Any]) -> s
         f"# The engine's round on {device_name(device)}",
         "",
         f"In-process engine, tiny pair with a {args.vocab:,}-token vocabulary, k = {K}, "
-        f"{NEW_TOKENS} new tokens per session; median of {args.reps} decodes. "
+        f"{NEW_TOKENS} new tokens per session; median of {args.reps} decodes; target steps: "
+        f"{getattr(args, 'steps', None) or default_steps(device)}. "
         + (
             "On CUDA the tiny models' arithmetic takes microseconds: a round's time is the "
             "host's (Python, kernel launches, copies)."
@@ -210,17 +246,21 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=150_000)
     p.add_argument("--sessions", default="1,8,32", help="comma-separated session counts")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", choices=STEPS, help="graphs on CUDA, eager on a CPU by default")
     p.add_argument("--no-write", action="store_true", help="print, do not write results")
     args = p.parse_args()
     device = parse_device(args.device)
     widths = [int(w) for w in args.sessions.split(",")]
-    rows = measure(device, args.vocab, widths, args.reps)
+    rows = measure(device, args.vocab, widths, args.reps, args.steps)
     env = environment()
     markdown = report(rows, args, env)
     print(markdown)
     if not args.no_write:
         data = {"headline": headline(rows, device), "rows": rows, "environment": env}
-        write_results(f"device_round_{device.type}", markdown, data)
+        name = f"device_round_{device.type}"
+        if args.steps not in (None, default_steps(device)):
+            name += f"_{args.steps}"
+        write_results(name, markdown, data)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from specserve.engine.ngram import NgramDrafter
 from specserve.engine.round_cost import RoundCosts
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
+from specserve.engine.step_runner import StepOptions
 from specserve.engine.verifier import TargetVerifier
 
 
@@ -120,6 +121,7 @@ class LocalRunner:
                 config.draft_kv_budget_bytes,
                 min_confidence=config.min_confidence,
                 vocab_limit=min(vocab, draft.config.vocab_size),
+                steps=StepOptions() if draft.device.type == "cuda" else None,
             )
         costs = RoundCosts() if config.measured_costs else None
         self.engine = SpeculativeEngine(self.verifier, drafters, costs=costs)

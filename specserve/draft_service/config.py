@@ -43,6 +43,9 @@ class DraftServerConfig:
     fail_after_forwards: int | None = None  # testing: simulated device failure
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # 0: a prompt in one forward
     server: ServerOptions = field(default_factory=ServerOptions)
+    # CUDA: greedy and coupled draft steps captured as CUDA graphs at start
+    # (engine.step_runner); off, the same static steps are launched from the host.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         check_device_name(self.device)
@@ -110,6 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         "(the guess of the target's bonus token, then the next round's drafts); "
         "0 = off. For a draft on its own device: on shared CPU cores it takes the target's CPU",
     )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="on CUDA, launch each draft step from the host instead of replaying the CUDA "
+        "graphs captured at start",
+    )
     add_server_arguments(parser, kv_budget=DEFAULT_KV_BUDGET, dtype=DEFAULT_DTYPE, env=env)
 
 
@@ -130,4 +140,5 @@ def from_args(args: argparse.Namespace) -> DraftServerConfig:
         fail_after_forwards=args.fail_after_forwards,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         server=server_options(args),
+        cuda_graphs=args.cuda_graphs,
     )

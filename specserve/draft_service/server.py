@@ -19,6 +19,7 @@ from specserve.draft_service.servicer import DraftServicer
 from specserve.engine.draft_ahead import AheadCounts
 from specserve.engine.draft_vocab import reduce_draft_head
 from specserve.engine.model_drafter import ModelDrafter
+from specserve.engine.step_runner import StepOptions
 from specserve.serving.cli_args import parse_config
 from specserve.serving.metrics import serve_replica_metrics
 from specserve.serving.models import load_model
@@ -47,6 +48,9 @@ def load_backend(config: DraftServerConfig) -> DraftBackend:
         min_confidence=config.min_confidence,
         vocab_limit=loaded.vocab,
         draft_ahead=config.draft_ahead,
+        steps=(
+            StepOptions(capture=config.cuda_graphs) if loaded.model.device.type == "cuda" else None
+        ),
     )
     return DraftBackend(drafter, model_name=config.model, dtype=config.dtype, vocab=loaded.vocab)
 

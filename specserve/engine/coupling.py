@@ -78,7 +78,13 @@ def noise(row_keys: np.ndarray, vocab: int, device: torch.device) -> torch.Tenso
 
 def noise_at(row_keys: np.ndarray, ids: torch.Tensor) -> torch.Tensor:
     """The noise of :func:`noise` at ``ids`` int64 [n, m] only; float32 [n, m] on ids' device."""
-    words = _words(_key_column(row_keys, ids.device), ids >> 1)  # [n, m]
+    return noise_at_keys(_key_column(row_keys, ids.device), ids)
+
+
+def noise_at_keys(key: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """:func:`noise_at` for keys already a tensor (int64 [n, 1], the keys' bits, on ids'
+    device): tensor ops only, for a static-shape step."""
+    words = _words(key, ids >> 1)  # [n, m]
     even = (ids & 1) == 0
     bits = torch.where(even, (words >> (64 - _BITS)) & _LOW, words & _LOW)
     return _exponential(bits.float()).log_().neg_()
@@ -142,11 +148,18 @@ def _words(key: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
 
 def _exponentials(row_keys: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
     """E = -log(u) = exp(-g), float32 [n, vocab], for whole rows."""
-    pairs = torch.arange((vocab + 1) // 2, dtype=torch.int64, device=device)  # [w]
-    words = _words(_key_column(row_keys, device), pairs[None, :])  # [n, w]
+    return exponentials(_key_column(row_keys, device), vocab)
+
+
+def exponentials(key: torch.Tensor, vocab: int) -> torch.Tensor:
+    """E = -log(u) = exp(-g), float32 [n, vocab], of the rows whose keys are ``key`` (int64
+    [n, 1], the uint64 keys' bits, on the device wanted). Tensor ops only, no value read
+    on the host: what a static-shape step (:mod:`specserve.engine.static_step`) calls."""
+    pairs = torch.arange((vocab + 1) // 2, dtype=torch.int64, device=key.device)  # [w]
+    words = _words(key, pairs[None, :])  # [n, w]
     even = ((words >> (64 - _BITS)) & _LOW).float()  # ids 2i
     odd = (words & _LOW).float()  # ids 2i + 1
-    bits = torch.stack((even, odd), dim=-1).reshape(len(row_keys), -1)[:, :vocab]
+    bits = torch.stack((even, odd), dim=-1).reshape(key.shape[0], -1)[:, :vocab]
     return _exponential(bits)
 
 

@@ -316,6 +316,9 @@ def _build() -> Kernels | None:
         log.warning("CPU kernels unavailable (%s); the engine uses torch ops only", exc)
         return None
     log.info("CPU kernels built for %s", isa)
+    from specserve.engine import kernel_fakes  # (imports torch.library's machinery: lazily)
+
+    kernel_fakes.register(name)  # shapes for torch.compile; the ops run as before
     lib = getattr(torch.ops, name)
     return Kernels(
         lib.linears.default,

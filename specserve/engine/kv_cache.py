@@ -5,9 +5,9 @@ Two layers, as in nano-vllm's block manager:
 * :class:`BlockAllocator` is pure bookkeeping (no torch): a free list of fixed-size
   blocks, one block table and length per session, LRU order, and eviction of idle
   sessions when the budget is full.
-* :class:`KVPool` owns the tensors: per layer one flat ``[num_blocks * block_size,
+* :class:`KVPool` owns the tensors: per layer one flat ``[num_blocks * block_size + 1,
   kv_heads, head_dim]`` buffer for K and one for V, addressed by *slots*
-  (``block * block_size + offset``).
+  (``block * block_size + offset``; the last is :attr:`KVPool.scratch_slot`).
 
 A session's cache is the prefix of its tokens that the model has already seen.
 ``truncate`` rolls it back after a rejection; blocks past the new length return to
@@ -248,8 +248,9 @@ class KVPool:
             )
         self.num_layers = num_layers
         self.alloc = BlockAllocator(num_blocks, block_size)
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        # [slots, kv_heads, head_dim] per layer
+        # [slots, kv_heads, head_dim] per layer; the last slot belongs to no block: the
+        # scratch slot where a static-shape step writes its padding rows' K/V.
+        shape = (num_blocks * block_size + 1, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.device = torch.device(device)
@@ -275,6 +276,13 @@ class KVPool:
     @property
     def block_size(self) -> int:
         return self.alloc.block_size
+
+    @property
+    def scratch_slot(self) -> int:
+        """A slot past every block, never allocated: where padding rows of a fixed-shape
+        step (:mod:`specserve.engine.static_step`) write and read, so they never touch a
+        session's cache."""
+        return self.alloc.num_blocks * self.alloc.block_size
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self.alloc

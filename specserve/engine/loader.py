@@ -219,6 +219,35 @@ def load_model(
     return prepare(model, huge_pages=huge_pages), cfg
 
 
+def random_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    *,
+    seed: int = 0,
+    std: float = 0.02,
+) -> CausalLM:
+    """A model of ``cfg``'s shape with random weights made where they will compute: the
+    loader's path (a meta model whose parameters are replaced on ``device`` one at a
+    time, then :func:`prepare`) with a generator instead of a checkpoint. For measuring
+    real shapes on a device without their weights (``bench.device_shapes``): the norms
+    are ones, every other tensor is normal with ``std``; the tokens mean nothing."""
+    device = torch.device(device)
+    model = _meta_model(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in list(model.named_parameters()):  # a tied head is listed once
+        owner, _, attr = name.rpartition(".")
+        tensor = torch.empty(param.shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, std, generator=gen)
+        setattr(model.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return prepare(model, huge_pages=False)
+
+
 def _meta_model(cfg: ModelConfig) -> CausalLM:
     """A model of ``cfg`` whose weights are still to be filled in."""
     with torch.device("meta"):

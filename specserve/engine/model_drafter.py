@@ -24,8 +24,9 @@ which the next call uses when the guess was right.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -43,6 +44,9 @@ from specserve.engine.kv_cache import KVStats
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.rejection import Proposal
 from specserve.engine.sampling import SamplingParams
+from specserve.engine.step_runner import StepOptions, StepRow, StepRunner
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,9 +87,13 @@ class ModelDrafter:
         vocab_limit: int | None = None,
         bfloat16_prefill: bool | None = None,
         draft_ahead: int = 0,
+        steps: StepOptions | None = None,
     ) -> None:
         """``draft_ahead``: ahead tokens (the bonus guess included) an idle step may draft
-        per session past its last proposal; 0 = none."""
+        per session past its last proposal; 0 = none. ``steps``: run greedy and coupled
+        draft steps as static-shape steps (:mod:`specserve.engine.step_runner`; on CUDA
+        captured as CUDA graphs here) with these options (``k_max`` and ``support`` are
+        the drafter's own); None: every step on the eager forward."""
         if not 0 <= draft_ahead <= MAX_DRAFT_AHEAD:
             raise ValueError(f"draft_ahead must be in [0, {MAX_DRAFT_AHEAD}], got {draft_ahead}")
         self.model = model
@@ -103,7 +111,23 @@ class ModelDrafter:
         self.vocab_limit = vocab_limit
         self.draft_ahead = draft_ahead
         self.ahead_counts = AheadCounts()
+        self.steps = self._step_runner(steps) if steps is not None else None
         self._sessions: dict[str, _Session] = {}
+
+    def _step_runner(self, options: StepOptions) -> StepRunner | None:
+        """The draft's runner (one new token per session and step, the coupled choice
+        among ``max_support`` ids), or None (logged) where it cannot be built."""
+        why = StepRunner.unsupported(self.model)
+        if why is not None:
+            log.info("static draft steps off: %s", why)
+            return None
+        options = replace(options, k_max=0, support=self.max_support, batch_invariant=False)
+        vocab = self.vocab_limit or self.model.config.vocab_size
+        try:
+            return StepRunner(self.model, self.kv, options, vocab_limit=vocab)
+        except Exception:
+            log.exception("static draft steps failed to build; drafting on the eager forward")
+            return None
 
     def sessions(self) -> int:
         return len(self._sessions)
@@ -198,25 +222,16 @@ class ModelDrafter:
     def _draft(self, active: list[_Active]) -> None:
         running = list(active)
         while running:
-            with ops.bfloat16_products(self.bfloat16_prefill):  # only a prefill's many rows
-                logits = self.model([SeqInput(a.sid, a.feed) for a in running], self.kv)
-            if self.vocab_limit is not None:
-                logits = logits[:, : self.vocab_limit]
-            for a in running:
-                s = self._sessions[a.sid]
-                s.in_kv += len(a.feed)
-            # Read back once per step what every row needs, not a value per row.
-            greedy: list[int] = []
-            if any(a.params.greedy for a in running):
-                greedy = logits.argmax(dim=-1).tolist()
-            # The replica's floor drops a draft below it and stops; a session's depth
-            # floor stops drafting after the draft whose product falls below it.
+            rows = self._static_rows(running)
             top: list[float] = []
-            if self.min_confidence > 0 or any(a.floor > 0 for a in running):
-                top = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
-            floor = self.min_confidence
-            going = [row for row in range(len(running)) if not top or top[row] >= floor]
-            tokens = self._sample([running[row] for row in going], logits, greedy, going)
+            if rows is not None and self.steps is not None:  # a static step (CUDA graphs)
+                with ops.bfloat16_products(self.bfloat16_prefill):  # a catch-up's many rows
+                    tokens = [t for _, t in self.steps.run_rows(rows)]
+                for a in running:
+                    self._sessions[a.sid].in_kv += len(a.feed)
+                going = list(range(len(running)))
+            else:
+                tokens, going, top = self._eager_step(running)
             still = []
             for row, token in zip(going, tokens, strict=True):
                 a = running[row]
@@ -229,6 +244,38 @@ class ModelDrafter:
                     a.feed = [token]
                     still.append(a)
             running = still
+
+    def _eager_step(self, running: list[_Active]) -> tuple[list[int], list[int], list[float]]:
+        """One draft step on the eager forward: the tokens drawn, the rows (of
+        ``running``) that drew them, and each row's top probability where a floor needs it."""
+        with ops.bfloat16_products(self.bfloat16_prefill):  # only a prefill's many rows
+            logits = self.model([SeqInput(a.sid, a.feed) for a in running], self.kv)
+        if self.vocab_limit is not None:
+            logits = logits[:, : self.vocab_limit]
+        for a in running:
+            s = self._sessions[a.sid]
+            s.in_kv += len(a.feed)
+        # Read back once per step what every row needs, not a value per row.
+        greedy: list[int] = []
+        if any(a.params.greedy for a in running):
+            greedy = logits.argmax(dim=-1).tolist()
+        # The replica's floor drops a draft below it and stops; a session's depth
+        # floor stops drafting after the draft whose product falls below it.
+        top: list[float] = []
+        if self.min_confidence > 0 or any(a.floor > 0 for a in running):
+            top = torch.softmax(logits, dim=-1).amax(dim=-1).tolist()
+        floor = self.min_confidence
+        going = [row for row in range(len(running)) if not top or top[row] >= floor]
+        return self._sample([running[row] for row in going], logits, greedy, going), going, top
+
+    def _static_rows(self, running: list[_Active]) -> list[StepRow] | None:
+        """The step's rows where a static step serves it (greedy and coupled sessions, no
+        confidence floor: a floor needs each row's top probability), else None."""
+        if self.steps is None or self.min_confidence > 0 or any(a.floor > 0 for a in running):
+            return None
+        at = [(a, self.kv.length(a.sid), len(self._sessions[a.sid].tokens)) for a in running]
+        rows = [StepRow(a.sid, start, a.feed, 0, a.params, pos) for a, start, pos in at]
+        return rows if self.steps.takes_rows(rows) else None
 
     def _sample(
         self, active: list[_Active], logits: torch.Tensor, greedy: list[int], rows: list[int]

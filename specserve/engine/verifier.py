@@ -10,9 +10,10 @@ with no drafts.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -24,6 +25,12 @@ from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.plain_steps import MAX_STEPS
 from specserve.engine.rejection import Proposal, Verdict, verify
 from specserve.engine.sampling import SamplingParams
+from specserve.engine.step_runner import StepOptions, StepRunner
+
+log = logging.getLogger(__name__)
+
+# TargetVerifier's default step options: static steps (CUDA graphs) on CUDA, eager elsewhere.
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -108,11 +115,37 @@ class TargetVerifier:
     """Owns the target model's KV pool and runs batched verification."""
 
     def __init__(
-        self, model: CausalLM, kv_budget_bytes: int, *, vocab_limit: int | None = None
+        self,
+        model: CausalLM,
+        kv_budget_bytes: int,
+        *,
+        vocab_limit: int | None = None,
+        steps: StepOptions | Literal["auto"] | None = AUTO,
     ) -> None:
+        """``steps``: run decode and verify steps as static-shape steps
+        (:mod:`specserve.engine.step_runner`; on CUDA captured as CUDA graphs here, at
+        start) with these options; None runs every step on the eager forward; ``"auto"``
+        is ``StepOptions()`` on CUDA and None elsewhere (a CPU keeps its eager path, which
+        its kernels already make fast)."""
         self.model = model
         self.kv = model.new_kv_pool(kv_budget_bytes)
         self.vocab_limit = vocab_limit or model.config.vocab_size
+        if steps == AUTO:
+            steps = StepOptions() if model.device.type == "cuda" else None
+        self.steps = self._step_runner(steps) if isinstance(steps, StepOptions) else None
+
+    def _step_runner(self, options: StepOptions) -> StepRunner | None:
+        """The runner, or None (logged) where the model cannot take static steps or building
+        them failed: a server then serves on the eager forward rather than not at all."""
+        why = StepRunner.unsupported(self.model)
+        if why is not None:
+            log.info("static steps off: %s", why)
+            return None
+        try:
+            return StepRunner(self.model, self.kv, options, vocab_limit=self.vocab_limit)
+        except Exception:
+            log.exception("static steps failed to build; every step runs on the eager forward")
+            return None
 
     @property
     def config(self) -> ModelConfig:
@@ -185,14 +218,18 @@ class TargetVerifier:
             )
             for x in live
         ]
-        logits = self.model(seqs, self.kv)[:, : self.vocab_limit]  # [sum(k_i + 1), vocab]
-        verdicts = verify(
-            logits,
-            [x.proposal for x in live],
-            [x.params for x in live],
-            [x.round_index for x in live],
-            [x.committed_len for x in live],
-        )
+        if self.steps is not None and self.steps.takes(live):
+            verdicts = self.steps.verify(live)  # (no logprobs asked: takes() checked)
+            logits = torch.empty(0)
+        else:
+            logits = self.model(seqs, self.kv)[:, : self.vocab_limit]  # [sum(k_i + 1), vocab]
+            verdicts = verify(
+                logits,
+                [x.proposal for x in live],
+                [x.params for x in live],
+                [x.round_index for x in live],
+                [x.committed_len for x in live],
+            )
         out: dict[str, VerifyOutcome] = {}
         row = 0
         for x, v in zip(live, verdicts, strict=True):

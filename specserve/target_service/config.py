@@ -40,6 +40,10 @@ class TargetServerConfig:
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # 0: a prompt in one forward
     server: ServerOptions = field(default_factory=ServerOptions)
     tp: TPSettings = field(default_factory=TPSettings)  # world_size 1: no tensor parallelism
+    # CUDA: decode/verify steps captured as CUDA graphs at start (engine.step_runner); off,
+    # the same static steps are launched from the host.
+    cuda_graphs: bool = True
+    batch_invariant: bool = False  # CUDA: every step in the (k_max + 1)-token bucket
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -67,6 +71,21 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         help="target model: store name, directory, GGUF file or tiny:<seed>[...]",
     )
     add_server_arguments(parser, kv_budget=DEFAULT_KV_BUDGET, dtype=DEFAULT_DTYPE, env=env)
+    g = parser.add_argument_group("CUDA steps")
+    g.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="on CUDA, launch each decode/verify step from the host instead of replaying the "
+        "CUDA graphs captured at start (capture takes seconds and device memory)",
+    )
+    g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="on CUDA, run every decode/verify step in the (k_max + 1)-token graph, so a "
+        "verified row gets the bits of a one-token step (greedy speculation == target-only "
+        "in bfloat16)",
+    )
     add_tp_arguments(parser, env)
 
 
@@ -87,4 +106,6 @@ def from_args(args: argparse.Namespace) -> TargetServerConfig:
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         server=server_options(args),
         tp=for_device(tp, device),
+        cuda_graphs=args.cuda_graphs,
+        batch_invariant=args.batch_invariant,
     )

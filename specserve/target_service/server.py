@@ -16,6 +16,7 @@ import grpc.aio
 
 from specserve.engine.kv_chunks import digest_key_of
 from specserve.engine.kv_transfer import KvTransfer
+from specserve.engine.step_runner import StepOptions
 from specserve.engine.verifier import TargetVerifier
 from specserve.serving.cli_args import parse_config
 from specserve.serving.metrics import serve_replica_metrics
@@ -43,7 +44,14 @@ def load_backend(config: TargetServerConfig) -> TargetBackend:
         fail_after=config.fail_after_forwards,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
     )
-    verifier = TargetVerifier(loaded.model, config.kv_budget_bytes, vocab_limit=loaded.vocab)
+    steps = (
+        StepOptions(capture=config.cuda_graphs, batch_invariant=config.batch_invariant)
+        if loaded.model.device.type == "cuda"
+        else None
+    )
+    verifier = TargetVerifier(
+        loaded.model, config.kv_budget_bytes, vocab_limit=loaded.vocab, steps=steps
+    )
     # An ExportKv answer's chunk data stays a little under the message limit.
     kv = KvTransfer.for_model(
         loaded.model,

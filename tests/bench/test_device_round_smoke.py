@@ -45,3 +45,14 @@ def test_the_profiled_pass_sees_a_few_rounds_then_finishes_the_decode() -> None:
     assert counts["launches_per_round"] == 0 and counts["device_busy_fraction"] == 0
     assert all(s.finished for s in states)
     assert engine.verifier.kv.alloc.used_blocks == 0
+
+
+def test_static_steps_run_the_target_and_say_so() -> None:
+    """``--steps static`` (the CUDA graphs' step, launched from the host) on a CPU: the
+    target's rounds go through the static step and the rows name it."""
+    rows = device_round.measure(torch.device("cpu"), vocab=256, widths=[2], reps=1, steps="static")
+    assert {r["steps"] for r in rows} == {"static"}
+    assert all(r["static_steps"] > 0 for r in rows)
+    engine = device_round.make_engine(torch.device("cpu"), 256, "static", [2])
+    drafter = engine.drafters["model"]
+    assert drafter.steps is not None  # type: ignore[attr-defined]

@@ -77,6 +77,21 @@ def test_target_server_flags_and_aliases() -> None:
     assert cfg.dtype == "float32"  # the target's default: exact greedy output
 
 
+def test_the_target_s_cuda_step_flags() -> None:
+    """CUDA graphs on and batch invariance off by default; each flag turns its one over."""
+    cfg = target_config.from_args(parse(["target-server", "--target", "tiny:2"]))
+    assert cfg.cuda_graphs and not cfg.batch_invariant
+    argv = ["target-server", "--target", "tiny:2", "--no-cuda-graphs", "--batch-invariant"]
+    cfg = target_config.from_args(parse(argv))
+    assert not cfg.cuda_graphs and cfg.batch_invariant
+
+
+def test_the_draft_s_cuda_graphs_flag() -> None:
+    assert draft_config.from_args(parse(["draft-server", "--model", "tiny:1"])).cuda_graphs
+    argv = ["draft-server", "--model", "tiny:1", "--no-cuda-graphs"]
+    assert not draft_config.from_args(parse(argv)).cuda_graphs
+
+
 def test_the_draft_serves_bfloat16_weights_by_default() -> None:
     """Half the bytes of a draft step; SPECSERVE_DTYPE and --dtype still choose."""
     cfg = draft_config.from_args(parse(["draft-server", "--model", "tiny:1"]))
