@@ -1,8 +1,15 @@
-"""The decoder's layers: attention, MLP, RMSNorm and the decoder layer.
+"""The decoder's layers: attention, MLP, RMSNorm and the decoder layer, for every family.
 
 :class:`DecoderLayer` is the Llama layer (pre-norms, SwiGLU, grouped-query attention)
 that Llama, Qwen2, Mistral and SmolLM2 use, and the one a layer of quantized weights
-can run as one op (:mod:`specserve.engine.layer_op`).
+can run as one op (:mod:`specserve.engine.layer_op`). :class:`FamilyDecoderLayer` adds
+what other families need, each feature read from the config
+(:class:`~specserve.engine.config.ModelConfig`: a q/k norm, norms after the sublayers,
+residual and attention multipliers) and each skipped where the config does not ask
+for it; :func:`decoder_layer` picks the class once, at construction, so a Llama
+layer's forward is exactly what it was. Every projection still goes through
+:mod:`specserve.engine.ops` and attention through the same op, so a family gains
+whatever those gain.
 
 Module names follow the Hugging Face checkpoints so weights load by name. The layers
 know nothing of tensor parallelism: :mod:`specserve.engine.tp` shards the
@@ -12,6 +19,7 @@ projections after loading and adds the all-reduce as forward hooks on
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -64,6 +72,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+        if cfg.qk_norm is not None:  # RMSNorm of q and k before RoPE (Qwen3, OLMo 2)
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(hd if per_head else cfg.num_heads * hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd if per_head else cfg.num_kv_heads * hd, cfg.rms_norm_eps)
+        # q is multiplied by this before attention, whose softmax scale is 1 / sqrt(hd):
+        # the family's own scale (Granite's attention multiplier); None for 1.
+        self._q_scale = (
+            None if cfg.attention_multiplier is None else cfg.attention_multiplier * math.sqrt(hd)
+        )
+        # Whether q and k need more than the projection: False for a Llama layer, whose
+        # forward pays one attribute read for the families that do.
+        self._qk_extra = cfg.qk_norm is not None or self._q_scale is not None
 
     def forward(
         self,
@@ -80,6 +100,8 @@ class Attention(nn.Module):
             [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
             [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias],
         )
+        if self._qk_extra:
+            q, k = self._prepare_qk(q, k)
         q, k, v = q.view(t, -1, hd), k.view(t, -1, hd), v.view(t, -1, hd)
         out = rope_cache_attention(q, k, v, *_cache_attention_args(plan, rope, k_cache, v_cache))
         if out is not None:  # the CPU kernel did all of the below in one op
@@ -110,6 +132,27 @@ class Attention(nn.Module):
         if plan.pad_index is not None:
             out = out.index_select(0, plan.pad_index)
         return linear(out, self.o_proj.weight)
+
+    def _prepare_qk(
+        self,
+        q: torch.Tensor,  # [tokens, heads * head_dim]
+        k: torch.Tensor,  # [tokens, kv_heads * head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the same shapes
+        """q and k after the family's q/k norm (per head, or over the whole projection)
+        and q's scale, in the order of the Hugging Face models (norm, then RoPE, whose
+        rotation commutes with the scale)."""
+        q_norm: RMSNorm | None = self._modules.get("q_norm")  # type: ignore[assignment]
+        k_norm: RMSNorm | None = self._modules.get("k_norm")  # type: ignore[assignment]
+        if q_norm is not None and k_norm is not None:
+            t, hd = q.shape[0], self.head_dim
+            if q_norm.weight.shape[0] == hd:  # per head
+                q = rms_norm(q.view(t, -1, hd), q_norm.weight, q_norm.eps).view(t, -1)
+                k = rms_norm(k.view(t, -1, hd), k_norm.weight, k_norm.eps).view(t, -1)
+            else:
+                q, k = q_norm(q), k_norm(k)
+        if self._q_scale is not None:
+            q = q * self._q_scale
+        return q, k
 
 
 class MLP(nn.Module):
@@ -190,3 +233,44 @@ class DecoderLayer(nn.Module):
             )
             self._packed = packed
         return packed
+
+
+class FamilyDecoderLayer(DecoderLayer):
+    """A decoder layer with the features of a family beyond Llama's, read from the config:
+    norms after the sublayers (``norm_layout="post"``, OLMo 2: ``post_attention_layernorm``
+    and ``post_feedforward_layernorm`` on the sublayers' outputs, no input norm) and a
+    ``residual_multiplier`` on each sublayer's output (Granite). Attention's own features
+    (q/k norm, scale) live in :class:`Attention`. Always runs its modules one by one
+    (the one-op layer is the Llama layer's)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self._post_norms = cfg.norm_layout == "post"
+        if self._post_norms:
+            del self.input_layernorm
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._residual = None if cfg.residual_multiplier == 1.0 else cfg.residual_multiplier
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [tokens, hidden]
+        plan: ForwardPlan,
+        rope: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kern: Kernels | None = None,
+    ) -> torch.Tensor:
+        """``h`` through the layer (``kern`` is not used: see the class doc)."""
+        if self._post_norms:
+            h = h + self.post_attention_layernorm(self.self_attn(h, plan, rope, k_cache, v_cache))
+            return h + self.post_feedforward_layernorm(self.mlp(h))
+        a = self.self_attn(self.input_layernorm(h), plan, rope, k_cache, v_cache)
+        h = h + a if self._residual is None else h + a * self._residual
+        m = self.mlp(self.post_attention_layernorm(h))
+        return h + m if self._residual is None else h + m * self._residual
+
+
+def decoder_layer(cfg: ModelConfig) -> DecoderLayer:
+    """The layer class ``cfg`` needs: the Llama layer where its features are Llama's,
+    else :class:`FamilyDecoderLayer`."""
+    return DecoderLayer(cfg) if cfg.plain_layers else FamilyDecoderLayer(cfg)

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Qwen2, Mistral, SmolLM2) over a paged KV pool.
+"""The decoder of every supported family (Llama, Qwen2/3, Mistral, Granite, OLMo 2,
+Phi-3; :mod:`specserve.engine.families`) over a paged KV pool.
 
 One :meth:`CausalLM.forward` call serves a batch of sessions with ragged cache
 lengths and a ragged number of new tokens each (a prefill, one token, or k + 1
@@ -13,8 +14,10 @@ attends to the cache the earlier ones wrote), and a chunk over a cache longer th
 (:mod:`specserve.engine.attention`). Forwards of fewer new tokens run exactly as
 without either.
 
-The layers are :mod:`specserve.engine.layers`. Module names follow the Hugging Face
-checkpoints so weights load by name. The model knows nothing of tensor parallelism:
+The layers are :mod:`specserve.engine.layers`; a family's features are config fields
+(:class:`~specserve.engine.config.ModelConfig`), read once here (the embedding and
+logit multipliers) and there. Module names follow the Hugging Face checkpoints so
+weights load by name. The model knows nothing of tensor parallelism:
 :mod:`specserve.engine.tp` shards the projections after loading.
 """
 
@@ -30,7 +33,7 @@ from specserve.engine.config import ModelConfig
 from specserve.engine.forward_plan import plan_forward
 from specserve.engine.kv_cache import KVPool
 from specserve.engine.layer_op import layer_kernels
-from specserve.engine.layers import DecoderLayer, RMSNorm
+from specserve.engine.layers import RMSNorm, decoder_layer
 from specserve.engine.ops import MAX_KERNEL_ROWS, Weight, linear
 from specserve.engine.quant.weight import QuantizedWeight
 from specserve.engine.rope import RotaryEmbedding
@@ -59,7 +62,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(decoder_layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -80,6 +83,11 @@ class CausalLM(nn.Module):
         # The head's rows when it scores only some tokens (restrict_head), and their ids.
         self._head_rows: Weight | None = None
         self._head_ids: torch.Tensor | None = None
+        # The family's multipliers on the embedded tokens and the logits (None: 1).
+        self._embed_scale = None if cfg.embedding_multiplier == 1.0 else cfg.embedding_multiplier
+        self._logit_divisor = None if cfg.logits_scaling == 1.0 else cfg.logits_scaling
+        # Whether the layers may run as one op each (the Llama layer only).
+        self._fusable_layers = cfg.plain_layers
 
     def restrict_head(self, token_ids: Sequence[int] | None) -> None:
         """Score only ``token_ids`` from now on: the LM head multiplies just their rows and
@@ -195,15 +203,21 @@ class CausalLM(nn.Module):
     def _forward(self, seqs: Sequence[SeqInput], kv: KVPool) -> torch.Tensor:
         plan = plan_forward(seqs, kv, self.config.sliding_window)
         h = self.model.embed_tokens(plan.token_ids).to(self.activation_dtype)  # [tokens, hidden]
-        kern = layer_kernels(h, kv.k[0]) if len(kv.k) else None
+        if self._embed_scale is not None:
+            h = h * self._embed_scale
+        kern = layer_kernels(h, kv.k[0]) if len(kv.k) and self._fusable_layers else None
         for i, layer in enumerate(self.model.layers):
             h = layer(h, plan, self.rope, kv.k[i], kv.v[i], kern)
         for s in seqs:
             kv.advance(s.session_id, len(s.token_ids), s.token_ids)
         h = self.model.norm(h.index_select(0, plan.logit_rows))
         if self._head_rows is None or self._head_ids is None:
-            return linear(h, self.lm_head.weight).float()
+            scores = linear(h, self.lm_head.weight).float()  # [rows, vocab]
+            return scores if self._logit_divisor is None else scores / self._logit_divisor
+        scores = linear(h, self._head_rows).float()  # [rows, kept ids]
+        if self._logit_divisor is not None:
+            scores = scores / self._logit_divisor
         logits = h.new_full(
             (h.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32
         )
-        return logits.index_copy_(1, self._head_ids, linear(h, self._head_rows).float())
+        return logits.index_copy_(1, self._head_ids, scores)
