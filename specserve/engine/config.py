@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.engine.errors import ModelLoadError
-from specserve.engine.families import FAMILIES, NORM_LAYOUTS, QK_NORMS, family
+from specserve.engine.families import FAMILIES, HIDDEN_ACTS, NORM_LAYOUTS, QK_NORMS, family
 
 # HF `model_type`s the decoder loads (their features: specserve.engine.families).
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
@@ -21,9 +21,13 @@ class ModelConfig:
     ``norm_layout`` (``"pre"``: a sublayer's input is normalized; ``"post"``: its
     output, before the residual add); ``embedding_multiplier`` (on the embedded
     tokens), ``residual_multiplier`` (on each sublayer's output before the residual
-    add), ``attention_multiplier`` (the softmax scale; None: 1 / sqrt(head_dim)) and
-    ``logits_scaling`` (the logits are divided by it). :meth:`from_hf` sets them from
-    the Hugging Face config and the family (:mod:`specserve.engine.families`).
+    add), ``attention_multiplier`` (the softmax scale; None: 1 / sqrt(head_dim)),
+    ``logits_scaling`` (the logits are divided by it), ``final_logit_softcapping``
+    (logits -> tanh(logits / c) * c), ``hidden_act`` (the MLP's gate activation),
+    ``sliding_layers`` (the layers ``sliding_window`` applies to; None: all of them)
+    with ``local_rope_theta`` (their RoPE base; None: ``rope_theta``). :meth:`from_hf`
+    sets them from the Hugging Face config and the family
+    (:mod:`specserve.engine.families`).
     """
 
     model_type: str
@@ -49,6 +53,10 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    final_logit_softcapping: float | None = None
+    hidden_act: str = "silu"
+    sliding_layers: tuple[int, ...] | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_ARCHITECTURES:
@@ -70,6 +78,11 @@ class ModelConfig:
             raise ModelLoadError(f"norm_layout must be one of {NORM_LAYOUTS}")
         if not self.logits_scaling:
             raise ModelLoadError("logits_scaling must not be 0")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ModelLoadError(
+                f"the MLP activation {self.hidden_act!r} is not supported; supported: "
+                f"{', '.join(HIDDEN_ACTS)}"
+            )
 
     @property
     def plain_layers(self) -> bool:
@@ -80,6 +93,7 @@ class ModelConfig:
             and self.norm_layout == "pre"
             and self.residual_multiplier == 1.0
             and self.attention_multiplier is None
+            and self.hidden_act == "silu"
         )
 
     @property
@@ -103,8 +117,16 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         rope_theta = hf.get("rope_theta")
         rope_scaling = hf.get("rope_scaling")
-        # transformers 5 moves theta and scaling into `rope_parameters`.
+        local_theta = hf.get("rope_local_base_freq")
+        # transformers 5 moves theta and scaling into `rope_parameters`, one set per
+        # layer type where they differ (Gemma 3: the global layers' and the sliding ones').
         params = hf.get("rope_parameters")
+        if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+            local = params.get("sliding_attention")
+            local_theta = local.get("rope_theta") if isinstance(local, dict) else local_theta
+            if isinstance(local, dict) and local.get("rope_type", "default") != "default":
+                raise ModelLoadError("RoPE scaling on sliding-window layers is not supported")
+            params = params["full_attention"]
         if isinstance(params, dict):
             rope_theta = params.get("rope_theta", rope_theta)
             kind = params.get("rope_type", "default")
@@ -116,6 +138,12 @@ class ModelConfig:
         _refuse_unsupported(hf)
         attention_bias = hf.get("attention_bias", fam.attention_bias)
         multiplier = hf.get("attention_multiplier")
+        if hf.get("query_pre_attn_scalar"):  # Gemma: the softmax scale's own setting
+            multiplier = float(hf["query_pre_attn_scalar"]) ** -0.5
+        window = _sliding_window(hf, fam.window_needs_flag)
+        sliding_layers = _sliding_layers(hf, window)
+        if sliding_layers == ():
+            window = None
         return cls(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -131,15 +159,21 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(attention_bias),
-            sliding_window=_sliding_window(hf, fam.window_needs_flag),
+            sliding_window=window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             qk_norm=fam.qk_norm,
             norm_layout=fam.norm_layout,
-            embedding_multiplier=float(hf.get("embedding_multiplier") or 1.0),
+            embedding_multiplier=(
+                hidden**0.5 if fam.scale_embedding else float(hf.get("embedding_multiplier") or 1.0)
+            ),
             residual_multiplier=float(hf.get("residual_multiplier") or 1.0),
             attention_multiplier=None if multiplier is None else float(multiplier),
             logits_scaling=float(hf.get("logits_scaling") or 1.0),
+            final_logit_softcapping=_float_or_none(hf.get("final_logit_softcapping")),
+            hidden_act=str(hf.get("hidden_activation") or hf.get("hidden_act") or fam.hidden_act),
+            sliding_layers=sliding_layers or None,
+            local_rope_theta=None if sliding_layers is None else _float_or_none(local_theta),
         )
 
 
@@ -155,6 +189,25 @@ def _refuse_unsupported(hf: dict[str, Any]) -> None:
         )
     if hf.get("mlp_bias"):
         raise ModelLoadError("MLP biases (mlp_bias) are not supported")
+    if hf.get("attn_logit_softcapping"):
+        raise ModelLoadError(
+            "attention logit soft-capping (attn_logit_softcapping, Gemma 2) is not supported"
+        )
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _sliding_layers(hf: dict[str, Any], window: int | None) -> tuple[int, ...] | None:
+    """The layers a sliding ``window`` applies to, where ``layer_types`` mixes sliding and
+    global layers (Gemma 3); None where it applies to every layer (or there is none);
+    ``()`` where the config has a window but no layer uses it."""
+    types = hf.get("layer_types")
+    if window is None or not isinstance(types, list):
+        return None
+    sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    return None if len(sliding) == len(types) else sliding
 
 
 def _sliding_window(hf: dict[str, Any], needs_flag: bool) -> int | None:

@@ -15,9 +15,10 @@ checkpoints lay the weights out:
   ``gate_up_proj``), split into their parts' rows at load (:func:`split_fused`), for a
   safetensors directory and a GGUF file alike, quantized blocks included (a split
   along rows keeps whole blocks);
-* llama.cpp's names: the GGUF ``general.architecture`` (the family's own name in
-  every case here), tensor names that differ from the shared map, and whether its
-  converter interleaved the q/k rows (the ``LlamaModel`` lineage: llama, granite).
+* llama.cpp's names and assumptions: the GGUF ``general.architecture`` (the
+  ``model_type`` but for Gemma 3's ``gemma3``), tensor names that differ from the
+  shared map, whether its converter interleaved the q/k rows (the ``LlamaModel``
+  lineage: llama, granite), and what llama.cpp assumes that the file does not state.
 
 Adding a family: docs/models.md, "Adding a family".
 """
@@ -33,9 +34,10 @@ if TYPE_CHECKING:
     from specserve.engine.config import ModelConfig
 
 QKNorm = Literal["head", "projection"]
-NormLayout = Literal["pre", "post"]
+NormLayout = Literal["pre", "post", "sandwich"]
 QK_NORMS: tuple[str, ...] = ("head", "projection")
-NORM_LAYOUTS: tuple[str, ...] = ("pre", "post")
+NORM_LAYOUTS: tuple[str, ...] = ("pre", "post", "sandwich")
+HIDDEN_ACTS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,15 @@ class Family:
     ``qk_norm``: ``"head"`` is an RMSNorm over each head's ``head_dim`` values of q and
     k before RoPE (Qwen3), ``"projection"`` one over the whole q and the whole k
     projection (OLMo 2). ``norm_layout``: ``"pre"`` normalizes a sublayer's input
-    (Llama); ``"post"`` its output before the residual add (OLMo 2).
+    (Llama); ``"post"`` its output before the residual add (OLMo 2); ``"sandwich"``
+    both (Gemma 3). ``hidden_act``: the MLP's gate activation where the config names
+    none (a GGUF file). ``norm_offset``: the checkpoint's norm weights are offsets
+    from it (Gemma's ``1 + weight``; added at load, as llama.cpp's converter adds it to
+    the GGUF file's). ``scale_embedding``: the embedded tokens are multiplied by
+    sqrt(hidden). ``gguf_architecture``: llama.cpp's name where it differs from the
+    ``model_type``; ``gguf_sliding_pattern`` / ``gguf_local_rope_theta``: what llama.cpp
+    assumes for the family and its files do not state (every n-th layer global, the
+    sliding layers' RoPE base).
     ``window_needs_flag``: a ``sliding_window`` in the config applies only with
     ``use_sliding_window`` (Qwen). ``fused``: a checkpoint module (suffix) -> the
     decoder modules its rows split into, in order. ``gguf_layer_names``: llama.cpp
@@ -61,6 +71,12 @@ class Family:
     gguf_permuted_qk: bool = False
     gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
     tp_refusal: str | None = None
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0
+    scale_embedding: bool = False
+    gguf_architecture: str | None = None
+    gguf_sliding_pattern: int | None = None
+    gguf_local_rope_theta: float | None = None
 
 
 _PHI3_FUSED = MappingProxyType(
@@ -90,7 +106,22 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             fused=_PHI3_FUSED,
             gguf_layer_names=MappingProxyType({"ffn_up": "mlp.gate_up_proj"}),
         ),
+        "gemma3_text": Family(
+            qk_norm="head",
+            norm_layout="sandwich",
+            hidden_act="gelu_pytorch_tanh",
+            norm_offset=1.0,
+            scale_embedding=True,
+            gguf_architecture="gemma3",
+            gguf_layer_names=MappingProxyType({"ffn_norm": "pre_feedforward_layernorm"}),
+            gguf_sliding_pattern=6,
+            gguf_local_rope_theta=10000.0,
+        ),
     }
+)
+# llama.cpp's `general.architecture` -> the Hugging Face `model_type`.
+GGUF_MODEL_TYPES: Mapping[str, str] = MappingProxyType(
+    {fam.gguf_architecture or name: name for name, fam in FAMILIES.items()}
 )
 
 

@@ -40,11 +40,11 @@ import numpy as np
 
 from specserve.engine.config import ModelConfig
 from specserve.engine.errors import ModelLoadError, NotFound
-from specserve.engine.families import FAMILIES, family, projection_rows, split_fused
+from specserve.engine.families import GGUF_MODEL_TYPES, family, projection_rows, split_fused
 
 GGUF_MAGIC = b"GGUF"
 # GGUF `general.architecture` values whose tensors map onto our decoder.
-GGUF_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
+GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_MODEL_TYPES)
 _DEFAULT_ALIGNMENT = 32
 
 # GGUF metadata value types: id -> struct format of a scalar (8: string, 9: array).
@@ -74,6 +74,7 @@ _SCALARS_TO_HF = {
     "residual_scale": "residual_multiplier",
     "logit_scale": "logits_scaling",
     "attention.scale": "attention_multiplier",
+    "final_logit_softcapping": "final_logit_softcapping",
 }
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -208,6 +209,7 @@ class GGUFCheckpoint:
                 f"{supported}"
             )
         self.architecture = arch
+        self.model_type = GGUF_MODEL_TYPES[arch]
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -258,7 +260,7 @@ class GGUFCheckpoint:
         if vocab is None:
             raise ModelLoadError(f"GGUF file {self.path} states no vocabulary size")
         hf: dict[str, Any] = {
-            "model_type": self.architecture,
+            "model_type": self.model_type,
             "vocab_size": int(vocab),
             "hidden_size": int(self._field("embedding_length")),
             "intermediate_size": int(self._field("feed_forward_length")),
@@ -282,6 +284,28 @@ class GGUFCheckpoint:
         window = self.metadata.get(f"{self.architecture}.attention.sliding_window")
         if window:
             hf["sliding_window"], hf["use_sliding_window"] = int(window), True
+        fam = family(self.model_type)
+        pattern = self.metadata.get(f"{self.architecture}.attention.sliding_window_pattern")
+        if window and (pattern or fam.gguf_sliding_pattern):
+            # Per layer (true: sliding), or every n-th layer global: what llama.cpp reads,
+            # or assumes for the family when the file states nothing.
+            n = hf["num_hidden_layers"]
+            if isinstance(pattern, tuple) and len(pattern) == n:
+                slides = [bool(p) for p in pattern]
+            else:
+                every = pattern if isinstance(pattern, int) and pattern > 0 else None
+                every = every or fam.gguf_sliding_pattern
+                if not every:
+                    raise ModelLoadError(
+                        f"GGUF file {self.path} does not say which layers slide: "
+                        f"{self.architecture}.attention.sliding_window_pattern is {pattern}"
+                    )
+                slides = [(i + 1) % every != 0 for i in range(n)]
+            hf["layer_types"] = [
+                "sliding_attention" if slide else "full_attention" for slide in slides
+            ]
+            base = self.metadata.get(f"{self.architecture}.rope.freq_base_swa")
+            hf["rope_local_base_freq"] = float(base or fam.gguf_local_rope_theta or 10000.0)
         rope_dims = self.metadata.get(f"{self.architecture}.rope.dimension_count")
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         if rope_dims and int(rope_dims) != head_dim:
@@ -310,7 +334,7 @@ class GGUFCheckpoint:
         matrix comes out as its parts, one tensor each."""
         heads = self._field("attention.head_count")
         kv_heads = self._field("attention.head_count_kv", 0) or heads
-        fam = family(self.architecture)
+        fam = family(self.model_type)
         rows_of = projection_rows(self.config()) if fam.fused else {}
         for gguf_name, qtype, shape, begin, row_bytes in self._tensors.values():
             rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
@@ -338,7 +362,8 @@ def hf_name(gguf_name: str, architecture: str = "llama") -> str:
         return _TOP_NAMES[gguf_name]
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk":
-        module = family(architecture).gguf_layer_names.get(parts[2]) or _LAYER_NAMES.get(parts[2])
+        names = family(GGUF_MODEL_TYPES[architecture]).gguf_layer_names
+        module = names.get(parts[2]) or _LAYER_NAMES.get(parts[2])
         if module is not None:
             return f"model.layers.{parts[1]}.{module}.{parts[3]}"
     return gguf_name

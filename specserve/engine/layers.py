@@ -168,6 +168,15 @@ class MLP(nn.Module):
         )
 
 
+class GeluMLP(MLP):
+    """The MLP with a tanh-approximated GELU gate (GeGLU, Gemma): the gate and up
+    products in one pass over both weights, then the activation and the down product."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, hidden]
+        gate, up = linears(x, [self.gate_proj.weight, self.up_proj.weight], [None, None])
+        return linear(F.gelu(gate, approximate="tanh") * up, self.down_proj.weight)
+
+
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -183,7 +192,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if cfg.hidden_act == "silu" else GeluMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self._packed: PackedLayer | None = None
@@ -238,16 +247,22 @@ class DecoderLayer(nn.Module):
 class FamilyDecoderLayer(DecoderLayer):
     """A decoder layer with the features of a family beyond Llama's, read from the config:
     norms after the sublayers (``norm_layout="post"``, OLMo 2: ``post_attention_layernorm``
-    and ``post_feedforward_layernorm`` on the sublayers' outputs, no input norm) and a
+    and ``post_feedforward_layernorm`` on the sublayers' outputs, no input norm), before
+    and after them (``"sandwich"``, Gemma 3: ``input_layernorm`` and
+    ``pre_feedforward_layernorm`` on the inputs, the two ``post_`` ones on the outputs),
+    a GeGLU MLP (:class:`GeluMLP`, chosen by the layer at construction) and a
     ``residual_multiplier`` on each sublayer's output (Granite). Attention's own features
     (q/k norm, scale) live in :class:`Attention`. Always runs its modules one by one
     (the one-op layer is the Llama layer's)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self._post_norms = cfg.norm_layout == "post"
-        if self._post_norms:
+        self._layout = cfg.norm_layout
+        if self._layout == "post":
             del self.input_layernorm
+        if self._layout == "sandwich":
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self._layout in ("post", "sandwich"):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self._residual = None if cfg.residual_multiplier == 1.0 else cfg.residual_multiplier
 
@@ -261,9 +276,14 @@ class FamilyDecoderLayer(DecoderLayer):
         kern: Kernels | None = None,
     ) -> torch.Tensor:
         """``h`` through the layer (``kern`` is not used: see the class doc)."""
-        if self._post_norms:
+        if self._layout == "post":
             h = h + self.post_attention_layernorm(self.self_attn(h, plan, rope, k_cache, v_cache))
             return h + self.post_feedforward_layernorm(self.mlp(h))
+        if self._layout == "sandwich":
+            a = self.self_attn(self.input_layernorm(h), plan, rope, k_cache, v_cache)
+            h = h + self.post_attention_layernorm(a)
+            m = self.mlp(self.pre_feedforward_layernorm(h))
+            return h + self.post_feedforward_layernorm(m)
         a = self.self_attn(self.input_layernorm(h), plan, rope, k_cache, v_cache)
         h = h + a if self._residual is None else h + a * self._residual
         m = self.mlp(self.post_attention_layernorm(h))

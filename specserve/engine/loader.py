@@ -36,7 +36,6 @@ from specserve.engine.hugepages import move_to_huge_pages
 from specserve.engine.model import CausalLM
 from specserve.engine.model_spec import ModelSpec, WeightForm
 from specserve.engine.quantized_layers import is_quantized
-from specserve.engine.rope import RotaryEmbedding
 from specserve.engine.tiny import tiny_from_spec
 from specserve.engine.tokenizer import Tokenizer, check_compatible
 
@@ -141,6 +140,8 @@ def _fill(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.
     unexpected: list[str] = []
 
     def put(key: str, tensor: torch.Tensor, file: Path) -> None:
+        if fam.norm_offset and key.endswith("norm.weight"):  # Gemma's 1 + weight, once
+            tensor = tensor.float() + fam.norm_offset
         want = expected[key].shape
         if tensor.shape != want:
             raise ModelLoadError(
@@ -238,7 +239,7 @@ def _meta_model(cfg: ModelConfig) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(cfg)
     # The rotary tables are plain tensors, not parameters: rebuild them off the meta device.
-    model.rope = RotaryEmbedding(cfg)
+    model.build_rotary()
     return model
 
 

@@ -1,5 +1,5 @@
 """The decoder of every supported family (Llama, Qwen2/3, Mistral, Granite, OLMo 2,
-Phi-3; :mod:`specserve.engine.families`) over a paged KV pool.
+Phi-3, Gemma 3; :mod:`specserve.engine.families`) over a paged KV pool.
 
 One :meth:`CausalLM.forward` call serves a batch of sessions with ragged cache
 lengths and a ragged number of new tokens each (a prefill, one token, or k + 1
@@ -24,7 +24,7 @@ weights load by name. The model knows nothing of tensor parallelism:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -77,6 +77,9 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg)
+        # The sliding layers' RoPE where they differ from the global ones (Gemma 3).
+        self.local_rope: RotaryEmbedding | None = None
+        self.build_rotary()
         self.compute_dtype: torch.dtype | None = None  # None: the weights' dtype
         # A session's new tokens run in chunks of at most this many (None: in one).
         self.prefill_chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK_TOKENS
@@ -88,6 +91,18 @@ class CausalLM(nn.Module):
         self._logit_divisor = None if cfg.logits_scaling == 1.0 else cfg.logits_scaling
         # Whether the layers may run as one op each (the Llama layer only).
         self._fusable_layers = cfg.plain_layers
+        # Layers whose attention slides where only some do (None: the window, if any,
+        # applies to all), and the final logits' soft cap.
+        self._sliding = None if cfg.sliding_layers is None else frozenset(cfg.sliding_layers)
+        self._softcap = cfg.final_logit_softcapping
+
+    def build_rotary(self) -> None:
+        """(Re)build the RoPE tables of the config (off the meta device, after a load)."""
+        cfg = self.config
+        self.rope = RotaryEmbedding(cfg)
+        if cfg.sliding_layers is not None:
+            local = replace(cfg, rope_theta=cfg.local_rope_theta or cfg.rope_theta)
+            self.local_rope = RotaryEmbedding(replace(local, rope_scaling=None))
 
     def restrict_head(self, token_ids: Sequence[int] | None) -> None:
         """Score only ``token_ids`` from now on: the LM head multiplies just their rows and
@@ -201,23 +216,41 @@ class CausalLM(nn.Module):
         return seq if keep == 0 else SeqInput(seq.session_id, tokens[keep:], seq.num_logits)
 
     def _forward(self, seqs: Sequence[SeqInput], kv: KVPool) -> torch.Tensor:
-        plan = plan_forward(seqs, kv, self.config.sliding_window)
+        window = self.config.sliding_window if self._sliding is None else None
+        plan = plan_forward(seqs, kv, window)
         h = self.model.embed_tokens(plan.token_ids).to(self.activation_dtype)  # [tokens, hidden]
         if self._embed_scale is not None:
             h = h * self._embed_scale
         kern = layer_kernels(h, kv.k[0]) if len(kv.k) and self._fusable_layers else None
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, plan, self.rope, kv.k[i], kv.v[i], kern)
+        if self._sliding is None:
+            for i, layer in enumerate(self.model.layers):
+                h = layer(h, plan, self.rope, kv.k[i], kv.v[i], kern)
+        else:  # sliding and global layers: a plan and a RoPE each
+            local = plan_forward(seqs, kv, self.config.sliding_window)
+            local_rope = self.local_rope or self.rope
+            for i, layer in enumerate(self.model.layers):
+                slides = i in self._sliding
+                lp, rope = (local, local_rope) if slides else (plan, self.rope)
+                h = layer(h, lp, rope, kv.k[i], kv.v[i], kern)
         for s in seqs:
             kv.advance(s.session_id, len(s.token_ids), s.token_ids)
         h = self.model.norm(h.index_select(0, plan.logit_rows))
         if self._head_rows is None or self._head_ids is None:
             scores = linear(h, self.lm_head.weight).float()  # [rows, vocab]
-            return scores if self._logit_divisor is None else scores / self._logit_divisor
-        scores = linear(h, self._head_rows).float()  # [rows, kept ids]
-        if self._logit_divisor is not None:
-            scores = scores / self._logit_divisor
+            if self._logit_divisor is None and self._softcap is None:
+                return scores
+            return self._scaled(scores)
+        scores = self._scaled(linear(h, self._head_rows).float())  # [rows, kept ids]
         logits = h.new_full(
             (h.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32
         )
         return logits.index_copy_(1, self._head_ids, scores)
+
+    def _scaled(self, scores: torch.Tensor) -> torch.Tensor:  # [rows, n] float32
+        """``scores`` divided by ``logits_scaling`` (Granite) and soft-capped (Gemma),
+        where the family asks for either."""
+        if self._logit_divisor is not None:
+            scores = scores / self._logit_divisor
+        if self._softcap is not None:
+            scores = torch.tanh(scores / self._softcap) * self._softcap
+        return scores

@@ -1,11 +1,12 @@
 """The families beyond Llama, each against transformers' own model of it.
 
-Per family, a tiny random model built from transformers' config class with the
-family's features on (tests/support/hf_families.py), loaded three ways: its Hugging
-Face directory, an F16 GGUF file and a Q8_0 GGUF file (blocks kept). The engine's
-logits equal transformers' over a prefill and 32 greedy decode steps (float32
-tolerance) with the same greedy tokens; greedy speculative output equals target-only
-output, drafts proposed and accepted, on the float and the quantized-block paths.
+Per family (Qwen3, Granite, OLMo 2, Phi-3, Gemma 3), a tiny random model built from
+transformers' config class with the family's features on
+(tests/support/hf_families.py), loaded three ways: its Hugging Face directory, an F16
+GGUF file and a Q8_0 GGUF file (blocks kept). The engine's logits equal
+transformers' over a prefill and 32 greedy decode steps (float32 tolerance) with the
+same greedy tokens; greedy speculative output equals target-only output, drafts
+proposed and accepted, on the float and the quantized-block paths.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from tests.support.hf_families import family_config, family_reference, write_fam
 from tests.support.hf_tiny import PROMPT
 from tests.support.tiny import noisy_copy
 
-FAMILIES = ["qwen3", "granite", "olmo2", "phi3"]
+FAMILIES = ["qwen3", "granite", "olmo2", "phi3", "gemma3_text"]
 STEPS = 32
 BUDGET = 8 << 20
 # float32 rounding of the same sums in another order, over logits of size ~10
@@ -116,14 +117,18 @@ def test_hf_directory_matches_transformers(fam: Family) -> None:
 def test_gguf_float_matches_transformers(fam: Family) -> None:
     model, cfg = load_model(fam.gguf_f16, torch.float32, huge_pages=False)
     hf_cfg = read_config(fam.hf_dir)
-    for name in ("qk_norm", "norm_layout", "sliding_window", "head_dim", "attention_bias"):
+    same = ("qk_norm", "norm_layout", "sliding_window", "sliding_layers", "head_dim",
+            "attention_bias", "hidden_act", "local_rope_theta", "rope_theta")  # fmt: skip
+    for name in same:
         assert getattr(cfg, name) == getattr(hf_cfg, name), name
-    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+    close = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+    for name in (*close, "final_logit_softcapping"):
         assert getattr(cfg, name) == pytest.approx(getattr(hf_cfg, name)), name
-    if hf_cfg.attention_multiplier is None:
-        assert cfg.attention_multiplier is None
-    else:
-        assert cfg.attention_multiplier == pytest.approx(hf_cfg.attention_multiplier)
+
+    def softmax_scale(c: ModelConfig) -> float:
+        return c.head_dim**-0.5 if c.attention_multiplier is None else c.attention_multiplier
+
+    assert softmax_scale(cfg) == pytest.approx(softmax_scale(hf_cfg))
     assert_matches_transformers(model, fam)
 
 
@@ -156,6 +161,11 @@ def test_settings_the_decoder_does_not_run_are_refused() -> None:
     granite = {**family_config("granite").to_dict(), "mlp_bias": True}
     with pytest.raises(ModelLoadError, match=r"MLP biases"):
         ModelConfig.from_hf(granite)
+    gemma = {**family_config("gemma3_text").to_dict(), "attn_logit_softcapping": 50.0}
+    with pytest.raises(ModelLoadError, match=r"attention logit soft-capping .* Gemma 2"):
+        ModelConfig.from_hf(gemma)
+    with pytest.raises(ModelLoadError, match=r"model type 'gemma2' is not supported"):
+        ModelConfig.from_hf({**gemma, "model_type": "gemma2"})
 
 
 def test_olmo2_refuses_tensor_parallelism() -> None:

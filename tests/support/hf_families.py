@@ -34,7 +34,24 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     },
     "olmo2": {"pad_token_id": None},  # post-norms, q/k norm over the whole projection
     "phi3": {"sliding_window": 16, "pad_token_id": None},  # fused qkv and gate_up
+    "gemma3_text": {  # sandwich norms, GeGLU, (1 + w) norms, q/k norm, scaled embedding
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,  # llama.cpp's scale for every Gemma 3 but the 27B
+        "sliding_window": 4,  # a sliding and a global layer, each with its RoPE base
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+    },
 }
+# transformers model_type -> llama.cpp's architecture, where they differ.
+_GGUF_ARCH = {"gemma3_text": "gemma3"}
+# Families whose norm weights llama.cpp's converter shifts (Gemma's 1 + w).
+_NORM_SHIFT = {"gemma3_text": 1.0}
 # Families whose GGUF q/k rows llama.cpp's converter interleaves (LlamaModel lineage).
 _PERMUTED = ("granite",)
 
@@ -74,9 +91,10 @@ def write_family_gguf(path: Path, model_type: str, ref: nn.Module, matrices: str
     import gguf
 
     cfg = ref.config
-    arch = gguf.MODEL_ARCH[model_type.upper()]
+    arch_name = _GGUF_ARCH.get(model_type, model_type)
+    arch = gguf.MODEL_ARCH[arch_name.upper()]
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), model_type)
+    w = gguf.GGUFWriter(str(path), arch_name)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -87,7 +105,8 @@ def write_family_gguf(path: Path, model_type: str, ref: nn.Module, matrices: str
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(10000.0)
+    params = cfg.rope_parameters  # the global layers' RoPE (Gemma 3: one per layer type)
+    w.add_rope_freq_base(params.get("full_attention", params)["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if model_type == "granite":  # as the converter renames Granite's multipliers
         w.add_embedding_scale(cfg.embedding_multiplier)
@@ -96,11 +115,19 @@ def write_family_gguf(path: Path, model_type: str, ref: nn.Module, matrices: str
         w.add_logit_scale(cfg.logits_scaling)
     if model_type == "phi3":
         w.add_sliding_window(cfg.sliding_window or 0)
+    if model_type == "gemma3_text":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     add_byte_tokenizer(w)
     for hf_name, tensor in ref.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the file has no output.weight
         module, _, attr = hf_name.rpartition(".")
         gguf_name = f"{names.get_name(module)}.{attr}"
         values = tensor.float().numpy()
+        if hf_name.endswith("norm.weight"):
+            values = values + _NORM_SHIFT.get(model_type, 0.0)
         if model_type in _PERMUTED and module.endswith(("q_proj", "k_proj")):
             heads = (
                 cfg.num_attention_heads if module.endswith("q_proj") else cfg.num_key_value_heads

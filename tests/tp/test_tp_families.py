@@ -16,7 +16,7 @@ from tests.tp.ranks import run_ranks
 pytestmark = pytest.mark.tp
 
 # OLMo 2 is refused under TP (tests/engine/test_families.py).
-FAMILIES = ("qwen3", "granite", "phi3")
+FAMILIES = ("qwen3", "granite", "phi3", "gemma3_text")
 
 
 def test_tp2_family_logits_match_tp1(tmp_path: Path) -> None:
