@@ -5,8 +5,9 @@ transformers' config class with the family's features on
 (tests/support/hf_families.py), loaded three ways: its Hugging Face directory, an F16
 GGUF file and a Q8_0 GGUF file (blocks kept). The engine's logits equal
 transformers' over a prefill and 32 greedy decode steps (float32 tolerance) with the
-same greedy tokens; greedy speculative output equals target-only output, drafts
-proposed and accepted, on the float and the quantized-block paths.
+same greedy tokens; speculative output equals target-only output (greedy, and seeded
+under the coupled rule on the float path), drafts proposed and accepted, on the float
+and the quantized-block paths.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from specserve.engine.loader import load_model, read_config
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.quant import QuantizedWeight
-from specserve.engine.sampling import SamplingParams
+from specserve.engine.sampling import SamplingParams, SamplingRule
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.tp import check_divisible
 from specserve.engine.verifier import TargetVerifier
@@ -85,17 +86,22 @@ def assert_matches_transformers(model: CausalLM, fam: Family) -> None:
     torch.testing.assert_close(logits, fam.logits, atol=ATOL, rtol=0)
 
 
-def speculative_equals_target_only(target: CausalLM, draft: CausalLM) -> None:
-    """Greedy speculative decoding with ``draft`` gives the target-only tokens, drafts
-    proposed and accepted."""
+def speculative_equals_target_only(target: CausalLM, draft: CausalLM, seeded: bool = False) -> None:
+    """Speculative decoding with ``draft`` gives the target-only tokens, drafts proposed
+    and accepted: greedy, or ``seeded`` sampling under the coupled rule."""
     engine = SpeculativeEngine(
         TargetVerifier(target, BUDGET), {"model": ModelDrafter(draft, BUDGET)}
     )
     prompts = [PROMPT, [9, 8, 7, 6, 5] * 3]
 
+    def sampling(i: int) -> SamplingParams:
+        if not seeded:
+            return SamplingParams()
+        return SamplingParams(0.7, top_k=40, top_p=0.95, seed=100 + i, rule=SamplingRule.COUPLED)
+
     def decode(drafter: str, k: int) -> list[DecodeState]:
         states = [
-            DecodeState(f"s{i}", p, SamplingParams(), StopCriteria(max_new_tokens=STEPS),
+            DecodeState(f"s{i}", p, sampling(i), StopCriteria(max_new_tokens=STEPS),
                         KPolicy(k), drafter=drafter)
             for i, p in enumerate(prompts)
         ]  # fmt: skip
@@ -132,9 +138,10 @@ def test_gguf_float_matches_transformers(fam: Family) -> None:
     assert_matches_transformers(model, fam)
 
 
-def test_speculative_equals_target_only(fam: Family) -> None:
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_speculative_equals_target_only(fam: Family, seeded: bool) -> None:
     target, _ = load_model(fam.hf_dir, torch.float32, huge_pages=False)
-    speculative_equals_target_only(target, noisy_copy(target, noise=0.3, seed=7))
+    speculative_equals_target_only(target, noisy_copy(target, noise=0.3, seed=7), seeded)
 
 
 def test_gguf_blocks_keep_blocks_and_speculate_exactly(fam: Family) -> None:
