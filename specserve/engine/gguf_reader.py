@@ -9,11 +9,16 @@ tensor bytes are never read into Python objects. Metadata arrays (the tokenizer'
 Tensors are named as the Hugging Face checkpoints name them (``blk.3.attn_q.weight``
 -> ``model.layers.3.self_attn.q_proj.weight``) and arranged as transformers arranges
 them when it reads a GGUF file, so that a model loaded from here equals the one the
-earlier GGUF -> safetensors conversion produced: for ``llama`` files, whose q/k rows
-llama.cpp's converter interleaves for its RoPE kernel, those rows are put back in
-Hugging Face order (a row permutation, which a block-quantized matrix undergoes on
-its rows of blocks unchanged); ``qwen2`` and ``mistral``-in-``llama`` files need
-nothing else.
+earlier GGUF -> safetensors conversion produced: for the families whose converter
+interleaves the q/k rows for llama.cpp's RoPE kernel (``llama``, ``granite``:
+:attr:`Family.gguf_permuted_qk <specserve.engine.families.Family.gguf_permuted_qk>`),
+those rows are put back in Hugging Face order (a row permutation, which a
+block-quantized matrix undergoes on its rows of blocks unchanged); a fused matrix
+(``phi3``'s ``attn_qkv`` and its gate-and-up ``ffn_up``) comes out as its parts' rows
+(:func:`~specserve.engine.families.split_fused`), blocks included. The family's
+metadata (Granite's ``embedding_scale``, ``residual_scale``, ``logit_scale`` and
+``attention.scale``, a ``sliding_window``) goes into the config under the Hugging Face
+names.
 
 Every problem with the file (not GGUF, truncated, a tensor past the end, an
 unsupported architecture, metadata the decoder needs missing) is a
@@ -35,10 +40,11 @@ import numpy as np
 
 from specserve.engine.config import ModelConfig
 from specserve.engine.errors import ModelLoadError, NotFound
+from specserve.engine.families import GGUF_MODEL_TYPES, family, projection_rows, split_fused
 
 GGUF_MAGIC = b"GGUF"
 # GGUF `general.architecture` values whose tensors map onto our decoder.
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_MODEL_TYPES)
 _DEFAULT_ALIGNMENT = 32
 
 # GGUF metadata value types: id -> struct format of a scalar (8: string, 9: array).
@@ -56,6 +62,19 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",
+}
+# llama.cpp metadata (after "<arch>.") -> the Hugging Face config field it sets.
+_SCALARS_TO_HF = {
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "logit_scale": "logits_scaling",
+    "attention.scale": "attention_multiplier",
+    "final_logit_softcapping": "final_logit_softcapping",
 }
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -190,6 +209,7 @@ class GGUFCheckpoint:
                 f"{supported}"
             )
         self.architecture = arch
+        self.model_type = GGUF_MODEL_TYPES[arch]
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -240,7 +260,7 @@ class GGUFCheckpoint:
         if vocab is None:
             raise ModelLoadError(f"GGUF file {self.path} states no vocabulary size")
         hf: dict[str, Any] = {
-            "model_type": self.architecture,
+            "model_type": self.model_type,
             "vocab_size": int(vocab),
             "hidden_size": int(self._field("embedding_length")),
             "intermediate_size": int(self._field("feed_forward_length")),
@@ -257,6 +277,44 @@ class GGUFCheckpoint:
         key_length = self.metadata.get(f"{self.architecture}.attention.key_length")
         if key_length:
             hf["head_dim"] = int(key_length)
+        for key, hf_key in _SCALARS_TO_HF.items():
+            value = self.metadata.get(f"{self.architecture}.{key}")
+            if value:
+                hf[hf_key] = float(value)
+        window = self.metadata.get(f"{self.architecture}.attention.sliding_window")
+        if window:
+            hf["sliding_window"], hf["use_sliding_window"] = int(window), True
+        fam = family(self.model_type)
+        pattern = self.metadata.get(f"{self.architecture}.attention.sliding_window_pattern")
+        if window and (pattern or fam.gguf_sliding_pattern):
+            # Per layer (true: sliding), or every n-th layer global: what llama.cpp reads,
+            # or assumes for the family when the file states nothing.
+            n = hf["num_hidden_layers"]
+            if isinstance(pattern, tuple) and len(pattern) == n:
+                slides = [bool(p) for p in pattern]
+            else:
+                every = pattern if isinstance(pattern, int) and pattern > 0 else None
+                every = every or fam.gguf_sliding_pattern
+                if not every:
+                    raise ModelLoadError(
+                        f"GGUF file {self.path} does not say which layers slide: "
+                        f"{self.architecture}.attention.sliding_window_pattern is {pattern}"
+                    )
+                slides = [(i + 1) % every != 0 for i in range(n)]
+            hf["layer_types"] = [
+                "sliding_attention" if slide else "full_attention" for slide in slides
+            ]
+            base = self.metadata.get(f"{self.architecture}.rope.freq_base_swa")
+            hf["rope_local_base_freq"] = float(base or fam.gguf_local_rope_theta or 10000.0)
+        rope_dims = self.metadata.get(f"{self.architecture}.rope.dimension_count")
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        if rope_dims and int(rope_dims) != head_dim:
+            hf["partial_rotary_factor"] = int(rope_dims) / head_dim
+        if any(name.startswith("rope_factors") for name in self._tensors):
+            raise ModelLoadError(
+                f"GGUF file {self.path} has RoPE factor tensors (long-context RoPE "
+                "scaling), which are not supported"
+            )
         scaling = self.metadata.get(f"{self.architecture}.rope.scaling.type")
         if scaling not in (None, "none"):
             hf["rope_scaling"] = {
@@ -272,29 +330,42 @@ class GGUFCheckpoint:
             raise ModelLoadError(f"GGUF file {self.path} has a bad value for {exc}") from exc
 
     def tensors(self) -> Iterator[GGUFTensor]:
-        """Every tensor under its Hugging Face name (see :class:`GGUFTensor`)."""
+        """Every tensor under its Hugging Face name (see :class:`GGUFTensor`); a fused
+        matrix comes out as its parts, one tensor each."""
         heads = self._field("attention.head_count")
         kv_heads = self._field("attention.head_count_kv", 0) or heads
+        fam = family(self.model_type)
+        rows_of = projection_rows(self.config()) if fam.fused else {}
         for gguf_name, qtype, shape, begin, row_bytes in self._tensors.values():
             rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
             data = np.frombuffer(self._map, np.uint8, rows * row_bytes, begin)
             data = data.reshape(rows, row_bytes)
-            name = hf_name(gguf_name)
-            if self.architecture == "llama" and name.endswith(
+            name = hf_name(gguf_name, self.architecture)
+            if fam.gguf_permuted_qk and name.endswith(
                 ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
             ):
                 data = _unpermute_rows(data, heads if "q_proj" in name else kv_heads)
-            yield GGUFTensor(name, gguf_name, qtype, shape, data)
+            parts = split_fused(fam, name, rows_of) if fam.fused else None
+            if parts is None:
+                yield GGUFTensor(name, gguf_name, qtype, shape, data)
+                continue
+            for part, start, end in parts:
+                part_shape = (min(end, rows) - min(start, rows), *shape[1:])
+                yield GGUFTensor(part, gguf_name, qtype, part_shape, data[start:end])
 
 
-def hf_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; a name this
-    decoder does not know comes back unchanged (and is reported as unexpected)."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (with the
+    names that differ in ``architecture``'s family); a name this decoder does not know
+    comes back unchanged (and is reported as unexpected)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk":
+        names = family(GGUF_MODEL_TYPES[architecture]).gguf_layer_names
+        module = names.get(parts[2]) or _LAYER_NAMES.get(parts[2])
+        if module is not None:
+            return f"model.layers.{parts[1]}.{module}.{parts[3]}"
     return gguf_name
 
 

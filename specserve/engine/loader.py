@@ -29,13 +29,13 @@ from specserve.engine import cpu_kernels
 from specserve.engine.config import ModelConfig
 from specserve.engine.dtypes import DTYPES, parse_dtype
 from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
+from specserve.engine.families import family, projection_rows, split_fused
 from specserve.engine.gguf_reader import GGUFCheckpoint, is_gguf
 from specserve.engine.gguf_weights import default_weight_form, fill_from_gguf
 from specserve.engine.hugepages import move_to_huge_pages
 from specserve.engine.model import CausalLM
 from specserve.engine.model_spec import ModelSpec, WeightForm
 from specserve.engine.quantized_layers import is_quantized
-from specserve.engine.rope import RotaryEmbedding
 from specserve.engine.tiny import tiny_from_spec
 from specserve.engine.tokenizer import Tokenizer, check_compatible
 
@@ -130,36 +130,51 @@ def _weight_files(directory: Path) -> list[Path]:
 
 
 def _fill(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
-    """Replace the meta parameters of ``model`` by the checkpoint's tensors, one at a time."""
+    """Replace the meta parameters of ``model`` by the checkpoint's tensors, one at a time;
+    a fused matrix of the family (Phi-3's ``qkv_proj``) is split into its parts' rows."""
     cfg = model.config
+    fam = family(cfg.model_type)
+    rows = projection_rows(cfg)
     expected = dict(model.named_parameters())  # a tied lm_head is listed once, as embed_tokens
     seen: set[str] = set()
     unexpected: list[str] = []
+
+    def put(key: str, tensor: torch.Tensor, file: Path) -> None:
+        if fam.norm_offset and key.endswith("norm.weight"):  # Gemma's 1 + weight, once
+            tensor = tensor.float() + fam.norm_offset
+        want = expected[key].shape
+        if tensor.shape != want:
+            raise ModelLoadError(
+                f"weight {key} in {file.name} has shape {tuple(tensor.shape)}, "
+                f"the config implies {tuple(want)}"
+            )
+        if not tensor.is_floating_point():
+            raise ModelLoadError(
+                f"weight {key} in {file.name} is {tensor.dtype}; only float "
+                "checkpoints are supported (quantized ones go through GGUF)"
+            )
+        owner, _, attr = key.rpartition(".")
+        param = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+        setattr(model.get_submodule(owner), attr, param)
+        seen.add(key)
+
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    parts = split_fused(fam, key, rows) if fam.fused else None
+                    if parts is not None:
+                        fused = f.get_tensor(key)
+                        for name, start, end in parts:
+                            # A copy: a part must not keep the whole fused matrix alive.
+                            put(name, fused[start:end].clone(), file)
+                        continue
                     if key not in expected:
                         tied_head = key == "lm_head.weight" and cfg.tie_word_embeddings
                         if not (tied_head or _IGNORED.match(key)):
                             unexpected.append(key)
                         continue
-                    tensor = f.get_tensor(key)
-                    want = expected[key].shape
-                    if tensor.shape != want:
-                        raise ModelLoadError(
-                            f"weight {key} in {file.name} has shape {tuple(tensor.shape)}, "
-                            f"the config implies {tuple(want)}"
-                        )
-                    if not tensor.is_floating_point():
-                        raise ModelLoadError(
-                            f"weight {key} in {file.name} is {tensor.dtype}; only float "
-                            "checkpoints are supported (quantized ones go through GGUF)"
-                        )
-                    owner, _, attr = key.rpartition(".")
-                    param = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
-                    setattr(model.get_submodule(owner), attr, param)
-                    seen.add(key)
+                    put(key, f.get_tensor(key), file)
         except SafetensorError as exc:
             raise ModelLoadError(f"{file} is not a valid safetensors file ({exc})") from exc
     if unexpected:
@@ -253,7 +268,7 @@ def _meta_model(cfg: ModelConfig) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(cfg)
     # The rotary tables are plain tensors, not parameters: rebuild them off the meta device.
-    model.rope = RotaryEmbedding(cfg)
+    model.build_rotary()
     return model
 
 

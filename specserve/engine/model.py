@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Qwen2, Mistral, SmolLM2) over a paged KV pool.
+"""The decoder of every supported family (Llama, Qwen2/3, Mistral, Granite, OLMo 2,
+Phi-3, Gemma 3; :mod:`specserve.engine.families`) over a paged KV pool.
 
 One :meth:`CausalLM.forward` call serves a batch of sessions with ragged cache
 lengths and a ragged number of new tokens each (a prefill, one token, or k + 1
@@ -13,37 +14,27 @@ attends to the cache the earlier ones wrote), and a chunk over a cache longer th
 (:mod:`specserve.engine.attention`). Forwards of fewer new tokens run exactly as
 without either.
 
-Module names follow the Hugging Face checkpoints so weights load by name. The
-model knows nothing of tensor parallelism: :mod:`specserve.engine.tp` shards
-the projections after loading and adds the all-reduce as forward hooks on
-:class:`Attention` and :class:`MLP`; head counts are read from weight shapes.
+The layers are :mod:`specserve.engine.layers`; a family's features are config fields
+(:class:`~specserve.engine.config.ModelConfig`), read once here (the embedding and
+logit multipliers) and there. Module names follow the Hugging Face checkpoints so
+weights load by name. The model knows nothing of tensor parallelism:
+:mod:`specserve.engine.tp` shards the projections after loading.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine.attention import BLOCKED_ABOVE_KEYS, blocked_attention
 from specserve.engine.config import ModelConfig
-from specserve.engine.cpu_kernels import Kernels
-from specserve.engine.forward_plan import ForwardPlan, plan_forward
+from specserve.engine.forward_plan import plan_forward
 from specserve.engine.kv_cache import KVPool
-from specserve.engine.layer_op import PackedLayer, layer_kernels, pack_layer, run_layer
-from specserve.engine.ops import (
-    MAX_KERNEL_ROWS,
-    Weight,
-    gate_up_silu,
-    linear,
-    linears,
-    rms_norm,
-    rope_cache_attention,
-)
+from specserve.engine.layer_op import layer_kernels
+from specserve.engine.layers import RMSNorm, decoder_layer
+from specserve.engine.ops import MAX_KERNEL_ROWS, Weight, linear
 from specserve.engine.quant.weight import QuantizedWeight
 from specserve.engine.rope import RotaryEmbedding
 
@@ -67,176 +58,11 @@ class SeqInput:
         assert 0 <= self.num_logits <= len(self.token_ids)
 
 
-def _cache_attention_args(
-    plan: ForwardPlan, rope: RotaryEmbedding, k_cache: torch.Tensor, v_cache: torch.Tensor
-) -> tuple[Any, ...]:
-    """What :func:`~specserve.engine.ops.rope_cache_attention` (and a layer as one op)
-    take after the new tokens: positions, RoPE, the layer's caches and the slots."""
-    return (
-        plan.positions,
-        rope.inv_freq,
-        rope.scale,
-        k_cache,
-        v_cache,
-        plan.write_slots,
-        plan.read_slots,
-        plan.token_session,
-        plan.sliding_window,
-    )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.head_dim = hd
-        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [tokens, hidden]
-        plan: ForwardPlan,
-        rope: RotaryEmbedding,
-        k_cache: torch.Tensor,  # [slots, kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [slots, kv_heads, head_dim]
-    ) -> torch.Tensor:
-        t, hd = x.shape[0], self.head_dim
-        # One pass over the three weights (see ops.linears); results as if fused.
-        q, k, v = linears(
-            x,
-            [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
-            [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias],
-        )
-        q, k, v = q.view(t, -1, hd), k.view(t, -1, hd), v.view(t, -1, hd)
-        out = rope_cache_attention(q, k, v, *_cache_attention_args(plan, rope, k_cache, v_cache))
-        if out is not None:  # the CPU kernel did all of the below in one op
-            return linear(out, self.o_proj.weight)
-        q, k = rope(q, k, plan.positions, plan.max_position)
-        k_cache.index_copy_(0, plan.write_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, plan.write_slots, v.to(v_cache.dtype))
-
-        b, n = plan.batch, plan.max_new
-        heads = q.shape[1]
-        if plan.pad_index is not None:
-            q_pad = q.new_zeros(b * n, heads, hd)
-            q_pad.index_copy_(0, plan.pad_index, q)
-            q = q_pad
-        q = q.view(b, n, heads, hd).transpose(1, 2)  # [batch, heads, max_new, head_dim]
-        # [batch, kv_heads, max_len, head_dim]
-        # index_select on flat slots: ~3x cheaper than advanced indexing with a 2-D index.
-        slots, shape = plan.read_slots.view(-1), (*plan.read_slots.shape, *k_cache.shape[1:])
-        keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2).to(q.dtype)
-        values = v_cache.index_select(0, slots).view(shape).transpose(1, 2).to(q.dtype)
-        if n > 1 and keys.shape[2] > BLOCKED_ABOVE_KEYS:  # a chunk over a long cache
-            out = blocked_attention(q, keys, values, plan.mask)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=plan.mask, enable_gqa=heads != keys.shape[1]
-            )
-        out = out.transpose(1, 2).reshape(b * n, heads * hd)  # [batch * max_new, q_dim]
-        if plan.pad_index is not None:
-            out = out.index_select(0, plan.pad_index)
-        return linear(out, self.o_proj.weight)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, hidden]
-        return linear(
-            gate_up_silu(x, self.gate_proj.weight, self.up_proj.weight), self.down_proj.weight
-        )
-
-
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def _tensor(module: nn.Module, name: str) -> Any:
-    """``module.<name>`` (a parameter, a plain attribute such as a quantized weight, or
-    None) without nn.Module's attribute lookup."""
-    found = module.__dict__.get(name)
-    return found if found is not None else module._parameters.get(name)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self._packed: PackedLayer | None = None
-
-    def forward(
-        self,
-        h: torch.Tensor,  # [tokens, hidden]
-        plan: ForwardPlan,
-        rope: RotaryEmbedding,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        kern: Kernels | None = None,
-    ) -> torch.Tensor:
-        """``h`` through the layer. With ``kern`` (:func:`~specserve.engine.layer_op.layer_kernels`
-        said the forward may) a layer of quantized weights whose modules carry no hooks
-        runs as one op, with the bits of the modules' own forwards."""
-        packed = self._packed_layer(kern) if kern is not None else None
-        if packed is not None and kern is not None:
-            return run_layer(kern, h, packed, _cache_attention_args(plan, rope, k_cache, v_cache))
-        h = h + self.self_attn(self.input_layernorm(h), plan, rope, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-    def _packed_layer(self, kern: Kernels) -> PackedLayer | None:
-        """The layer's operands for one op, packed once and again whenever a module,
-        weight, bias or norm was replaced; ``None`` where its modules must run
-        themselves: a forward hook or a replaced ``forward`` (tensor parallelism's
-        all-reduce, a counter), or weights the op does not take. Runs once per layer of
-        every step, so it reads the modules' dictionaries directly (nn.Module's
-        attribute lookup is ~1 us a name)."""
-        mods = self._modules
-        attn, mlp = mods["self_attn"], mods["mlp"]
-        norm_in, norm_post = mods["input_layernorm"], mods["post_attention_layernorm"]
-        parts = (attn, mlp, norm_in, norm_post)
-        if any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in parts):
-            return None
-        linears = (*(attn._modules[n] for n in _ATTENTION), *(mlp._modules[n] for n in _MLP))
-        sources = (
-            *(_tensor(m, "weight") for m in linears),
-            *(_tensor(m, "bias") for m in linears[:3]),
-            _tensor(norm_in, "weight"),
-            _tensor(norm_post, "weight"),
-        )
-        packed = self._packed
-        if packed is None or any(x is not y for x, y in zip(packed.sources, sources, strict=True)):
-            packed = pack_layer(
-                kern, sources[:7], sources[7:10], sources[10:], norm_in.eps, attn.head_dim
-            )
-            self._packed = packed
-        return packed
-
-
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(decoder_layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -251,12 +77,32 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg)
+        # The sliding layers' RoPE where they differ from the global ones (Gemma 3).
+        self.local_rope: RotaryEmbedding | None = None
+        self.build_rotary()
         self.compute_dtype: torch.dtype | None = None  # None: the weights' dtype
         # A session's new tokens run in chunks of at most this many (None: in one).
         self.prefill_chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK_TOKENS
         # The head's rows when it scores only some tokens (restrict_head), and their ids.
         self._head_rows: Weight | None = None
         self._head_ids: torch.Tensor | None = None
+        # The family's multipliers on the embedded tokens and the logits (None: 1).
+        self._embed_scale = None if cfg.embedding_multiplier == 1.0 else cfg.embedding_multiplier
+        self._logit_divisor = None if cfg.logits_scaling == 1.0 else cfg.logits_scaling
+        # Whether the layers may run as one op each (the Llama layer only).
+        self._fusable_layers = cfg.plain_layers
+        # Layers whose attention slides where only some do (None: the window, if any,
+        # applies to all), and the final logits' soft cap.
+        self._sliding = None if cfg.sliding_layers is None else frozenset(cfg.sliding_layers)
+        self._softcap = cfg.final_logit_softcapping
+
+    def build_rotary(self) -> None:
+        """(Re)build the RoPE tables of the config (off the meta device, after a load)."""
+        cfg = self.config
+        self.rope = RotaryEmbedding(cfg)
+        if cfg.sliding_layers is not None:
+            local = replace(cfg, rope_theta=cfg.local_rope_theta or cfg.rope_theta)
+            self.local_rope = RotaryEmbedding(replace(local, rope_scaling=None))
 
     def restrict_head(self, token_ids: Sequence[int] | None) -> None:
         """Score only ``token_ids`` from now on: the LM head multiplies just their rows and
@@ -370,17 +216,41 @@ class CausalLM(nn.Module):
         return seq if keep == 0 else SeqInput(seq.session_id, tokens[keep:], seq.num_logits)
 
     def _forward(self, seqs: Sequence[SeqInput], kv: KVPool) -> torch.Tensor:
-        plan = plan_forward(seqs, kv, self.config.sliding_window)
+        window = self.config.sliding_window if self._sliding is None else None
+        plan = plan_forward(seqs, kv, window)
         h = self.model.embed_tokens(plan.token_ids).to(self.activation_dtype)  # [tokens, hidden]
-        kern = layer_kernels(h, kv.k[0]) if len(kv.k) else None
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, plan, self.rope, kv.k[i], kv.v[i], kern)
+        if self._embed_scale is not None:
+            h = h * self._embed_scale
+        kern = layer_kernels(h, kv.k[0]) if len(kv.k) and self._fusable_layers else None
+        if self._sliding is None:
+            for i, layer in enumerate(self.model.layers):
+                h = layer(h, plan, self.rope, kv.k[i], kv.v[i], kern)
+        else:  # sliding and global layers: a plan and a RoPE each
+            local = plan_forward(seqs, kv, self.config.sliding_window)
+            local_rope = self.local_rope or self.rope
+            for i, layer in enumerate(self.model.layers):
+                slides = i in self._sliding
+                lp, rope = (local, local_rope) if slides else (plan, self.rope)
+                h = layer(h, lp, rope, kv.k[i], kv.v[i], kern)
         for s in seqs:
             kv.advance(s.session_id, len(s.token_ids), s.token_ids)
         h = self.model.norm(h.index_select(0, plan.logit_rows))
         if self._head_rows is None or self._head_ids is None:
-            return linear(h, self.lm_head.weight).float()
+            scores = linear(h, self.lm_head.weight).float()  # [rows, vocab]
+            if self._logit_divisor is None and self._softcap is None:
+                return scores
+            return self._scaled(scores)
+        scores = self._scaled(linear(h, self._head_rows).float())  # [rows, kept ids]
         logits = h.new_full(
             (h.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32
         )
-        return logits.index_copy_(1, self._head_ids, linear(h, self._head_rows).float())
+        return logits.index_copy_(1, self._head_ids, scores)
+
+    def _scaled(self, scores: torch.Tensor) -> torch.Tensor:  # [rows, n] float32
+        """``scores`` divided by ``logits_scaling`` (Granite) and soft-capped (Gemma),
+        where the family asks for either."""
+        if self._logit_divisor is not None:
+            scores = scores / self._logit_divisor
+        if self._softcap is not None:
+            scores = torch.tanh(scores / self._softcap) * self._softcap
+        return scores

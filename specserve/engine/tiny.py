@@ -16,6 +16,7 @@ import torch
 
 from specserve.engine.config import ModelConfig
 from specserve.engine.errors import InvalidArgument
+from specserve.engine.families import FAMILIES
 from specserve.engine.model import CausalLM
 from specserve.engine.model_spec import TINY_VOCAB, ModelSpec, TinySpec
 
@@ -33,9 +34,12 @@ def tiny_config(model_type: str = "qwen2", **overrides: object) -> ModelConfig:
         "num_heads": 4,
         "num_kv_heads": 2,
         "head_dim": 16,
-        "attention_bias": model_type == "qwen2",
         "rope_theta": 10000.0,
     }
+    fam = FAMILIES.get(model_type)  # an unknown type: ModelConfig says which are known
+    fields["attention_bias"] = fam is not None and fam.attention_bias
+    if fam is not None:  # the family's structural features, as from_hf sets them
+        fields.update(qk_norm=fam.qk_norm, norm_layout=fam.norm_layout)
     fields.update(overrides)
     return ModelConfig(**fields)  # type: ignore[arg-type]
 

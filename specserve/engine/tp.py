@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from specserve.engine.errors import InvalidArgument, ModelLoadError
+from specserve.engine.families import family
 from specserve.engine.model import CausalLM
 from specserve.engine.quant import QuantizedWeight, block_format
 from specserve.engine.quantized_layers import set_quantized_weight
@@ -121,6 +122,11 @@ def check_divisible(model: CausalLM, world_size: int) -> None:
     cfg = model.config
     if world_size < 1:
         raise InvalidArgument(f"the TP size must be >= 1, got {world_size}")
+    refusal = family(cfg.model_type).tp_refusal
+    if refusal is not None and world_size > 1:
+        raise ModelLoadError(
+            f"cannot split {cfg.model_type} over {world_size} tensor-parallel ranks: {refusal}"
+        )
     sizes = {
         "attention heads": cfg.num_heads,
         "KV heads": cfg.num_kv_heads,

@@ -54,6 +54,7 @@ class Stack:
     orchestrator_args: Sequence[str] = ()
     target_args: Sequence[Sequence[str]] = ()  # extra flags of target i
     draft_model: str = DRAFT
+    target_model: str = TARGET
     draft_args: Sequence[str] = ()  # extra flags of the draft
     target_procs: list[ServerProcess] = field(default_factory=list)
     draft: ServerProcess | None = None
@@ -69,7 +70,9 @@ class Stack:
         else:
             extra = [*self.target_args, *[()] * self.targets][: self.targets]
             self.target_procs = [
-                ServerProcess("target", ["--model", TARGET, *SERVER_ARGS, *more], env=ENV)
+                ServerProcess(
+                    "target", ["--model", self.target_model, *SERVER_ARGS, *more], env=ENV
+                )
                 for more in extra
             ]
             self.draft = ServerProcess(

@@ -87,6 +87,29 @@ def logits_program(
     shutdown_tp()
 
 
+def families_logits_program(rank: int, world: int, out: Path, paths: list[str]) -> None:
+    """:func:`logits_program` for each checkpoint in ``paths`` (the family tests' models,
+    loaded as files are), in one group."""
+    from specserve.engine.loader import load_model
+
+    ctx = init_tp("gloo", 20.0, local_rank=rank)
+    saved = {}
+    for path in paths:
+        model, _ = load_model(path, huge_pages=False)
+        whole = copy.deepcopy(model) if rank == 0 else None
+        apply_tp(model, ctx.rank, ctx.world_size, ctx.group)
+        sharded, pool = _forward_all(model)
+        if whole is not None:
+            saved[path] = {
+                "tp": sharded,
+                "ref": _forward_all(whole)[0],
+                "kv_heads": (pool.k[0].shape[1], whole.new_kv_pool(1 << 20).k[0].shape[1]),
+            }
+    if rank == 0:
+        torch.save(saved, out / "families.pt")
+    shutdown_tp()
+
+
 # -- greedy decoding through the verifier ---------------------------------------------
 
 

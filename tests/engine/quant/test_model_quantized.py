@@ -140,16 +140,16 @@ def test_a_layer_as_one_op_gives_the_bits_of_its_modules(monkeypatch: pytest.Mon
     for a prefill of a few rows, a ragged batch of two sessions and one-token steps."""
     if cpu_kernels.kernels() is None:
         pytest.skip("the CPU kernels are not available here")
-    from specserve.engine import model as model_module
+    from specserve.engine import layers as layers_module
 
     calls = [0]
-    run_layer = model_module.run_layer
+    run_layer = layers_module.run_layer
 
     def counted(*args: object, **kwargs: object) -> torch.Tensor:
         calls[0] += 1
         return run_layer(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(model_module, "run_layer", counted)
+    monkeypatch.setattr(layers_module, "run_layer", counted)
     fused, _ = _quantized_pair(seed=11)
     modules = copy.deepcopy(fused)
     for layer in modules.model.layers:
