@@ -165,6 +165,16 @@ class StaticStep:
         """Why ``model`` cannot take static steps, or None when it can."""
         from torch import nn
 
+        cfg = model.config
+        if not (
+            cfg.plain_layers
+            and cfg.embedding_multiplier == 1.0
+            and cfg.logits_scaling == 1.0
+            and cfg.final_logit_softcapping is None
+            and cfg.sliding_layers is None
+            and cfg.local_rope_theta is None
+        ):
+            return f"the {cfg.model_type} family's layer or logit features are not in the step"
         if model._head_rows is not None and not isinstance(model._head_rows, torch.Tensor):
             return "its restricted head is block-quantized"
         for module in model.modules():

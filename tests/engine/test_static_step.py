@@ -25,7 +25,7 @@ from specserve.engine.sampling import SamplingParams, batched_probabilities
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.static_sampling import probabilities
 from specserve.engine.static_step import Bucket, StaticStep
-from specserve.engine.step_runner import StepOptions
+from specserve.engine.step_runner import StepOptions, StepRunner
 from specserve.engine.verifier import TargetVerifier
 from tests.support.tiny import noisy_copy, tiny_model
 
@@ -190,6 +190,23 @@ def test_a_model_with_hooks_stays_on_the_eager_forward() -> None:
     target = tiny_model(11)
     target.model.layers[0].mlp.register_forward_hook(lambda *_: None)
     assert TargetVerifier(target, BUDGET, steps=StepOptions(context=64)).steps is None
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [
+        ("qwen3", {}),  # q/k norm
+        ("olmo2", {}),  # post-norms
+        ("gemma3_text", {}),  # GeGLU, sliding and global layers
+        ("granite", {"residual_multiplier": 0.5, "embedding_multiplier": 12.0}),
+    ],
+)
+def test_a_family_with_its_own_layer_math_stays_on_the_eager_forward(
+    family: str, overrides: dict[str, float]
+) -> None:
+    """The step computes Llama's layer; another family's math would give other tokens."""
+    why = StepRunner.unsupported(tiny_model(3, family, **overrides))
+    assert why is not None and family in why
 
 
 def test_padding_rows_touch_no_session_cache(pair: tuple) -> None:
