@@ -114,13 +114,24 @@ def test_a_round_sends_at_most_its_budget_and_long_prompts_go_in_chunks() -> Non
     assert second.chunks == {"huge": 300 - 3 - 106 - 90}
     behind["p2"] = behind["p3"] = 1
     behind["huge"] -= second.chunks["huge"]
-    # The measured budget replaces the flag's; huge stays first until it is prefilled.
-    third = s.begin_round(lane, prefill, 50)
-    assert third.ids[0] == "huge" and third.chunks == {"huge": 50 - 5}
-    # Decoding rows past the budget still leave a prompt one token: it always progresses.
-    assert s.begin_round(lane, prefill, 3).chunks == {"huge": 1}
+    # The measured allowance at a prompt's position bounds its tokens (the decoding rows
+    # are in the usual round it is measured against); huge stays first until prefilled.
+    third = s.begin_round(lane, prefill, lambda sid: 50 if sid == "huge" else 0)
+    assert third.ids[0] == "huge" and third.chunks == {"huge": 50}
+    # No allowance left still sends a prompt one token: it always progresses.
+    assert s.begin_round(lane, prefill, lambda sid: 0).chunks == {"huge": 1}
     no_costs = s.begin_round(lane)
     assert len(no_costs.ids) == len(behind) and not no_costs.chunks  # no budget applies
+
+
+def test_prompts_that_go_whole_spend_the_allowance_of_the_one_chunked_after_them() -> None:
+    s = Scheduler(SchedulerConfig(max_prefill_tokens=10_000))
+    behind = {"short": 100, "long": 5000, "later": 200}
+    for sid in behind:
+        s.join(sid, Placement("t1", "d1"))
+    allowance = {"short": 400, "long": 300, "later": 400}  # the long one holds more
+    batch = s.begin_round("t1", behind.__getitem__, allowance.__getitem__)
+    assert batch.ids == ["short", "long"] and batch.chunks == {"long": 300 - 100}
 
 
 def test_a_round_of_decoding_sessions_only_is_never_cut() -> None:

@@ -15,15 +15,16 @@ alike; docs/benchmarks.md).
 :meth:`Scheduler.join` parks a session as pending, :meth:`Scheduler.begin_round`
 admits the pending ones and returns the batch (at most ``max_batch``, rotating
 so every session gets its turn), :meth:`Scheduler.end_round` drops the finished.
-**Token budget.** A round computes at most ``budget`` rows on its target (as
-vLLM's ``max_num_batched_tokens``): the tokens each session sends that the target
-has not seen, verify rows and prefill alike. Decoding sessions always go and are
-charged first; prompts then take what is left in line order, and the first prompt
-that does not fit whole is sent in part, a *chunk* (at least one token, so a prompt
-always progresses), and goes first again next round. A long prompt is thus prefilled
-over consecutive rounds while the decoding sessions keep theirs, and no round grows
-much past its usual length (the runner measures the budget:
-:mod:`~specserve.orchestrator.fleet.prefill_budget`).
+**Token budget.** A round computes at most ``max_prefill_tokens`` rows on its target
+(as vLLM's ``max_num_batched_tokens``): the tokens each session sends that the target
+has not seen, verify rows and prefill alike, and its prompts carry at most what the
+runner measured a round can take at their position without growing much past its
+usual length (:mod:`~specserve.orchestrator.fleet.prefill_budget`). Decoding sessions
+always go and are charged first; prompts then take what is left in line order, and
+the first prompt that does not fit whole is sent in part, a *chunk* (at least one
+token, so a prompt always progresses), and goes first again next round. A long
+prompt is thus prefilled over consecutive rounds while the decoding sessions keep
+theirs.
 
 **Affinity.** A session prefers the target and draft replicas named in its
 record (they hold a warm KV cache up to some position); otherwise it goes to
@@ -193,15 +194,18 @@ class Scheduler:
         self,
         lane: LaneKey,
         behind: Callable[[str], int] | None = None,
-        budget: int | None = None,
+        prefill: Callable[[str], int] | None = None,
     ) -> RoundBatch:
         """Admit the lane's pending sessions and return this round's batch (may be empty).
 
         ``behind(sid)`` is how many tokens of the session's history its target has not
-        seen; ``budget`` (default ``max_prefill_tokens``) the rows the round may send
-        in all. Decoding sessions (a round's worth behind, :data:`DECODING_TOKENS`)
-        always go; prompts share what they leave, the first that does not fit whole
-        goes as a chunk, the rest wait. Without ``behind`` no budget applies.
+        seen; ``prefill(sid)`` the most prompt tokens the round may carry, measured at
+        that prompt's position (default: no more than the rows). The round sends at
+        most ``max_prefill_tokens`` rows in all. Decoding sessions (a round's worth
+        behind, :data:`DECODING_TOKENS`) always go and are charged to the rows first;
+        prompts share what is left of both in line order, the first that does not fit
+        whole goes as a chunk (at least one token), the rest wait. Without ``behind``
+        no budget applies.
         """
         state = self._lanes.get(lane)
         if state is None:
@@ -212,19 +216,22 @@ class Scheduler:
         head = [state.running.popleft() for _ in range(n)]
         cost = {sid: behind(sid) if behind is not None else 0 for sid in head}
         batch = [sid for sid in head if cost[sid] <= DECODING_TOKENS]
-        left = (budget or self.config.max_prefill_tokens) - sum(cost[sid] for sid in batch)
+        rows_left = self.config.max_prefill_tokens - sum(cost[sid] for sid in batch)
+        carried = 0  # prompt tokens given out so far
         chunks: dict[str, int] = {}
         waiting: list[str] = []
         for sid in head:
             if cost[sid] <= DECODING_TOKENS:
                 continue
+            left = rows_left if prefill is None else min(rows_left, prefill(sid) - carried)
             if cost[sid] <= left:
                 batch.append(sid)
-                left -= cost[sid]
+                rows_left -= cost[sid]
+                carried += cost[sid]
             elif not chunks:  # the first that does not fit goes in part
                 chunks[sid] = max(1, left)
                 batch.append(sid)
-                left = 0
+                rows_left = 0
             else:
                 waiting.append(sid)
         chosen = set(batch)
