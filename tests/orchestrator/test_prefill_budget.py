@@ -6,20 +6,32 @@ import itertools
 
 import pytest
 
-from specserve.orchestrator.fleet.prefill_budget import GROWTH, RATIO, PrefillBudget, terms
+from specserve.orchestrator.fleet.prefill_budget import (
+    GROWTH,
+    RATIO,
+    USUAL_EVERY,
+    PrefillBudget,
+    terms,
+)
 
 USUAL = 0.010  # a usual round's seconds in these tests
 
 
-def cost(held: int, sent: int, fixed: float, per_token: float, per_pair: float) -> float:
+def cost(
+    held: int, sent: int, fixed: float, per_token: float, per_pair: float, per_held: float = 0
+) -> float:
     """What a chunk adds to a round under the model the budget fits."""
-    return fixed + per_token * sent + per_pair * sent * (held + sent / 2)
+    return fixed + per_token * sent + per_pair * sent * (held + sent / 2) + per_held * held
 
 
-def prefill(b: PrefillBudget, length: int, coefficients: tuple[float, float, float]) -> list[int]:
-    """Prefill a prompt of ``length`` tokens as the budget sizes it; the chunks sent."""
+def prefill(b: PrefillBudget, length: int, coefficients: tuple[float, ...]) -> list[int]:
+    """Prefill a prompt of ``length`` tokens as the budget sizes it (a round it keeps
+    usual takes the usual time); the chunks sent."""
     held, chunks = 0, []
     while held < length:
+        if b.rows("t", held) == 0:
+            b.observe("t", [], USUAL)
+            continue
         sent = min(b.rows("t", held), length - held)
         b.observe("t", [(held, sent)], USUAL + cost(held, sent, *coefficients))
         chunks.append(sent)
@@ -38,15 +50,12 @@ def test_nothing_measured_the_cap_and_a_first_chunk_from_a_verify_row() -> None:
     assert PrefillBudget(cap=512, round_s={"t": USUAL}).rows("t") == 512  # no row measured
 
 
-def test_the_fit_finds_a_fixed_a_per_token_and_a_context_part() -> None:
-    truth = (0.002, 2e-5, 1e-8)
+def test_the_fit_finds_a_fixed_a_per_token_and_two_context_parts() -> None:
+    truth = (0.002, 2e-5, 1e-8, 5e-8)
     b = PrefillBudget(cap=4096, row_s=lambda t: 1e-4)
     b.observe("t", [], USUAL)
     chunks = prefill(b, 32_000, truth)
-    fixed, per_token, per_pair = b.coefficients("t") or []
-    assert fixed == pytest.approx(truth[0], rel=0.01)
-    assert per_token == pytest.approx(truth[1], rel=0.01)
-    assert per_pair == pytest.approx(truth[2], rel=0.01)
+    assert b.coefficients("t") == pytest.approx(truth, rel=0.01)
     # every chunk after the first few keeps its round within RATIO usual rounds, and
     # no chunk is more than GROWTH times the one before
     late = [(h, c) for h, c in zip(_helds(chunks), chunks, strict=True)][6:-1]
@@ -54,6 +63,17 @@ def test_the_fit_finds_a_fixed_a_per_token_and_a_context_part() -> None:
     assert all(b2 <= GROWTH * a for a, b2 in itertools.pairwise(chunks))
     # the context part shrinks the chunks as the prompt grows, but not to nothing
     assert chunks[5] > chunks[-2] > 10
+
+
+def test_one_round_in_a_few_carries_no_prefill_and_re_measures_the_usual_round() -> None:
+    b = PrefillBudget(cap=512, row_s=lambda t: 1e-4)
+    b.observe("t", [], USUAL)
+    for i in range(USUAL_EVERY - 1):
+        assert b.rows("t", 100 * i) > 0
+        b.observe("t", [(100 * i, 100)], 2 * USUAL)
+    assert b.rows("t", 700) == 0  # the next round decodes only
+    b.observe("t", [], 3 * USUAL)  # the host got busier: the usual round follows
+    assert b.round_s["t"] > USUAL and b.rows("t", 700) > 0
 
 
 def test_a_per_token_model_would_spend_the_allowance_on_the_fixed_part() -> None:
@@ -90,8 +110,8 @@ def test_the_budget_stays_within_one_token_the_cap_and_its_growth() -> None:
 
 
 def test_the_terms_of_a_round_add_its_prompts() -> None:
-    assert terms([]) == [0.0, 0.0, 0.0]
-    assert terms([(0, 10), (100, 4)]) == [1.0, 14.0, 10 * 5 + 4 * 102]
+    assert terms([]) == [0.0, 0.0, 0.0, 0.0]
+    assert terms([(0, 10), (100, 4)]) == [1.0, 14.0, 10 * 5 + 4 * 102, 100.0]
 
 
 def test_the_usual_round_is_a_running_average() -> None:

@@ -118,8 +118,14 @@ def test_a_round_sends_at_most_its_budget_and_long_prompts_go_in_chunks() -> Non
     # are in the usual round it is measured against); huge stays first until prefilled.
     third = s.begin_round(lane, prefill, lambda sid: 50 if sid == "huge" else 0)
     assert third.ids[0] == "huge" and third.chunks == {"huge": 50}
-    # No allowance left still sends a prompt one token: it always progresses.
-    assert s.begin_round(lane, prefill, lambda sid: 0).chunks == {"huge": 1}
+    # An allowance of 0 keeps the round usual (the prompt waits, first in line) ...
+    kept = s.begin_round(lane, prefill, lambda sid: 0)
+    assert "huge" not in kept.ids and not kept.chunks
+    assert s.begin_round(lane, prefill, lambda sid: 40).chunks == {"huge": 40}
+    # ... unless nothing else would run: a prompt alone always progresses.
+    alone = Scheduler(SchedulerConfig(max_prefill_tokens=300))
+    alone.join("huge", Placement("t1", "d1"))
+    assert alone.begin_round(lane, prefill, lambda sid: 0).chunks == {"huge": 1}
     no_costs = s.begin_round(lane)
     assert len(no_costs.ids) == len(behind) and not no_costs.chunks  # no budget applies
 

@@ -11,22 +11,25 @@ module sizes it per target from what the runner measures:
 * a prefill's cost: the seconds a round that prefilled took past ``round_s``, fitted
   by least squares (older rounds' weights decayed by ``FIT_DECAY`` a round) to::
 
-      extra = fixed + per_token * C + per_pair * C * (L + C / 2)
+      extra = fixed + per_token * C + per_pair * C * (L + C / 2) + per_held * L
 
   for a prompt that sends ``C`` tokens with ``L`` of it already on the target (each
   of its tokens attends to the ``L`` held and to the chunk's earlier ones: ``L + C/2``
-  on average). ``fixed`` is what a round pays for carrying a prefill at all; the
-  context term is why a 32k prompt's late chunks cost more than its first (charged
-  to the tokens alone, it shrank the chunks as the prompt grew while small chunks
-  paid the fixed part again each round). The coefficients stay >= 0: the fit is the
-  best of those over the subsets of the three terms whose coefficients are all >= 0.
+  on average). ``fixed`` is what a round pays for carrying a prefill at all;
+  ``per_held`` what reading the prompt's cache costs a forward whatever the chunk's
+  size (at 28k tokens a one-token chunk of the tiny model took two usual rounds);
+  the pair term is attention's work over the prefix. Charged to the tokens alone,
+  these shrank the chunks as the prompt grew while small chunks paid them again each
+  round. The coefficients stay >= 0: the fit is the best of those over the subsets of
+  the four terms whose coefficients are all >= 0. One round in ``USUAL_EVERY``
+  carries no prefill, so ``round_s`` follows the host's load while a prompt prefills.
 
 A prompt at ``L`` then gets the largest ``C`` whose predicted extra is at most
 ``(RATIO - 1) * round_s``: a round that carries it takes about ``RATIO`` usual rounds,
 so the others' tokens come at most about that much further apart while it prefills
 (the issue's bound is 3x; ``RATIO`` leaves room for the host's noise), and the prompt
-gets the largest chunks that allows. Where the fixed part alone passes the allowance
-(a round with any prefill is already that long) the tokens' part gets half of it.
+gets the largest chunks that allows. Where the part that does not shrink with ``C``
+(``fixed + per_held * L``) alone passes the allowance, the tokens get half of it.
 Guards, since a fit extrapolates: a chunk is at most ``GROWTH`` times the last one
 measured on its target and never more than ``cap`` (``--max-prefill-tokens``); until
 ``MIN_FIT_ROUNDS`` prefill rounds are measured the cost is per token only (their
@@ -52,20 +55,26 @@ from specserve.orchestrator.fleet.verify_budget import EWMA
 # gap at 3 usual ones; a round's time on a busy host varies by a usual round or so.
 RATIO = 2.0
 FIT_DECAY = 0.05  # weight lost by each older prefill round in the fit (~20 rounds' memory)
-MIN_FIT_ROUNDS = 3.0  # decayed weight of measured prefill rounds before the 3-term fit
+MIN_FIT_ROUNDS = 3.0  # decayed weight of measured prefill rounds before the full fit
 GROWTH = 2.0  # a chunk is at most this many times its target's last measured chunk
+# One round in this many carries no prefill, so the usual round stays measured while a
+# long prompt prefills (the host's load may change meanwhile; a stale usual round
+# would read the change as the prefill's cost).
+USUAL_EVERY = 8
 
 log = logging.getLogger(__name__)
 
 Prefill = tuple[int, int]  # one prompt in a round: (tokens the target held, tokens sent)
-_TERMS = 3
+_TERMS = 4
 
 
 def terms(prefills: Sequence[Prefill]) -> list[float]:
-    """A round's regressors for its prompts: [fixed, tokens, token-context pairs]."""
+    """A round's regressors for its prompts: [fixed, tokens, token-context pairs, tokens
+    held]."""
     tokens = sum(c for _, c in prefills)
     pairs = sum(c * (held + c / 2) for held, c in prefills)
-    return [1.0 if prefills else 0.0, float(tokens), float(pairs)]
+    held = sum(h for h, _ in prefills)
+    return [1.0 if prefills else 0.0, float(tokens), float(pairs), float(held)]
 
 
 @dataclass
@@ -90,10 +99,11 @@ class _Fit:
         self.tokens = keep * self.tokens + x[1]
 
     def coefficients(self) -> list[float]:
-        """[fixed, per_token, per_pair] seconds, all >= 0 (the best non-negative subset
+        """[fixed, per_token, per_pair, per_held] seconds, all >= 0 (the best non-negative subset
         fit; per token only until ``MIN_FIT_ROUNDS`` rounds are in)."""
         if self.weight < MIN_FIT_ROUNDS:
-            return [0.0, max(0.0, self.extra_s) / self.tokens if self.tokens > 0 else 0.0, 0.0]
+            per_token = max(0.0, self.extra_s) / self.tokens if self.tokens > 0 else 0.0
+            return [0.0, per_token, 0.0, 0.0]
         best: tuple[float, list[float]] | None = None
         for n in range(1, _TERMS + 1):
             for subset in itertools.combinations(range(_TERMS), n):
@@ -111,7 +121,7 @@ class _Fit:
                 ) - 2 * sum(full[i] * self.xy[i] for i in range(_TERMS))
                 if best is None or err < best[0] - 1e-15:
                     best = (err, full)
-        return best[1] if best is not None else [0.0, 0.0, 0.0]
+        return best[1] if best is not None else [0.0] * _TERMS
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -147,23 +157,27 @@ class PrefillBudget:
     row_s: Callable[[str], float | None] = lambda target: None
     round_s: dict[str, float] = field(default_factory=dict)
     fits: dict[str, _Fit] = field(default_factory=dict)
+    since_usual: dict[str, int] = field(default_factory=dict)  # prefill rounds in a row
 
     def __post_init__(self) -> None:
         if self.cap < 1:
             raise ValueError(f"the budget's cap must be >= 1, got {self.cap}")
 
     def coefficients(self, target: str) -> list[float] | None:
-        """[fixed, per_token, per_pair] seconds on ``target``; None until a prefill round
+        """[fixed, per_token, per_pair, per_held] seconds on ``target``; None until a prefill round
         was measured."""
         fit = self.fits.get(target)
         return None if fit is None else fit.coefficients()
 
     def rows(self, target: str, held: int = 0) -> int:
         """The most tokens a prompt with ``held`` tokens already on ``target`` may send
-        in its next round (at least 1, at most ``cap``)."""
+        in its next round (at most ``cap``); 0: this round should carry no prefill (one
+        in ``USUAL_EVERY``, to re-measure the usual round)."""
         usual = self.round_s.get(target)
         if usual is None:
             return self.cap
+        if self.since_usual.get(target, 0) >= USUAL_EVERY - 1:
+            return 0
         allowance = (RATIO - 1) * usual
         fit = self.fits.get(target)
         if fit is None:
@@ -171,7 +185,8 @@ class PrefillBudget:
             if row is None or row <= 0:
                 return self.cap
             return max(1, min(self.cap, int(allowance / row)))
-        fixed, per_token, per_pair = fit.coefficients()
+        fixed, per_token, per_pair, per_held = fit.coefficients()
+        fixed += per_held * held  # what the round costs whatever the chunk's size
         room = allowance - fixed if fixed < allowance / 2 else allowance / 2
         # room >= per_pair / 2 * C^2 + (per_token + per_pair * held) * C
         linear = per_token + per_pair * held
@@ -193,7 +208,9 @@ class PrefillBudget:
         usual = self.round_s.get(target)
         if not prefills:
             self.round_s[target] = seconds if usual is None else usual + EWMA * (seconds - usual)
+            self.since_usual[target] = 0
         elif usual is not None:
+            self.since_usual[target] = self.since_usual.get(target, 0) + 1
             fit = self.fits.setdefault(target, _Fit())
             fit.add(terms(prefills), seconds - usual)
             fit.last_chunk = max(c for _, c in prefills)
@@ -209,5 +226,5 @@ class PrefillBudget:
 
     def forget(self, target: str) -> None:
         """``target`` was lost: a replacement may be another machine."""
-        self.round_s.pop(target, None)
-        self.fits.pop(target, None)
+        for figures in (self.round_s, self.fits, self.since_usual):
+            figures.pop(target, None)

@@ -200,7 +200,8 @@ class Scheduler:
 
         ``behind(sid)`` is how many tokens of the session's history its target has not
         seen; ``prefill(sid)`` the most prompt tokens the round may carry, measured at
-        that prompt's position (default: no more than the rows). The round sends at
+        that prompt's position (default: no more than the rows; 0: none this round, the
+        prompt waits unless the round would be empty). The round sends at
         most ``max_prefill_tokens`` rows in all. Decoding sessions (a round's worth
         behind, :data:`DECODING_TOKENS`) always go and are charged to the rows first;
         prompts share what is left of both in line order, the first that does not fit
@@ -223,7 +224,11 @@ class Scheduler:
         for sid in head:
             if cost[sid] <= DECODING_TOKENS:
                 continue
-            left = rows_left if prefill is None else min(rows_left, prefill(sid) - carried)
+            allowed = None if prefill is None else prefill(sid)
+            if allowed is not None and allowed <= 0 and batch:
+                waiting.append(sid)  # a round kept usual (re-measured); never an empty one
+                continue
+            left = rows_left if allowed is None else min(rows_left, allowed - carried)
             if cost[sid] <= left:
                 batch.append(sid)
                 rows_left -= cost[sid]
