@@ -140,6 +140,24 @@ def test_prompts_that_go_whole_spend_the_allowance_of_the_one_chunked_after_them
     assert batch.ids == ["short", "long"] and batch.chunks == {"long": 300 - 100}
 
 
+def test_a_chunked_prompts_short_tail_is_charged_as_a_prompt() -> None:
+    """The last 20 tokens of a prompt sent in chunks are within a round's worth
+    (DECODING_TOKENS) but still a prompt's: the allowance bounds them."""
+    s = Scheduler(SchedulerConfig(max_prefill_tokens=10_000))
+    behind = {"d": 1, "long": 100}
+    for sid in behind:
+        s.join(sid, Placement("t1", "d1"))
+    assert s.begin_round("t1", behind.__getitem__, lambda sid: 80).chunks == {"long": 80}
+    behind["long"] = 20
+    second = s.begin_round("t1", behind.__getitem__, lambda sid: 8)
+    assert second.chunks == {"long": 8} and not second.tails
+    behind["long"] = 12
+    third = s.begin_round("t1", behind.__getitem__, lambda sid: 12)
+    assert third.tails == {"long"} and not third.chunks  # its last part, whole
+    behind["long"] = 1
+    assert not s.begin_round("t1", behind.__getitem__, lambda sid: 0).tails  # decoding now
+
+
 def test_a_round_of_decoding_sessions_only_is_never_cut() -> None:
     s = Scheduler(SchedulerConfig(max_prefill_tokens=4))
     for sid in "abcdef":

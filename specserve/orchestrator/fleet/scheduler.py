@@ -90,12 +90,16 @@ class RoundBatch:
     # session -> how many of its unseen tokens this round sends (fewer than it lacks):
     # it emits nothing this round and goes on prefilling in the next
     chunks: dict[str, int] = field(default_factory=dict)
+    # prompts whose last part this round sends after chunks in earlier rounds
+    tails: set[str] = field(default_factory=set)
 
 
 @dataclass
 class _Lane:
     pending: list[str] = field(default_factory=list)
     running: collections.deque[str] = field(default_factory=collections.deque)
+    # prompts sent in part in an earlier round: their tail is a prompt's too, however short
+    prefilling: set[str] = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self.pending) + len(self.running)
@@ -181,6 +185,7 @@ class Scheduler:
         if placement is None:
             return
         lane = self._lanes[placement.lane]
+        lane.prefilling.discard(session_id)
         if session_id in lane.pending:
             lane.pending.remove(session_id)
         else:
@@ -216,13 +221,18 @@ class Scheduler:
         n = min(len(state.running), self.config.max_batch)
         head = [state.running.popleft() for _ in range(n)]
         cost = {sid: behind(sid) if behind is not None else 0 for sid in head}
-        batch = [sid for sid in head if cost[sid] <= DECODING_TOKENS]
+        # A prompt's tail after its chunks is charged as a prompt, not as decoding rows.
+        prompt = {
+            sid: cost[sid] > DECODING_TOKENS or (sid in state.prefilling and cost[sid] > 0)
+            for sid in head
+        }
+        batch = [sid for sid in head if not prompt[sid]]
         rows_left = self.config.max_prefill_tokens - sum(cost[sid] for sid in batch)
         carried = 0  # prompt tokens given out so far
         chunks: dict[str, int] = {}
         waiting: list[str] = []
         for sid in head:
-            if cost[sid] <= DECODING_TOKENS:
+            if not prompt[sid]:
                 continue
             allowed = None if prefill is None else prefill(sid)
             if allowed is not None and allowed <= 0 and batch:
@@ -244,7 +254,9 @@ class Scheduler:
         # A chunked prompt goes on first next round, then whoever waited, then the rest.
         state.running.extendleft(reversed([*chunks, *waiting]))
         state.running.extend(sid for sid in batch if sid not in chunks)
-        return RoundBatch(batch, chunks)
+        tails = {sid for sid in batch if sid in state.prefilling and sid not in chunks}
+        state.prefilling = (state.prefilling & set(waiting)) | set(chunks)
+        return RoundBatch(batch, chunks, tails)
 
     def end_round(self, finished: Iterable[str]) -> None:
         """Drop sessions that finished in the round."""

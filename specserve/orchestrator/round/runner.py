@@ -204,6 +204,7 @@ class RoundRunner:
             batch = [self.sessions[sid] for sid in ids]
             for s in batch:
                 s.prefill_chunk = admitted.chunks.get(s.sid, 0)
+                s.prefill_tail = s.sid in admitted.tails
             batch = [s for s in batch if s.phase is Phase.WAITING and not s.state.finished]
             if not batch and pending is not None:
                 await self.ledger.finish(await self.commits.settle(pending))

@@ -42,11 +42,11 @@ def target_backlog(s: LiveSession) -> int:
 def prefills(sessions: Iterable[LiveSession]) -> list[tuple[int, int]]:
     """The prompts a round sends its target, as (tokens the target holds, tokens sent):
     each prompt's chunk, or all it lacks (a session a round's worth behind,
-    :data:`DECODING_TOKENS`, is decoding)."""
+    :data:`DECODING_TOKENS`, is decoding, unless that is a chunked prompt's tail)."""
     return [
         (s.state.target_start, s.prefill_chunk or b)
         for s in sessions
-        if (b := target_backlog(s)) > DECODING_TOKENS
+        if (b := target_backlog(s)) > DECODING_TOKENS or s.prefill_tail
     ]
 
 
