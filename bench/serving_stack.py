@@ -121,7 +121,8 @@ def orchestrator_env(
 def server_flags(args: argparse.Namespace) -> tuple[dict[str, list[str]], str | None]:
     """The target's and the draft's command lines (role -> flags) and the module that runs
     them (None: the servers themselves; ``bench.emulated_device`` with emulated devices).
-    ``args.draft_flags``, where present, are more flags of the draft server;
+    ``args.draft_flags`` and ``args.target_flags``, where present, are more flags of
+    the draft and the target server;
     ``args.device``, where present and not ``cpu``, the device both servers compute on."""
     threads = ["--threads", str(args.threads)]
     flags = {
@@ -133,6 +134,7 @@ def server_flags(args: argparse.Namespace) -> tuple[dict[str, list[str]], str | 
         for role in flags:
             flags[role] += ["--device", device]
     flags["draft"] += list(getattr(args, "draft_flags", ()))
+    flags["target"] += list(getattr(args, "target_flags", ()))
     module = None
     if args.emulate_devices:
         module = "bench.emulated_device"

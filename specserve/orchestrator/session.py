@@ -81,6 +81,7 @@ class LiveSession:
         # > 0 in a round that sends only this many of the tokens its target lacks (a
         # prefill chunk: the session drafts and emits nothing in it)
         self.prefill_chunk = 0
+        self.prefill_tail = False  # this round sends the last part of a chunked prompt
         # How far KV snapshots reach (--kv-snapshots); goes into the next record written.
         self.kv_snapshot: session_pb2.KvSnapshot | None = None
         self.started_ns = time.perf_counter_ns()

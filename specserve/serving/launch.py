@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.serving.supervision import die_with_parent
@@ -117,10 +118,20 @@ class ServerProcess:
             request = health_pb2.HealthCheckRequest(service=service)
             return stub.Check(request, timeout=timeout_s).status
 
+    def _health_or_none(self) -> int | None:
+        try:
+            return self.health()
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            return None
+
     def wait_serving(self, timeout_s: float = 60.0) -> ServerProcess:
-        """Wait until health reports SERVING (the model is loaded)."""
+        """Wait until health reports SERVING (the model is loaded). A health call that
+        misses its own deadline counts as not yet serving: a server loading a model on
+        a busy host may not answer within it."""
         deadline = time.monotonic() + timeout_s
-        while self.health() != health_pb2.HealthCheckResponse.SERVING:
+        while self._health_or_none() != health_pb2.HealthCheckResponse.SERVING:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"{self.role} server exited:\n" + self.output())
             if time.monotonic() > deadline:

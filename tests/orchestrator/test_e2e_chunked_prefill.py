@@ -4,8 +4,8 @@ A stack of real processes on real Redis (tiny models, one torch thread each, dev
 declared shared, as on the test machine: a plain round is one step). Two short
 sessions stream; then a prompt of :data:`LONG` tokens arrives on the same target.
 Prefilled in one round it held both streams for the whole prefill (see
-docs/scheduling.md for the figures); prefilled in chunks sized by the round's
-measured token budget, the streams' largest gap while it prefills stays within
+docs/scheduling.md for the figures); prefilled in chunks sized from a fitted cost at
+their position, the streams' largest gap while it prefills stays within
 :data:`BOUND` times their normal gap, the prompt went in several chunks, and its
 tokens are those of the local engine's target-only decoding.
 """
@@ -26,13 +26,14 @@ from tests.orchestrator.stack import Reference, Stack
 
 pytestmark = pytest.mark.redis
 
-LONG = 3_000  # tokens: prefilled in one round, the others wait ~150 normal gaps
-# The others' largest gap while it prefills, in normal gaps. Issue 46 asks for 3; the
-# measured budget does not reach it yet (docs/scheduling.md: the first chunk is sized
-# before any prefill was measured, and a chunk's cost has a part that grows with the
-# context, not with its tokens); chunked, 5.6x was measured at 3,000 tokens: this bound
-# keeps what holds with room for a slow host and fails the one-round prefill by far.
-BOUND = 30.0
+LONG = 3_000  # tokens: prefilled in one round, the others wait ~110 normal gaps
+# The others' largest gap while it prefills, in normal gaps. Issue 46 asks for 3; a chunk
+# round is sized to take about two usual rounds (fleet/prefill_budget.py), and on this
+# 2-core host the rest is its noise: the normal gap is 2-8 ms, and the streams' largest
+# gap with no prompt at all reached 2-7x of it (bench/results/long_prompt_fairness.md).
+# Measured 5.3x here (the cap-sized first chunk before: 5.6x); this bound keeps what
+# holds on a busy host and fails the one-round prefill (110x) by far.
+BOUND = 12.0
 SHORT = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]]
 
 

@@ -114,13 +114,48 @@ def test_a_round_sends_at_most_its_budget_and_long_prompts_go_in_chunks() -> Non
     assert second.chunks == {"huge": 300 - 3 - 106 - 90}
     behind["p2"] = behind["p3"] = 1
     behind["huge"] -= second.chunks["huge"]
-    # The measured budget replaces the flag's; huge stays first until it is prefilled.
-    third = s.begin_round(lane, prefill, 50)
-    assert third.ids[0] == "huge" and third.chunks == {"huge": 50 - 5}
-    # Decoding rows past the budget still leave a prompt one token: it always progresses.
-    assert s.begin_round(lane, prefill, 3).chunks == {"huge": 1}
+    # The measured allowance at a prompt's position bounds its tokens (the decoding rows
+    # are in the usual round it is measured against); huge stays first until prefilled.
+    third = s.begin_round(lane, prefill, lambda sid: 50 if sid == "huge" else 0)
+    assert third.ids[0] == "huge" and third.chunks == {"huge": 50}
+    # An allowance of 0 keeps the round usual (the prompt waits, first in line) ...
+    kept = s.begin_round(lane, prefill, lambda sid: 0)
+    assert "huge" not in kept.ids and not kept.chunks
+    assert s.begin_round(lane, prefill, lambda sid: 40).chunks == {"huge": 40}
+    # ... unless nothing else would run: a prompt alone always progresses.
+    alone = Scheduler(SchedulerConfig(max_prefill_tokens=300))
+    alone.join("huge", Placement("t1", "d1"))
+    assert alone.begin_round(lane, prefill, lambda sid: 0).chunks == {"huge": 1}
     no_costs = s.begin_round(lane)
     assert len(no_costs.ids) == len(behind) and not no_costs.chunks  # no budget applies
+
+
+def test_prompts_that_go_whole_spend_the_allowance_of_the_one_chunked_after_them() -> None:
+    s = Scheduler(SchedulerConfig(max_prefill_tokens=10_000))
+    behind = {"short": 100, "long": 5000, "later": 200}
+    for sid in behind:
+        s.join(sid, Placement("t1", "d1"))
+    allowance = {"short": 400, "long": 300, "later": 400}  # the long one holds more
+    batch = s.begin_round("t1", behind.__getitem__, allowance.__getitem__)
+    assert batch.ids == ["short", "long"] and batch.chunks == {"long": 300 - 100}
+
+
+def test_a_chunked_prompts_short_tail_is_charged_as_a_prompt() -> None:
+    """The last 20 tokens of a prompt sent in chunks are within a round's worth
+    (DECODING_TOKENS) but still a prompt's: the allowance bounds them."""
+    s = Scheduler(SchedulerConfig(max_prefill_tokens=10_000))
+    behind = {"d": 1, "long": 100}
+    for sid in behind:
+        s.join(sid, Placement("t1", "d1"))
+    assert s.begin_round("t1", behind.__getitem__, lambda sid: 80).chunks == {"long": 80}
+    behind["long"] = 20
+    second = s.begin_round("t1", behind.__getitem__, lambda sid: 8)
+    assert second.chunks == {"long": 8} and not second.tails
+    behind["long"] = 12
+    third = s.begin_round("t1", behind.__getitem__, lambda sid: 12)
+    assert third.tails == {"long"} and not third.chunks  # its last part, whole
+    behind["long"] = 1
+    assert not s.begin_round("t1", behind.__getitem__, lambda sid: 0).tails  # decoding now
 
 
 def test_a_round_of_decoding_sessions_only_is_never_cut() -> None:

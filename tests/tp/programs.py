@@ -156,6 +156,24 @@ def greedy_program(
     (out / "greedy.pkl").write_bytes(pickle.dumps(result))
 
 
+def chunked_program(rank: int, world: int, out: Path, timeout_s: float) -> None:
+    """Rank 0 prefills one prompt in one verify and another copy of it over several (the
+    orchestrator's chunked prefill), then decodes both greedily; rank 1 serves."""
+    from tests.engine.test_chunked_prefill import greedy_after_prefill, prompt
+
+    settings = TPSettings(world_size=world, backend="gloo", timeout_s=timeout_s, num_threads=1)
+    verifier = start_tp_verifier(partial(load_target, 3, "qwen2"), 16 << 20, settings)
+    if verifier is None:
+        return
+    tokens = prompt(1200, 11)
+    result = {
+        name: greedy_after_prefill(verifier, name, tokens, chunks, 12)
+        for name, chunks in (("whole", []), ("chunked", [700, 1, 37, 300]))
+    }
+    verifier.close()  # type: ignore[attr-defined]
+    (out / "chunked.pkl").write_bytes(pickle.dumps(result))
+
+
 # -- failure --------------------------------------------------------------------------
 
 

@@ -56,6 +56,18 @@ def test_tp2_verifier_greedy_equals_tp1(tp2_greedy: dict[str, Any]) -> None:
     assert "outside the vocabulary" in tp2_greedy["bad_input"]
 
 
+def test_tp2_ranks_prefill_a_prompt_in_chunks_as_tp1(tmp_path: Path) -> None:
+    """The orchestrator's chunks are ordinary Verify calls: rank 0 broadcasts each of
+    their forwards, so the ranks chunk alike and decode what one process decodes."""
+    from tests.engine.test_chunked_prefill import greedy_after_prefill, prompt
+
+    assert run_ranks(programs.chunked_program, 2, tmp_path, 30.0) == [0, 0]
+    tp2 = pickle.loads((tmp_path / "chunked.pkl").read_bytes())
+    tp1 = TargetVerifier(programs.load_target(3, "qwen2"), 16 << 20)
+    assert tp2["chunked"] == tp2["whole"]
+    assert tp2["whole"] == greedy_after_prefill(tp1, "s", prompt(1200, 11), [], 12)
+
+
 def test_torchrun_launch_decodes_as_the_spawned_group(
     tmp_path: Path, tp2_greedy: dict[str, Any]
 ) -> None:

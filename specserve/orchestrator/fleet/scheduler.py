@@ -15,15 +15,16 @@ alike; docs/benchmarks.md).
 :meth:`Scheduler.join` parks a session as pending, :meth:`Scheduler.begin_round`
 admits the pending ones and returns the batch (at most ``max_batch``, rotating
 so every session gets its turn), :meth:`Scheduler.end_round` drops the finished.
-**Token budget.** A round computes at most ``budget`` rows on its target (as
-vLLM's ``max_num_batched_tokens``): the tokens each session sends that the target
-has not seen, verify rows and prefill alike. Decoding sessions always go and are
-charged first; prompts then take what is left in line order, and the first prompt
-that does not fit whole is sent in part, a *chunk* (at least one token, so a prompt
-always progresses), and goes first again next round. A long prompt is thus prefilled
-over consecutive rounds while the decoding sessions keep theirs, and no round grows
-much past its usual length (the runner measures the budget:
-:mod:`~specserve.orchestrator.fleet.prefill_budget`).
+**Token budget.** A round computes at most ``max_prefill_tokens`` rows on its target
+(as vLLM's ``max_num_batched_tokens``): the tokens each session sends that the target
+has not seen, verify rows and prefill alike, and its prompts carry at most what the
+runner measured a round can take at their position without growing much past its
+usual length (:mod:`~specserve.orchestrator.fleet.prefill_budget`). Decoding sessions
+always go and are charged first; prompts then take what is left in line order, and
+the first prompt that does not fit whole is sent in part, a *chunk* (at least one
+token, so a prompt always progresses), and goes first again next round. A long
+prompt is thus prefilled over consecutive rounds while the decoding sessions keep
+theirs.
 
 **Affinity.** A session prefers the target and draft replicas named in its
 record (they hold a warm KV cache up to some position); otherwise it goes to
@@ -89,12 +90,16 @@ class RoundBatch:
     # session -> how many of its unseen tokens this round sends (fewer than it lacks):
     # it emits nothing this round and goes on prefilling in the next
     chunks: dict[str, int] = field(default_factory=dict)
+    # prompts whose last part this round sends after chunks in earlier rounds
+    tails: set[str] = field(default_factory=set)
 
 
 @dataclass
 class _Lane:
     pending: list[str] = field(default_factory=list)
     running: collections.deque[str] = field(default_factory=collections.deque)
+    # prompts sent in part in an earlier round: their tail is a prompt's too, however short
+    prefilling: set[str] = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self.pending) + len(self.running)
@@ -180,6 +185,7 @@ class Scheduler:
         if placement is None:
             return
         lane = self._lanes[placement.lane]
+        lane.prefilling.discard(session_id)
         if session_id in lane.pending:
             lane.pending.remove(session_id)
         else:
@@ -193,15 +199,19 @@ class Scheduler:
         self,
         lane: LaneKey,
         behind: Callable[[str], int] | None = None,
-        budget: int | None = None,
+        prefill: Callable[[str], int] | None = None,
     ) -> RoundBatch:
         """Admit the lane's pending sessions and return this round's batch (may be empty).
 
         ``behind(sid)`` is how many tokens of the session's history its target has not
-        seen; ``budget`` (default ``max_prefill_tokens``) the rows the round may send
-        in all. Decoding sessions (a round's worth behind, :data:`DECODING_TOKENS`)
-        always go; prompts share what they leave, the first that does not fit whole
-        goes as a chunk, the rest wait. Without ``behind`` no budget applies.
+        seen; ``prefill(sid)`` the most prompt tokens the round may carry, measured at
+        that prompt's position (default: no more than the rows; 0: none this round, the
+        prompt waits unless the round would be empty). The round sends at
+        most ``max_prefill_tokens`` rows in all. Decoding sessions (a round's worth
+        behind, :data:`DECODING_TOKENS`) always go and are charged to the rows first;
+        prompts share what is left of both in line order, the first that does not fit
+        whole goes as a chunk (at least one token), the rest wait. Without ``behind``
+        no budget applies.
         """
         state = self._lanes.get(lane)
         if state is None:
@@ -211,20 +221,32 @@ class Scheduler:
         n = min(len(state.running), self.config.max_batch)
         head = [state.running.popleft() for _ in range(n)]
         cost = {sid: behind(sid) if behind is not None else 0 for sid in head}
-        batch = [sid for sid in head if cost[sid] <= DECODING_TOKENS]
-        left = (budget or self.config.max_prefill_tokens) - sum(cost[sid] for sid in batch)
+        # A prompt's tail after its chunks is charged as a prompt, not as decoding rows.
+        prompt = {
+            sid: cost[sid] > DECODING_TOKENS or (sid in state.prefilling and cost[sid] > 0)
+            for sid in head
+        }
+        batch = [sid for sid in head if not prompt[sid]]
+        rows_left = self.config.max_prefill_tokens - sum(cost[sid] for sid in batch)
+        carried = 0  # prompt tokens given out so far
         chunks: dict[str, int] = {}
         waiting: list[str] = []
         for sid in head:
-            if cost[sid] <= DECODING_TOKENS:
+            if not prompt[sid]:
                 continue
+            allowed = None if prefill is None else prefill(sid)
+            if allowed is not None and allowed <= 0 and batch:
+                waiting.append(sid)  # a round kept usual (re-measured); never an empty one
+                continue
+            left = rows_left if allowed is None else min(rows_left, allowed - carried)
             if cost[sid] <= left:
                 batch.append(sid)
-                left -= cost[sid]
+                rows_left -= cost[sid]
+                carried += cost[sid]
             elif not chunks:  # the first that does not fit goes in part
                 chunks[sid] = max(1, left)
                 batch.append(sid)
-                left = 0
+                rows_left = 0
             else:
                 waiting.append(sid)
         chosen = set(batch)
@@ -232,7 +254,9 @@ class Scheduler:
         # A chunked prompt goes on first next round, then whoever waited, then the rest.
         state.running.extendleft(reversed([*chunks, *waiting]))
         state.running.extend(sid for sid in batch if sid not in chunks)
-        return RoundBatch(batch, chunks)
+        tails = {sid for sid in batch if sid in state.prefilling and sid not in chunks}
+        state.prefilling = (state.prefilling & set(waiting)) | set(chunks)
+        return RoundBatch(batch, chunks, tails)
 
     def end_round(self, finished: Iterable[str]) -> None:
         """Drop sessions that finished in the round."""

@@ -73,9 +73,10 @@ class Failover:
         self.snapshots = snapshots  # None: --kv-snapshots is off
         self.refresh_usable = refresh_usable  # the scheduler's view of usable replicas
         self.budget = VerifyBudget(timeouts.target_s)  # each Verify's timeout
+        # each round's prompt tokens; a first chunk is sized at a verify row's cost
         self.prefill_budget = PrefillBudget(
-            scheduler.config.max_prefill_tokens
-        )  # each round's rows
+            scheduler.config.max_prefill_tokens, self.budget.per_row_s.get
+        )
 
     async def verify(
         self,

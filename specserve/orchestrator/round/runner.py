@@ -75,7 +75,7 @@ from specserve.orchestrator.round.ledger import (
 )
 from specserve.orchestrator.round.spans import RoundSpans
 from specserve.orchestrator.round.stats import RunnerStats
-from specserve.orchestrator.round.views import prefill_tokens, session_view, target_backlog
+from specserve.orchestrator.round.views import prefills, session_view, target_backlog
 from specserve.orchestrator.session import LiveSession, Phase
 from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
 from specserve.orchestrator.store.leases import LeaseKeeper
@@ -191,11 +191,12 @@ class RoundRunner:
         # round for theirs (8 requests at once: a round of 1, then of 6, then of 1).
         await asyncio.sleep(self.scheduler.config.admission_window_s)
         pending: PendingCommit | None = None  # the last round's commit, in flight
+        budget = self.failover.prefill_budget
         while True:
             admitted = self.scheduler.begin_round(
                 lane,
                 lambda sid: target_backlog(self.sessions[sid]),
-                self.failover.prefill_budget.rows(lane),
+                lambda sid: budget.rows(lane, self.sessions[sid].state.target_start),
             )
             ids = admitted.ids
             # A session that failed over mid-round joins this lane before that round ends;
@@ -203,6 +204,7 @@ class RoundRunner:
             batch = [self.sessions[sid] for sid in ids]
             for s in batch:
                 s.prefill_chunk = admitted.chunks.get(s.sid, 0)
+                s.prefill_tail = s.sid in admitted.tails
             batch = [s for s in batch if s.phase is Phase.WAITING and not s.state.finished]
             if not batch and pending is not None:
                 await self.ledger.finish(await self.commits.settle(pending))
@@ -286,7 +288,7 @@ class RoundRunner:
         # A session prefilling in chunks is not planned: it sends its chunk, drafts nothing
         # and emits nothing until its last chunk, a round that plans it as any prompt.
         chunked = [s for s in live if s.prefill_chunk]
-        prefilled = prefill_tokens(live)  # what the round's time is set against
+        prefilled = prefills(live)  # what the round's time is set against
         planned = [s for s in live if not s.prefill_chunk]
         views = [session_view(s, self.planner.config.warm_above_tokens) for s in planned]
         waiting = self._waiting(target, live) + len(chunked)

@@ -39,10 +39,15 @@ def target_backlog(s: LiveSession) -> int:
     return len(s.state.tokens) - s.state.target_start
 
 
-def prefill_tokens(sessions: Iterable[LiveSession]) -> int:
-    """Tokens of prefill a round sends its target: each prompt's chunk, or all it lacks
-    (a session a round's worth behind, :data:`DECODING_TOKENS`, is decoding)."""
-    return sum(s.prefill_chunk or b for s in sessions if (b := target_backlog(s)) > DECODING_TOKENS)
+def prefills(sessions: Iterable[LiveSession]) -> list[tuple[int, int]]:
+    """The prompts a round sends its target, as (tokens the target holds, tokens sent):
+    each prompt's chunk, or all it lacks (a session a round's worth behind,
+    :data:`DECODING_TOKENS`, is decoding, unless that is a chunked prompt's tail)."""
+    return [
+        (s.state.target_start, s.prefill_chunk or b)
+        for s in sessions
+        if (b := target_backlog(s)) > DECODING_TOKENS or s.prefill_tail
+    ]
 
 
 def draft_backlog(sessions: Iterable[LiveSession]) -> int:
