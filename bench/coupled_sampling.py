@@ -44,12 +44,12 @@ from bench.common import (
 )
 from specserve.engine import ops
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.rejection import Proposal, verify
 from specserve.engine.sampling import SamplingParams, SamplingRule
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.k_policy import KPolicy
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"

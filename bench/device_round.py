@@ -42,7 +42,6 @@ import torch
 from bench.common import environment, environment_md, reproduce_command, write_results
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.devices import parse_device
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
@@ -50,6 +49,7 @@ from specserve.engine.static_step import SESSION_BUCKETS
 from specserve.engine.step_runner import StepOptions
 from specserve.engine.tiny import tiny_from_spec
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.k_policy import KPolicy
 
 K = 4
 NEW_TOKENS = 24

@@ -17,10 +17,10 @@ Costs come from the same process: the target's forward of r rows and the draft's
 round costs the overhead, the draft's forwards (the first feeds what the draft has not
 seen: after plain rounds, their tokens), and the target's forward of its drafts + 1
 rows; a plain round the local loop's target-only token. The adaptive policies plan
-with the costs :class:`~specserve.engine.round_cost.RoundCosts` measures of the
+with the costs :class:`~specserve.policy.round_cost.RoundCosts` measures of the
 replayed rounds as they go (the local loop's own fitter and timing rule).
 
-Policies: fixed k; the adaptive :class:`~specserve.engine.k_policy.KPolicy` with its
+Policies: fixed k; the adaptive :class:`~specserve.policy.k_policy.KPolicy` with its
 constants and with each varied; the rule it replaced (the k maximising expected tokens
 per unit of cost, drafts stopped past a round's first where the draft's top probability
 is below 0.5); and an oracle that drafts exactly the run of matches (at most 8): an
@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import environment, environment_md, parse_range, reproduce_command, write_results
-from specserve.engine.k_policy import KPolicy, expected_tokens
-from specserve.engine.round_cost import RoundCosts
+from specserve.policy.k_policy import KPolicy, expected_tokens
+from specserve.policy.round_cost import RoundCosts
 
 ROWS = tuple(range(1, 10))  # the forward costs measured, by rows
 ORACLE_K_MAX = 8  # KPolicy's k_max

@@ -42,7 +42,6 @@ from bench.common import (
 )
 from bench.engine_decode_models import load_pair
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.loader import prepare
 from specserve.engine.model import CausalLM
 from specserve.engine.model_drafter import ModelDrafter
@@ -51,6 +50,7 @@ from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.verifier import TargetVerifier
 from specserve.model_store import locate
+from specserve.policy.k_policy import KPolicy
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"

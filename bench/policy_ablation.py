@@ -52,7 +52,7 @@ from bench.serving_stack import (
 
 TINY_TARGET = "tiny:3"
 TINY_DRAFT = "tiny:3:noise=0.3"
-POLICY_CONFIG = "specserve.orchestrator.policy.config"  # where PolicyConfig lives
+POLICY_CONFIG = "specserve.policy.config"  # where PolicyConfig lives
 
 
 @dataclass(frozen=True)

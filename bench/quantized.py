@@ -76,16 +76,16 @@ from specserve import model_store
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.draft_vocab import reduce_draft_head
 from specserve.engine.drafter import DrafterKind
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.model_spec import ModelSpec
-from specserve.engine.round_cost import RoundCosts
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.tokenizer import Tokenizer
 from specserve.engine.verifier import TargetVerifier
 from specserve.local import LocalConfig, load
+from specserve.policy.k_policy import KPolicy
+from specserve.policy.round_cost import RoundCosts
 
 TARGET = "qwen2.5-coder-1.5b-instruct:weights=quantized"
 DRAFT = "qwen2.5-coder-0.5b-instruct:weights=quantized"

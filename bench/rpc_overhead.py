@@ -74,8 +74,8 @@ from bench.round_transport import (
 )
 from bench.rpc_stub import handler_cost
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.sampling import SamplingParams
+from specserve.policy.k_policy import KPolicy
 from specserve.serving.launch import ServerProcess
 from specserve.v1 import common_pb2, target_pb2_grpc
 

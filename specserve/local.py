@@ -21,15 +21,15 @@ from specserve.engine.devices import check_device_name, parse_device
 from specserve.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, reduce_draft_head
 from specserve.engine.drafter import Drafter, DrafterKind
 from specserve.engine.dtypes import DTYPES
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.loader import LoadedModel, check_compatible, load_spec
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.ngram import NgramDrafter
-from specserve.engine.round_cost import RoundCosts
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.step_runner import StepOptions
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.k_policy import KPolicy
+from specserve.policy.round_cost import RoundCosts
 
 
 @dataclass(frozen=True)

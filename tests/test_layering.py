@@ -57,6 +57,8 @@ _WIRE = (
 
 # layer (a package: every module in it; or one module) -> what it must not import
 LAYERS: dict[str, tuple[str, ...]] = {
+    # The scheduling policy: pure bookkeeping under the engine and the orchestrator alike.
+    "specserve.policy": ("specserve.engine", *_ABOVE_ENGINE, "torch", "asyncio"),
     "specserve.engine": _ABOVE_ENGINE,
     "specserve.model_store": tuple(m for m in _ABOVE_ENGINE if m != "specserve.model_store"),
     "specserve.wire.common_wire": _WIRE,

@@ -14,10 +14,10 @@ from enum import StrEnum
 
 from specserve.engine.drafter import DrafterKind, DraftInput
 from specserve.engine.errors import InvalidArgument
-from specserve.engine.k_policy import KPolicy, expected_tokens
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.verifier import VerifyInput
+from specserve.policy.k_policy import KPolicy, expected_tokens
 
 MAX_STOP_STRINGS = 16
 

@@ -23,8 +23,8 @@ from specserve.engine.decode_state import DecodeState
 from specserve.engine.drafter import Drafter, DrafterKind
 from specserve.engine.errors import InvalidArgument
 from specserve.engine.rejection import Proposal
-from specserve.engine.round_cost import RoundCosts
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.round_cost import RoundCosts
 
 
 @dataclass
@@ -53,7 +53,7 @@ class SpeculativeEngine:
         costs: RoundCosts | None = None,
     ) -> None:
         """``costs``: measure a lone session's decode rounds and plan adaptive k with the
-        costs they imply (:mod:`specserve.engine.round_cost`); None keeps the policies'
+        costs they imply (:mod:`specserve.policy.round_cost`); None keeps the policies'
         static costs (the k chosen then depends on acceptance alone, not on timing)."""
         self.verifier = verifier
         self.drafters = dict(drafters)

@@ -22,10 +22,10 @@ from specserve.engine.errors import InvalidArgument
 from specserve.engine.kv_cache import KVStats
 from specserve.engine.logprobs import TokenLogprob, token_logprobs
 from specserve.engine.model import CausalLM, SeqInput
-from specserve.engine.plain_steps import MAX_STEPS
 from specserve.engine.rejection import Proposal, Verdict, verify
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.step_runner import StepOptions, StepRunner
+from specserve.policy.plain_steps import MAX_STEPS
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,12 @@ from specserve.orchestrator.config import OrchestratorConfig
 from specserve.orchestrator.fleet.replicas import ReplicaPool, StreamFactory
 from specserve.orchestrator.fleet.scheduler import Scheduler
 from specserve.orchestrator.metrics import serve_metrics
-from specserve.orchestrator.policy import Planner
 from specserve.orchestrator.round.runner import RoundRunner
 from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
 from specserve.orchestrator.snapshots.kv_store import ChunkStore
 from specserve.orchestrator.store.redis_settings import embedded_client
 from specserve.orchestrator.store.session_store import SessionStore
+from specserve.policy import Planner
 from specserve.serving.replica_stream import ReplicaStream
 from specserve.serving.server import RunningServer, identity_of, start_server
 from specserve.telemetry.process import setup_telemetry

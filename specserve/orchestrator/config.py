@@ -16,12 +16,12 @@ from specserve.orchestrator.api.api_keys import ApiKeys
 from specserve.orchestrator.flags import DEFAULT_PORT, ROUND_TRANSPORTS, add_arguments
 from specserve.orchestrator.fleet.replicas import EndpointSpec
 from specserve.orchestrator.fleet.scheduler import SchedulerConfig
-from specserve.orchestrator.policy import Devices, PolicyConfig, with_overrides
 from specserve.orchestrator.round.calls import RoundTimeouts
 from specserve.orchestrator.snapshots.kv_snapshots import SnapshotConfig
 from specserve.orchestrator.store.redis_settings import RedisSettings, password_from, url_warning
 from specserve.orchestrator.store.session_store import StoreTtls
 from specserve.orchestrator.store.store_retry import DEFAULT_WINDOW_S as DEFAULT_REDIS_RETRY_S
+from specserve.policy import Devices, PolicyConfig, with_overrides
 from specserve.serving.cli_args import flag_values
 from specserve.serving.internal_token import internal_token
 from specserve.serving.server import ServerOptions

@@ -8,9 +8,9 @@ from specserve.engine.errors import InvalidArgument
 from specserve.engine.kv_chunks import KvLayout
 from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk
 from specserve.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
-from specserve.engine.plain_steps import MAX_STEPS
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.verifier import VerifyInput, VerifyOutcome
+from specserve.policy.plain_steps import MAX_STEPS
 from specserve.v1 import common_pb2, draft_pb2, target_pb2
 from specserve.wire import common_wire, sparse_q
 

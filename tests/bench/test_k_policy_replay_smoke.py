@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import k_policy_replay as replay
-from specserve.engine.k_policy import KPolicy
+from specserve.policy.k_policy import KPolicy
 
 COSTS = replay.Costs(
     target={r: 40.0 + 5.0 * (r - 1) for r in range(1, 10)},

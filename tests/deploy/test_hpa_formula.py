@@ -28,8 +28,8 @@ import pytest
 
 from bench.round_client import RoundClient
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.sampling import SamplingParams
+from specserve.policy.k_policy import KPolicy
 from specserve.serving.launch import ServerProcess
 from tests.deploy import hpa
 from tests.deploy.manifests import K8S, by_kind, load_docs

@@ -23,13 +23,13 @@ import torch.nn.functional as F
 
 from specserve.engine.attention import blocked_attention
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.rejection import Proposal
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.verifier import TargetVerifier, VerifyInput
+from specserve.policy.k_policy import KPolicy
 from tests.support.tiny import noisy_copy, tiny_model
 
 BUDGET = 16 << 20

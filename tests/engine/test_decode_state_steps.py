@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from specserve.engine.decode_state import DecodeState, FinishReason, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.sampling import SamplingParams
+from specserve.policy.k_policy import KPolicy
 
 
 def state(max_new_tokens: int = 64, eos: frozenset[int] = frozenset()) -> DecodeState:

@@ -12,10 +12,10 @@ import torch
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.drafter import DrafterKind, DraftInput
 from specserve.engine.errors import InvalidArgument
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.model import SeqInput
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.sampling import SamplingParams
+from specserve.policy.k_policy import KPolicy
 from specserve.v1 import draft_pb2
 from specserve.wire import draft_wire
 from specserve.wire.common_wire import SessionLimit

@@ -13,7 +13,6 @@ from torch import nn
 
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.draft_vocab import draft_vocabulary, reduce_draft_head
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.loader import load_tokenizer
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.model_drafter import ModelDrafter
@@ -23,6 +22,7 @@ from specserve.engine.sampling import SamplingParams, SamplingRule
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.tiny_tokenizer import EOS_ID, write_tiny_tokenizer
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.k_policy import KPolicy
 from tests.support.tiny import noisy_copy, tiny_model
 
 KEPT = [*range(0, 256, 2), 1, 3, 255]

@@ -21,7 +21,6 @@ from torch import nn
 from specserve.engine.config import ModelConfig
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.errors import ModelLoadError
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.loader import load_model, read_config
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.model_drafter import ModelDrafter
@@ -30,6 +29,7 @@ from specserve.engine.sampling import SamplingParams, SamplingRule
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.tp import check_divisible
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.k_policy import KPolicy
 from tests.support.hf_families import family_config, family_reference, write_family_gguf
 from tests.support.hf_tiny import PROMPT
 from tests.support.tiny import noisy_copy

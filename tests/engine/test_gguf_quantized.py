@@ -16,7 +16,6 @@ from specserve.engine import ops
 from specserve.engine.config import ModelConfig
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.errors import InvalidArgument, ModelLoadError
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.loader import load_model, load_tokenizer, read_config
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.model_drafter import ModelDrafter
@@ -29,6 +28,7 @@ from specserve.engine.quantized_layers import (
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.k_policy import KPolicy
 from tests.support.tiny_gguf import DRAFT_TYPES, write_tiny_gguf
 
 PROMPT = [5, 17, 99, 3, 200, 7, 64, 1]

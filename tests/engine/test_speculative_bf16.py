@@ -20,12 +20,12 @@ import torch
 from specserve.engine import cpu_kernels, ops
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.drafter import DraftInput
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.model import SeqInput
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.k_policy import KPolicy
 from tests.support.tiny import noisy_copy, tiny_model
 
 BUDGET = 8 << 20

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.ngram import NgramDrafter
-from specserve.engine.round_cost import RoundCosts
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.k_policy import KPolicy
+from specserve.policy.round_cost import RoundCosts
 from tests.support.tiny import noisy_copy, tiny_model
 
 BUDGET = 8 << 20

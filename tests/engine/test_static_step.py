@@ -18,7 +18,6 @@ import torch
 
 from specserve.engine import cpu_kernels, ops
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.model import CausalLM
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.sampling import SamplingParams, batched_probabilities
@@ -27,6 +26,7 @@ from specserve.engine.static_sampling import probabilities
 from specserve.engine.static_step import Bucket, StaticStep
 from specserve.engine.step_runner import StepOptions, StepRunner
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.k_policy import KPolicy
 from tests.support.tiny import noisy_copy, tiny_model
 
 BUDGET = 4 << 20

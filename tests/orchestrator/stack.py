@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import grpc
 
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.ngram import NgramDrafter
 from specserve.engine.sampling import SamplingParams
@@ -26,6 +25,7 @@ from specserve.engine.verifier import TargetVerifier
 from specserve.orchestrator.launch import OrchestratorProcess
 from specserve.orchestrator.store.redis_settings import RedisSettings
 from specserve.orchestrator.store.session_store import SessionStore
+from specserve.policy.k_policy import KPolicy
 from specserve.serving.launch import ServerProcess, stop_all
 from specserve.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from tests.orchestrator.redis_server import free_port

@@ -14,11 +14,11 @@ import torch
 
 from specserve.client import Client
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.loader import load_model
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.k_policy import KPolicy
 from tests.orchestrator.stack import Stack
 from tests.support.hf_families import family_reference, write_family_gguf
 

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from specserve.engine.decode_state import DecodeState, FinishReason, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.rejection import Proposal, Verdict
 from specserve.engine.sampling import SamplingParams
 from specserve.orchestrator.errors import VersionConflict
@@ -24,6 +23,7 @@ from specserve.orchestrator.round.spans import RoundSpans
 from specserve.orchestrator.session import Ended, LiveSession
 from specserve.orchestrator.store import keys
 from specserve.orchestrator.types import Usage
+from specserve.policy.k_policy import KPolicy
 from specserve.v1 import generate_pb2, session_pb2
 from tests.orchestrator.test_slow_replicas import offline_runner
 

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from specserve.engine.decode_state import DecodeState, FinishReason, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.sampling import SamplingParams
 from specserve.orchestrator.fleet.replicas import EndpointSpec, Replica, ReplicaPool
 from specserve.orchestrator.fleet.scheduler import Scheduler
@@ -28,6 +27,7 @@ from specserve.orchestrator.session import Ended, LiveSession
 from specserve.orchestrator.store.redis_settings import embedded_client
 from specserve.orchestrator.store.session_store import SessionStore
 from specserve.orchestrator.types import Usage
+from specserve.policy.k_policy import KPolicy
 from specserve.v1 import (
     common_pb2,
     draft_pb2,

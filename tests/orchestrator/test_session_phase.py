@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from specserve.engine.decode_state import DecodeState, FinishReason, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.sampling import SamplingParams
 from specserve.orchestrator.session import Ended, LiveSession, Phase
 from specserve.orchestrator.types import Usage
+from specserve.policy.k_policy import KPolicy
 from specserve.v1 import session_pb2
 
 

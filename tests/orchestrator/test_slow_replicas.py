@@ -24,11 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.sampling import SamplingParams
 from specserve.orchestrator.fleet.replicas import EndpointSpec, ReplicaPool
 from specserve.orchestrator.fleet.scheduler import Placement, Scheduler
-from specserve.orchestrator.policy import BatchPlan, Devices, Planner, PolicyConfig, WarmWhere
 from specserve.orchestrator.round import calls
 from specserve.orchestrator.round.calls import Plan, RoundTimeouts
 from specserve.orchestrator.round.runner import RoundRunner
@@ -36,6 +34,8 @@ from specserve.orchestrator.round.views import session_view
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.store.redis_settings import embedded_client
 from specserve.orchestrator.store.session_store import SessionStore
+from specserve.policy import BatchPlan, Devices, Planner, PolicyConfig, WarmWhere
+from specserve.policy.k_policy import KPolicy
 from specserve.v1 import (
     common_pb2,
     draft_pb2,

@@ -16,12 +16,12 @@ import torch
 
 from bench.round_client import RoundClient
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.tiny import tiny_from_spec
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.k_policy import KPolicy
 from specserve.serving.launch import ServerProcess
 from tests.services.conftest import DRAFT, TARGET, Stubs, run, sid, start_all
 

@@ -9,11 +9,11 @@ import pytest
 
 from bench.round_client import RoundClient, RpcTiming
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.tiny import tiny_from_spec
 from specserve.engine.verifier import TargetVerifier
+from specserve.policy.k_policy import KPolicy
 from specserve.serving.launch import ServerProcess
 from specserve.v1 import common_pb2, draft_pb2, target_pb2
 from tests.services.conftest import COMMON, DRAFT, TARGET, Stubs, run, sid, start_all

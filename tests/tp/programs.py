@@ -16,7 +16,6 @@ import torch
 
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.errors import InvalidArgument
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.kv_cache import KVPool
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.model_drafter import ModelDrafter
@@ -25,6 +24,7 @@ from specserve.engine.sampling import SamplingParams
 from specserve.engine.speculative import SpeculativeEngine
 from specserve.engine.tp import TPGroupError, apply_tp, init_tp, shutdown_tp
 from specserve.engine.verifier import VerifyInput
+from specserve.policy.k_policy import KPolicy
 from specserve.target_service.tp_config import TPSettings
 from specserve.target_service.tp_worker import start_tp_verifier
 from tests.support.tiny import noisy_copy, tiny_model

@@ -22,8 +22,8 @@ import grpc
 
 from bench.round_client import RoundClient
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import KPolicy
 from specserve.engine.sampling import SamplingParams
+from specserve.policy.k_policy import KPolicy
 from specserve.serving.launch import ServerProcess
 from specserve.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 

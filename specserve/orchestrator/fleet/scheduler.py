@@ -30,7 +30,7 @@ theirs.
 record (they hold a warm KV cache up to some position); otherwise it goes to
 the least-loaded usable replica.
 
-**k** is not chosen here: the planner (:mod:`specserve.orchestrator.policy`)
+**k** is not chosen here: the planner (:mod:`specserve.policy`)
 plans each round's k per session from the target's load (:meth:`Scheduler.target_load`).
 """
 

@@ -15,7 +15,6 @@ import collections
 
 from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.fleet.scheduler import Scheduler
-from specserve.orchestrator.policy import BatchPlan, WarmWhere
 from specserve.orchestrator.round import calls
 from specserve.orchestrator.round.calls import Plan, RoundTimeouts, batch_timeout
 from specserve.orchestrator.round.ledger import Ledger
@@ -23,6 +22,7 @@ from specserve.orchestrator.round.spans import RoundSpans
 from specserve.orchestrator.round.stats import RunnerStats
 from specserve.orchestrator.round.warmups import DraftWarmups, move_off_draft
 from specserve.orchestrator.session import LiveSession
+from specserve.policy import BatchPlan, WarmWhere
 
 
 class Drafting:

@@ -35,13 +35,13 @@ from specserve.orchestrator.fleet.prefill_budget import PrefillBudget
 from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.fleet.scheduler import Scheduler
 from specserve.orchestrator.fleet.verify_budget import VerifyBudget, rows_of
-from specserve.orchestrator.policy import Planner
 from specserve.orchestrator.round import calls
 from specserve.orchestrator.round.calls import Plan, RoundTimeouts, batch_timeout
 from specserve.orchestrator.round.stats import RunnerStats
 from specserve.orchestrator.session import LiveSession
 from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
 from specserve.orchestrator.store.session_store import SessionStore
+from specserve.policy import Planner
 from specserve.serving.errors import Unavailable
 from specserve.telemetry import attributes as attr
 

@@ -6,7 +6,7 @@ A round of a lane (see :mod:`specserve.orchestrator.fleet.scheduler`) is the rou
 1. sessions whose client left, whose deadline passed or that were cancelled end
    here, at the round boundary;
 2. ``Propose`` on each draft replica the batch uses, in parallel, with the k per
-   session the planner chose (:class:`~specserve.orchestrator.policy.Planner`: the
+   session the planner chose (:class:`~specserve.policy.Planner`: the
    runner gives it the sessions as plain views, does what its plan says, and tells
    it what the round did); a draft replica that fails or misses its deadline costs
    only speculation: its sessions verify with k = 0 this round and move to another
@@ -62,7 +62,6 @@ from opentelemetry import context as otel_context
 from specserve.engine.decode_state import FinishReason
 from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.fleet.scheduler import LaneKey, Placement, Scheduler
-from specserve.orchestrator.policy import BatchPlan, Planner, RoundOutcome
 from specserve.orchestrator.round.calls import Plan, RoundTimeouts
 from specserve.orchestrator.round.drafting import Drafting
 from specserve.orchestrator.round.failover import Failover
@@ -80,6 +79,7 @@ from specserve.orchestrator.session import LiveSession, Phase
 from specserve.orchestrator.snapshots.kv_snapshots import KvSnapshots
 from specserve.orchestrator.store.leases import LeaseKeeper
 from specserve.orchestrator.store.session_store import SessionStore
+from specserve.policy import BatchPlan, Planner, RoundOutcome
 from specserve.serving.errors import Unavailable
 from specserve.telemetry import attributes as attr
 from specserve.v1 import session_pb2

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from specserve.orchestrator.fleet.scheduler import DECODING_TOKENS
-from specserve.orchestrator.policy import Cache, SessionView
 from specserve.orchestrator.session import LiveSession
+from specserve.policy import Cache, SessionView
 
 
 def session_view(s: LiveSession, warm_above_tokens: int) -> SessionView:

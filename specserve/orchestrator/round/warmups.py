@@ -1,7 +1,7 @@
 """Draft warm-ups: bringing a cold session's draft replica up to its committed history.
 
 Whether and where a session warms is the planner's decision
-(:class:`~specserve.orchestrator.policy.WarmWhere`); this is the I/O:
+(:class:`~specserve.policy.WarmWhere`); this is the I/O:
 
 * **inside** the round (:meth:`DraftWarmups.inside`): one ``Propose`` that resends
   the whole history and drafts from it; the round waits for it;

@@ -8,7 +8,7 @@ import pytest
 
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator import config
-from specserve.orchestrator.policy import Devices, PolicyConfig, with_overrides
+from specserve.policy import Devices, PolicyConfig, with_overrides
 
 
 def test_the_load_curve_falls_from_k_max_to_zero() -> None:

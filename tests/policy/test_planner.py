@@ -7,8 +7,7 @@ from itertools import pairwise
 
 import pytest
 
-from specserve.engine.k_policy import CostModel, expected_tokens
-from specserve.orchestrator.policy import (
+from specserve.policy import (
     BatchPlan,
     Cache,
     Devices,
@@ -18,7 +17,8 @@ from specserve.orchestrator.policy import (
     SessionView,
     WarmWhere,
 )
-from specserve.orchestrator.policy.explore import Schedule
+from specserve.policy.explore import Schedule
+from specserve.policy.k_policy import CostModel, expected_tokens
 
 
 def view(sid: str = "a", **kw: object) -> SessionView:

@@ -28,9 +28,9 @@ past the first draft) and 1.35x for the best fixed k (2); an oracle 1.61x.
 The costs start from a static guess (:class:`CostModel`'s defaults, measured for a
 float32 draft) and are replaced by measured ones as soon as a runner has them
 (:meth:`KPolicy.measured`): the local loop fits its own rounds with the one cost
-fitter (:mod:`specserve.engine.round_cost`). In the orchestrator a session's
+fitter (:mod:`specserve.policy.round_cost`). In the orchestrator a session's
 ``KPolicy`` tracks its acceptance and sends its depth floor; its k is planned by
-:mod:`specserve.orchestrator.policy` with :func:`expected_tokens` and the same fitter.
+:mod:`specserve.policy` with :func:`expected_tokens` and the same fitter.
 Pure Python.
 """
 

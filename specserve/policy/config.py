@@ -12,8 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 
-from specserve.engine.k_policy import ALPHA0, CostModel
-from specserve.engine.plain_steps import MAX_STEPS
+from specserve.policy import round_cost
+from specserve.policy.k_policy import ALPHA0, PROBE_EVERY, CostModel
+from specserve.policy.plain_steps import MAX_STEPS
 
 
 class Devices(StrEnum):
@@ -26,7 +27,7 @@ class Devices(StrEnum):
 # What drafting costs before any round is timed, in plain rounds (one target forward of
 # the batch), by declared devices. Separate: a draft forward about a sixth of a target
 # forward, a verify a few tokens wider nearly free. Shared: the float32 draft's costs on
-# one CPU (:class:`~specserve.engine.k_policy.CostModel`'s defaults).
+# one CPU (:class:`~specserve.policy.k_policy.CostModel`'s defaults).
 PRIOR_COSTS = {
     Devices.SEPARATE: CostModel(draft_per_token=0.17, verify_per_token=0.02, fixed=0.05),
     Devices.SHARED: CostModel(),
@@ -74,9 +75,9 @@ class PolicyConfig:
     alpha_smoothing: float = 0.2
     alpha_prior_trials: float = 8.0  # judged drafts the target's pooled acceptance counts as
     acceptance_decay: float = 0.99  # weight the pool keeps of older rounds at each new round
-    cost_decay: float = 0.98
-    cost_min_rounds: int = 4
-    explore_every: int = 8
+    cost_decay: float = round_cost.DECAY
+    cost_min_rounds: int = round_cost.MIN_ROUNDS
+    explore_every: int = PROBE_EVERY  # the local loop's probe interval, here the explorer's
     max_backoff: int = 8
     # max_backoff of re-timing drafting (None: the declared devices' DRAFTING_BACKOFF)
     max_backoff_drafting: int | None = None

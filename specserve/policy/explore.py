@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specserve.orchestrator.policy.config import PolicyConfig
+from specserve.policy.config import PolicyConfig
 
 
 @dataclass

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.k_policy import (
+from specserve.engine.sampling import SamplingParams
+from specserve.policy.k_policy import (
     MAX_DEPTH_FLOOR,
     PROBE_EVERY,
     CostModel,
     KPolicy,
     expected_tokens,
 )
-from specserve.engine.sampling import SamplingParams
 
 
 def state(policy: KPolicy, *, max_new_tokens: int = 64, drafter: str = "model") -> DecodeState:

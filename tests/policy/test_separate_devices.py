@@ -17,8 +17,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from specserve.engine.k_policy import updated_alpha
-from specserve.orchestrator.policy import (
+from specserve.policy import (
     BatchPlan,
     Devices,
     Planner,
@@ -26,6 +25,7 @@ from specserve.orchestrator.policy import (
     RoundOutcome,
     SessionView,
 )
+from specserve.policy.k_policy import updated_alpha
 
 PROPOSE_S, STEP_S = 0.003, 0.003
 

@@ -25,7 +25,7 @@ few tokens wider costs about nothing. Until ``min_rounds`` rounds were timed and
 drafting coefficient is identified, there is no fit.
 
 The local loop (:mod:`specserve.engine.speculative`) feeds it a lone session's rounds;
-the orchestrator's planner (:mod:`specserve.orchestrator.policy`) one instance per
+the orchestrator's planner (:mod:`specserve.policy`) one instance per
 target. Pure Python, no clock: the caller passes in what it timed.
 """
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from specserve.engine.k_policy import CostModel
+from specserve.policy.k_policy import CostModel
 
 MIN_ROUNDS = 4
 DECAY = 0.98  # weight kept by older rounds at each new one (about 50 rounds)

@@ -1,13 +1,13 @@
 """The planner: a batch's k per session and its draft warm-ups, from plain data.
 
 Each round the runner hands :meth:`Planner.plan` the target's load and one
-:class:`~specserve.orchestrator.policy.views.SessionView` per session, does the I/O
-the :class:`~specserve.orchestrator.policy.views.BatchPlan` asks for, and hands
+:class:`~specserve.policy.views.SessionView` per session, does the I/O
+the :class:`~specserve.policy.views.BatchPlan` asks for, and hands
 :meth:`Planner.observe` what the round did. Nothing here knows of gRPC, Redis or
 asyncio.
 
 **Cost model.** A round's cost in plain rounds of its batch (one cost model,
-:class:`~specserve.engine.round_cost.RoundCosts`, fitted per target to the clean
+:class:`~specserve.policy.round_cost.RoundCosts`, fitted per target to the clean
 rounds; before it has a fit, the prior for the declared ``devices``)::
 
     round(depth, drafts) = 1 + fixed + per_step * depth + per_token * drafts
@@ -45,7 +45,7 @@ as they would not under a rule that waits for the batch's slowest turn. On
 session's extra draft costs only a verified position: each session's k is then raised
 toward that depth while ``a ** (k + 1)`` (its next draft's chance of being kept) beats
 ``verify_per_token`` times the round's tokens per unit of cost. One owner of
-exploration (:mod:`~specserve.orchestrator.policy.explore`) re-times the choice not
+exploration (:mod:`~specserve.policy.explore`) re-times the choice not
 made, in rounds that can be timed (no prefill, no warm-up beside them, and no drafting
 session whose draft missed its last round: that round would also catch the draft up on
 the plain rounds' tokens, a cost that is not drafting's). On shared
@@ -77,11 +77,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.engine.k_policy import CostModel, KPolicy, expected_tokens
-from specserve.engine.round_cost import RoundCosts, RoundFit, bucket_of
-from specserve.orchestrator.policy.config import Devices, PolicyConfig
-from specserve.orchestrator.policy.explore import Schedule
-from specserve.orchestrator.policy.views import (
+from specserve.policy.config import Devices, PolicyConfig
+from specserve.policy.explore import Schedule
+from specserve.policy.k_policy import CostModel, KPolicy, expected_tokens
+from specserve.policy.round_cost import RoundCosts, RoundFit, bucket_of
+from specserve.policy.views import (
     BatchPlan,
     Cache,
     RoundOutcome,

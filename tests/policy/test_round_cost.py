@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.engine.k_policy import CostModel, KPolicy
-from specserve.engine.round_cost import RoundCosts, bucket_of
+from specserve.policy.k_policy import CostModel, KPolicy
+from specserve.policy.round_cost import RoundCosts, bucket_of
 
 T0, FIXED, STEP, TOKEN = 0.25, 0.01, 0.04, 0.02  # seconds: plain round, drafting's
 
