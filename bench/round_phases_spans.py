@@ -4,7 +4,7 @@
 splits one round span into :data:`PHASES` (compute, server and transport of the
 draft's Propose and the target's Verify, the store, the orchestrator's own rest);
 :func:`analyse` does it for every round of one request. :mod:`bench.emulated_gpu_phases`
-and :mod:`bench.forwarding_hop` read their traces with the same :class:`Tree`.
+and :mod:`bench.experiments.forwarding_hop` read their traces with the same :class:`Tree`.
 """
 
 from __future__ import annotations

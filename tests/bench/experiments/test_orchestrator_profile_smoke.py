@@ -1,11 +1,11 @@
-"""bench.orchestrator_profile runs end to end on tiny emulated-device models (one
+"""bench.experiments.orchestrator_profile runs end to end on tiny emulated-device models (one
 sessions count, one repetition, nothing written); its headline is CPU and wall per round."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import orchestrator_profile
+from bench.experiments import orchestrator_profile
 
 
 @pytest.mark.timeout(1800)  # two servers and a Redis start; minutes on a busy machine

@@ -1,11 +1,11 @@
-"""bench.quant_floors runs end to end on a small shape: each cell beside its three
+"""bench.experiments.quant_floors runs end to end on a small shape: each cell beside its three
 floors; and one step of the target counts the Q4_K_M products it runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import quant_floors
+from bench.experiments import quant_floors
 from specserve.engine import cpu_kernels
 
 

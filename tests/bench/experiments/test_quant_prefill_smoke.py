@@ -1,11 +1,11 @@
-"""bench.quant_prefill runs end to end on the tiny shapes: every variant at every row
+"""bench.experiments.quant_prefill runs end to end on the tiny shapes: every variant at every row
 count, and a headline per row count."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import quant_prefill
+from bench.experiments import quant_prefill
 from specserve.engine import cpu_kernels
 
 

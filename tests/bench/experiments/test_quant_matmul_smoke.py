@@ -1,11 +1,11 @@
-"""bench.quant_matmul runs end to end on small shapes: every weight kind at every row
+"""bench.experiments.quant_matmul runs end to end on small shapes: every weight kind at every row
 count, and a headline per type."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import quant_matmul
+from bench.experiments import quant_matmul
 from specserve.engine import cpu_kernels
 
 

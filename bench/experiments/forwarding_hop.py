@@ -20,7 +20,7 @@ At each ``--sessions`` count, ``--reps`` repetitions each send that many traced
 adaptive requests at once (greedy, EOS ignored); the spread between the
 repetitions' mean round times is what a saving must beat to be worth building.
 
-    .venv/bin/python -m bench.forwarding_hop [--setting 2/12] [--sessions 1,8] \\
+    .venv/bin/python -m bench.experiments.forwarding_hop [--setting 2/12] [--sessions 1,8] \\
         [--reps 3] [--new-tokens 32] [--no-write]
 
 Writes ``bench/results/forwarding_hop.{md,json}`` unless ``--no-write``.
@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         p.error("--reps >= 1, --new-tokens >= 2 and --sessions >= 1, please")
     results = run(args)
     env = environment()
-    md = markdown(results, args, env, ["bench.forwarding_hop", *argv_list])
+    md = markdown(results, args, env, ["bench.experiments.forwarding_hop", *argv_list])
     print(md)
     data = {
         "headline": headline(results),

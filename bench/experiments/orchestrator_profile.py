@@ -20,7 +20,7 @@ It also reports the unprofiled runs' batch rounds by k cap and, at the end of ea
 sessions count, the planner's fitted round times (what the adaptive policy decides
 from).
 
-    .venv/bin/python -m bench.orchestrator_profile [--sessions 1,8] [--new-tokens 64] \\
+    .venv/bin/python -m bench.experiments.orchestrator_profile [--sessions 1,8] [--new-tokens 64] \\
         [--emulate-devices 2,12] [--reps 3] [--top 25] [--drafter model|none] [--k K] \\
         [--no-write]
 
@@ -233,7 +233,7 @@ def report(results: dict, args: argparse.Namespace, env: dict, argv: list[str]) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m bench.orchestrator_profile")
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.orchestrator_profile")
     p.add_argument("--sessions", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
@@ -279,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in servers:
             s.stop()
     env = environment()
-    md = report(results, args, env, ["bench.orchestrator_profile", *argv])
+    md = report(results, args, env, ["bench.experiments.orchestrator_profile", *argv])
     print(md)
     if not args.no_write:
         data = {"headline": headline(results), "results": results}

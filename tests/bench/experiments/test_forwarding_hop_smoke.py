@@ -1,11 +1,11 @@
-"""bench.forwarding_hop runs end to end on tiny emulated-device models (one sessions
+"""bench.experiments.forwarding_hop runs end to end on tiny emulated-device models (one sessions
 count, one repetition, nothing written) and its headline holds what the decision needs."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import forwarding_hop
+from bench.experiments import forwarding_hop
 
 
 @pytest.mark.timeout(1800)  # three processes start; minutes on a busy machine

@@ -1,11 +1,11 @@
-"""bench.quant_decode_profile on a tiny decoder: the Q4_K_M typing, and a profile that
+"""bench.experiments.quant_decode_profile on a tiny decoder: the Q4_K_M typing, and a profile that
 splits a forward's time into the quantized products and the rest."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import quant_decode_profile as qdp
+from bench.experiments import quant_decode_profile as qdp
 from specserve.engine import cpu_kernels
 from specserve.engine.quant import GGMLType, QuantizedWeight
 from specserve.engine.tiny import tiny_config

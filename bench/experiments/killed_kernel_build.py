@@ -1,4 +1,4 @@
-"""A server start killed during the CPU kernels' build, then the next starts (issue 47).
+"""A server start killed during the CPU kernels' build, then the next starts.
 
 In a fresh kernel cache (a temporary ``TORCH_EXTENSIONS_DIR``): a tiny draft server
 starts and builds the kernels; 3 s after torch's builder took its ``lock`` the server
@@ -8,7 +8,7 @@ start takes; a third start finds the library built. Prints the three times and t
 second start's kernel log lines. Costs two kernel compiles; not run by the suite
 (``tests/engine/test_kernel_build_lock.py`` is the same at the kernel loader's level).
 
-    .venv/bin/python -m bench.killed_kernel_build
+    .venv/bin/python -m bench.experiments.killed_kernel_build
 """
 
 from __future__ import annotations

@@ -16,16 +16,16 @@ kernel compute ("hot")
     re-reads it from L2), fastest of 5, scaled to the shape. That is the widening plus
     the FMAs without memory stalls: what the kernel would cost if memory were free.
 
-A product itself is timed as :mod:`bench.quant_matmul` times it (a pool of copies of
+A product itself is timed as :mod:`bench.experiments.quant_matmul` times it (a pool of copies of
 the weight larger than the caches, here on huge pages as a served model's weights are),
 the fastest of ``--reps`` calls (on a shared machine other processes only add time;
 the median is reported beside it). Reported per (shape, type, rows): ms, each floor in
 ms, and ms over the larger of memory and hot (1.0: the kernel is at its own bound).
 
 The step projection sums the products of one decode step of the synthetic Q4_K_M target
-(:func:`bench.quant_decode_profile.q4_k_m_type`: 28 layers, the tied Q6_K LM head on
+(:func:`bench.experiments.quant_decode_profile.q4_k_m_type`: 28 layers, the tied Q6_K LM head on
 every row, as a verify computes logits for every row) at each row count, beside the same
-sums of the floors. ``python -m bench.quant_floors`` prints it (nothing is written).
+sums of the floors. ``python -m bench.experiments.quant_floors`` prints it (nothing is written).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from bench.common import LoadProbe, StreamMeter, environment, environment_md, interleave
-from bench.quant_decode_profile import TARGET, q4_k_m_type
-from bench.quant_matmul import cycling_product
+from bench.experiments.quant_decode_profile import TARGET, q4_k_m_type
+from bench.experiments.quant_matmul import cycling_product
 from specserve.engine import cpu_kernels, ops
 from specserve.engine.hugepages import huge_page_buffer
 from specserve.engine.quant import GGMLType, QuantizedWeight
@@ -181,7 +181,7 @@ def _step(cells: list[dict[str, Any]], rows_list: list[int]) -> list[dict[str, A
 
 def markdown(result: dict[str, Any], env: dict[str, Any]) -> str:
     lines = [
-        "# Quantized products against this machine's floors (bench.quant_floors)",
+        "# Quantized products against this machine's floors (bench.experiments.quant_floors)",
         "",
         environment_md(env),
         "",

@@ -12,7 +12,7 @@ row against float32 and bfloat16 (what a decode step's speed follows).
 A type whose block does not divide a shape's input (Q4_K and Q6_K need multiples of
 256; the 0.5B's 896 is not) is left out of that shape, as llama.cpp's quantizer does.
 
-``python -m bench.quant_matmul`` writes ``bench/results/quant_matmul.{md,json}``.
+``python -m bench.experiments.quant_matmul`` writes ``bench/results/quant_matmul.{md,json}``.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def _headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any], env: dict[str, Any], command: str) -> str:
     lines = [
-        "# Quantized matrix products (bench.quant_matmul)",
+        "# Quantized matrix products (bench.experiments.quant_matmul)",
         "",
         environment_md(env),
         "",
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     env = environment()
     env["other_processes_cpu_share"] = probe.others_share()
-    command = reproduce_command("bench.quant_matmul", argv)
+    command = reproduce_command("bench.experiments.quant_matmul", argv)
     md = markdown(result, env, command)
     print(md)
     if not args.no_write:

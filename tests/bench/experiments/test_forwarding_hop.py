@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.forwarding_hop import round_hops
+from bench.experiments.forwarding_hop import round_hops
 from specserve.telemetry.receiver import ReceivedSpan
 
 MS = 1_000_000  # ns

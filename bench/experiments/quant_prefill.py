@@ -19,7 +19,7 @@ ways, interleaved and each the median of several calls:
 Reported: ms per layer, and projected prefill tokens/s = rows / (layers x layer ms),
 which leaves out attention, norms and the LM head (one row per sequence in a prefill).
 
-``python -m bench.quant_prefill`` writes ``bench/results/quant_prefill.{md,json}``.
+``python -m bench.experiments.quant_prefill`` writes ``bench/results/quant_prefill.{md,json}``.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def _headline(cells: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any], env: dict[str, Any], command: str) -> str:
     lines = [
-        "# Prefill products of quantized weights (bench.quant_prefill)",
+        "# Prefill products of quantized weights (bench.experiments.quant_prefill)",
         "",
         environment_md(env),
         "",
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(args.models.split(","), [int(r) for r in args.rows.split(",")], args.reps)
     env = environment()
     env["other_processes_cpu_share"] = probe.others_share()
-    command = reproduce_command("bench.quant_prefill", argv)
+    command = reproduce_command("bench.experiments.quant_prefill", argv)
     md = markdown(result, env, command)
     print(md)
     if not args.no_write:

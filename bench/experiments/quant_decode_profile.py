@@ -11,7 +11,7 @@ per step, so the share of the quantized products (``q8_linears``,
 (``--by-op``: each layer's ops called one by one, so a layer's own products and its
 attention show apart; otherwise a layer is one ``decoder_layer`` op).
 
-No real model is loaded. ``python -m bench.quant_decode_profile --threads 2`` prints a
+No real model is loaded. ``python -m bench.experiments.quant_decode_profile --threads 2`` prints a
 table per row count (nothing is written).
 """
 
