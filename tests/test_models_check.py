@@ -1,4 +1,5 @@
-"""``specserve models check`` and ``up``'s pair refusal, on tiny offline models.
+"""``specserve models check``, and ``up``'s and ``generate --local``'s pair refusal, on tiny
+offline models.
 
 A tiny Qwen3 and a tiny Gemma 3 (tests/support/hf_families.py), as a Hugging Face
 directory and as F16 / Q8_0 GGUF files: the facts the check reports are those of the
@@ -142,3 +143,17 @@ def test_up_refuses_the_pair_before_starting_anything(
         "specserve: draft and target tokenizers differ in their special tokens: "
         "EOS id 254 in the draft, 255 in the target"
     ]
+
+
+def test_generate_local_refuses_the_pair(
+    models: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "--local", "--target", str(models["q8"]), "--draft", str(models["eos"])]
+    code = cli.main([*argv, "abc"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2
+    assert err[0].startswith("loading target ") and len(err) == 2  # no traceback
+    assert err[1] == (
+        "specserve: draft and target tokenizers differ in their special tokens: "
+        "EOS id 254 in the draft, 255 in the target"
+    )
