@@ -1,4 +1,4 @@
-"""``specserve models``: fetch, list and locate the models of the local store.
+"""``specserve models``: fetch, list and locate the models of the local store; check one.
 
 Wire into the main CLI with :func:`add_parser`; each subcommand's handler
 returns the exit status. Bad input prints one sentence on stderr and exits
@@ -13,12 +13,15 @@ import sys
 from pathlib import Path
 
 from specserve import model_store
+from specserve.cli_models_check import add_check_parser, run_check
 from specserve.engine.errors import EngineError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
-    """Add the ``models`` command (fetch / list / path) to a subparsers object."""
-    parser = subparsers.add_parser("models", help="fetch and list the local model store")
+    """Add the ``models`` command (fetch / list / path / check) to a subparsers object."""
+    parser = subparsers.add_parser(
+        "models", help="fetch and list the local model store; check that a model will load"
+    )
     _configure(parser)
     return parser
 
@@ -31,7 +34,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="store directory (default: $SPECSERVE_HOME or ~/.cache/specserve)",
     )
     parser.set_defaults(func=run)
-    sub = parser.add_subparsers(dest="models_command", metavar="{fetch,list,path}")
+    sub = parser.add_subparsers(dest="models_command", metavar="{fetch,list,path,check}")
     sub.required = True
     groups = ", ".join(model_store.GROUPS)
     fetch = sub.add_parser("fetch", help="download and verify models (kept as GGUF)")
@@ -46,6 +49,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     sub.add_parser("list", help="show which models are present and their sizes")
     path = sub.add_parser("path", help="print the GGUF file of a fetched model")
     path.add_argument("name", help="model name, e.g. qwen2.5-coder-1.5b-instruct")
+    add_check_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
             return _fetch(args.targets, home, progress=not args.quiet)
         if args.models_command == "list":
             return _list(home)
+        if args.models_command == "check":
+            return run_check(args, home)
         print(model_store.resolve(args.name, home))
         return 0
     except EngineError as exc:

@@ -24,6 +24,7 @@ from pathlib import Path
 from specserve.cli_up import UpSettings, up_children
 from specserve.engine.dtypes import DTYPE_NAMES
 from specserve.engine.errors import InvalidArgument
+from specserve.engine.model_spec import ModelSpec
 from specserve.orchestrator.store.redis_settings import redacted
 from specserve.serving.cli_args import add_pair_device_arguments, pair_placement
 from specserve.serving.tls import ClientTls, client_tls
@@ -209,14 +210,8 @@ def _up(args: argparse.Namespace) -> int:
         target, draft = args.target or "tiny:3", args.draft or "tiny:3:noise=0.3"
     else:
         target, draft = args.target or DEMO_TARGET, args.draft or DEMO_DRAFT
-    from specserve.engine.model_spec import ModelSpec
-
     specs = [ModelSpec.parse(target), ModelSpec.parse(draft)]  # malformed: refused here
-    for spec in specs:
-        if not spec.is_tiny:
-            from specserve.model_store import resolve
-
-            resolve(spec.source)  # NotFound says how to fetch it, before anything starts
+    _check_pair(specs[0], specs[1])
     at = pair_placement(args.device, args.draft_device, args.dtype, args.draft_dtype)
     tls_args, tls = _up_tls(args)
     api_key = os.environ.get("SPECSERVE_API_KEY")
@@ -295,6 +290,21 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         stop_all([orchestrator, *servers])
         run_dir.cleanup()
+
+
+def _check_pair(target: ModelSpec, draft: ModelSpec) -> None:
+    """Refuse, before anything starts, a model that is not fetched (NotFound says how to
+    fetch it), that the engine will not load (the loader's sentence), or a draft whose
+    tokenizer is not its target's (:func:`~specserve.engine.model_check.pair_problem`);
+    from configs, headers and tokenizers only."""
+    from specserve.engine.errors import ModelLoadError
+    from specserve.engine.model_check import inspect_model, pair_problem
+    from specserve.model_store import resolve
+
+    facts = [inspect_model(s, None if s.is_tiny else resolve(s.source)) for s in (target, draft)]
+    problem = pair_problem(facts[1], facts[0])
+    if problem is not None:
+        raise ModelLoadError(problem)
 
 
 def _up_tls(args: argparse.Namespace) -> tuple[list[str], ClientTls | None]:

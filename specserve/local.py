@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,7 +21,7 @@ from specserve.engine.devices import check_device_name, parse_device
 from specserve.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, reduce_draft_head
 from specserve.engine.drafter import Drafter, DrafterKind
 from specserve.engine.dtypes import DTYPES
-from specserve.engine.loader import LoadedModel, check_compatible, load_spec
+from specserve.engine.loader import LoadedModel, check_compatible, load_spec, load_spec_tokenizer
 from specserve.engine.model_drafter import ModelDrafter
 from specserve.engine.ngram import NgramDrafter
 from specserve.engine.sampling import SamplingParams
@@ -91,10 +91,12 @@ class Completion:
         )
 
 
-def load(spec: str, dtype: str, device: str = "cpu") -> LoadedModel:
-    """Load a model onto ``device`` and its tokenizer (None for tiny random models), as
-    the servers do."""
-    return load_spec(spec, dtype, locate=model_store.locate, device=parse_device(device))
+def load(spec: str, dtype: str, device: str = "cpu", *, tokenizer: bool = True) -> LoadedModel:
+    """Load a model onto ``device`` and its tokenizer (None for tiny random models, or
+    ``tokenizer`` False), as the servers do."""
+    return load_spec(
+        spec, dtype, locate=model_store.locate, device=parse_device(device), tokenizer=tokenizer
+    )
 
 
 class LocalRunner:
@@ -104,17 +106,26 @@ class LocalRunner:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        loaded = load(config.target, config.target_dtype, config.target_device)
-        self.target, self.tokenizer = loaded.model, loaded.tokenizer
+        # The pair rule first, from the tokenizers alone: a refused pair costs no weights.
+        self.tokenizer = load_spec_tokenizer(config.target, locate=model_store.locate)
+        draft_tok = None
+        if config.draft:
+            draft_tok = load_spec_tokenizer(config.draft, locate=model_store.locate)
+            if self.tokenizer is not None and draft_tok is not None:
+                check_compatible(draft_tok, self.tokenizer)
+        loaded = load(config.target, config.target_dtype, config.target_device, tokenizer=False)
+        loaded = replace(loaded, tokenizer=self.tokenizer)
+        self.target = loaded.model
         # Embedding matrices are padded past the tokenizer; those ids are never tokens.
         vocab = loaded.vocab
         self.verifier = TargetVerifier(self.target, config.kv_budget_bytes, vocab_limit=vocab)
         drafters: dict[DrafterKind, Drafter] = {DrafterKind.NGRAM: NgramDrafter()}
         if config.draft:
-            draft_loaded = load(config.draft, config.draft_dtype, config.draft_device)
-            draft, draft_tok = draft_loaded.model, draft_loaded.tokenizer
-            if self.tokenizer is not None and draft_tok is not None:
-                check_compatible(draft_tok, self.tokenizer)
+            draft_loaded = load(
+                config.draft, config.draft_dtype, config.draft_device, tokenizer=False
+            )
+            draft_loaded = replace(draft_loaded, tokenizer=draft_tok)
+            draft = draft_loaded.model
             reduce_draft_head(draft, draft_tok, config.draft_vocab, min(vocab, draft_loaded.vocab))
             drafters[DrafterKind.MODEL] = ModelDrafter(
                 draft,

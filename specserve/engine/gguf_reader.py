@@ -46,6 +46,9 @@ GGUF_MAGIC = b"GGUF"
 # GGUF `general.architecture` values whose tensors map onto our decoder.
 GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_MODEL_TYPES)
 _DEFAULT_ALIGNMENT = 32
+# Metadata arrays kept whole (every other long array stands as its length): the
+# tokenizer's identity (:mod:`specserve.engine.tokenizer_identity`), ~10 MB for 152k tokens.
+_WHOLE_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"})
 
 # GGUF metadata value types: id -> struct format of a scalar (8: string, 9: array).
 _SCALARS = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}
@@ -163,6 +166,11 @@ class _Cursor:
             self.value(item)
         return (count,)
 
+    def whole_array(self) -> tuple[Any, ...]:
+        """An array value read whole, however long (strings or scalars)."""
+        item, count = self.take("I"), self.take("Q")
+        return tuple(self.value(item) for _ in range(count))
+
 
 class GGUFCheckpoint:
     """An open, validated GGUF file (see the module doc). Close it, or use ``with``."""
@@ -198,7 +206,9 @@ class GGUFCheckpoint:
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
-            self.metadata[key] = cur.value(cur.take("I"))
+            kind = cur.take("I")
+            whole = kind == _ARRAY and key in _WHOLE_ARRAYS
+            self.metadata[key] = cur.whole_array() if whole else cur.value(kind)
         arch = self.metadata.get("general.architecture")
         if not isinstance(arch, str):
             raise ModelLoadError(f"GGUF file {self.path} has no general.architecture entry")
@@ -256,7 +266,7 @@ class GGUFCheckpoint:
         tokens = self.metadata.get("tokenizer.ggml.tokens")
         vocab = self.metadata.get(f"{self.architecture}.vocab_size")
         if vocab is None and isinstance(tokens, tuple) and tokens:
-            vocab = tokens[0] if len(tokens) == 1 else len(tokens)
+            vocab = len(tokens)  # kept whole (_WHOLE_ARRAYS)
         if vocab is None:
             raise ModelLoadError(f"GGUF file {self.path} states no vocabulary size")
         hf: dict[str, Any] = {
@@ -329,29 +339,33 @@ class GGUFCheckpoint:
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"GGUF file {self.path} has a bad value for {exc}") from exc
 
-    def tensors(self) -> Iterator[GGUFTensor]:
+    def tensors(self, *, data: bool = True) -> Iterator[GGUFTensor]:
         """Every tensor under its Hugging Face name (see :class:`GGUFTensor`); a fused
-        matrix comes out as its parts, one tensor each."""
+        matrix comes out as its parts, one tensor each. ``data`` False: headers only,
+        each ``data`` an empty ``[0, bytes_per_row]`` array (nothing of the file read)."""
         heads = self._field("attention.head_count")
         kv_heads = self._field("attention.head_count_kv", 0) or heads
         fam = family(self.model_type)
         rows_of = projection_rows(self.config()) if fam.fused else {}
         for gguf_name, qtype, shape, begin, row_bytes in self._tensors.values():
             rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
-            data = np.frombuffer(self._map, np.uint8, rows * row_bytes, begin)
-            data = data.reshape(rows, row_bytes)
             name = hf_name(gguf_name, self.architecture)
-            if fam.gguf_permuted_qk and name.endswith(
-                ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
-            ):
-                data = _unpermute_rows(data, heads if "q_proj" in name else kv_heads)
+            if data:
+                values = np.frombuffer(self._map, np.uint8, rows * row_bytes, begin)
+                values = values.reshape(rows, row_bytes)
+                if fam.gguf_permuted_qk and name.endswith(
+                    ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
+                ):
+                    values = _unpermute_rows(values, heads if "q_proj" in name else kv_heads)
+            else:
+                values = np.empty((0, row_bytes), np.uint8)
             parts = split_fused(fam, name, rows_of) if fam.fused else None
             if parts is None:
-                yield GGUFTensor(name, gguf_name, qtype, shape, data)
+                yield GGUFTensor(name, gguf_name, qtype, shape, values)
                 continue
             for part, start, end in parts:
                 part_shape = (min(end, rows) - min(start, rows), *shape[1:])
-                yield GGUFTensor(part, gguf_name, qtype, part_shape, data[start:end])
+                yield GGUFTensor(part, gguf_name, qtype, part_shape, values[start:end])
 
 
 def hf_name(gguf_name: str, architecture: str = "llama") -> str:

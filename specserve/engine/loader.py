@@ -107,7 +107,8 @@ def read_config(directory: Path) -> ModelConfig:
     return cfg
 
 
-def _weight_files(directory: Path) -> list[Path]:
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a model directory (one, a sharded index's, or all)."""
     single = directory / "model.safetensors"
     if single.is_file():
         return [single]
@@ -227,7 +228,7 @@ def load_model(
             fill_from_gguf(model, checkpoint, dtype, torch.device(device), form)
     else:
         cfg = read_config(path)
-        files = _weight_files(path)
+        files = weight_files(path)
         model = _meta_model(cfg)
         _fill(model, files, dtype, torch.device(device))
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "unfilled tensor"

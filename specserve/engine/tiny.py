@@ -72,8 +72,18 @@ def tiny_from_spec(spec: str | TinySpec) -> CausalLM:
         if parsed is None:
             raise InvalidArgument(f"not a tiny model spec: {spec!r} (expected tiny:<seed>[...])")
         spec = parsed
+    overrides = _spec_overrides(spec)
+    model = tiny_model(spec.seed, spec.model_type, **overrides)
+    return noisy_copy(model, spec.noise, spec.seed + 1000) if spec.noise else model
+
+
+def tiny_spec_config(spec: TinySpec) -> ModelConfig:
+    """The config of the model a parsed tiny spec names, without building it."""
+    return tiny_config(spec.model_type, **_spec_overrides(spec))
+
+
+def _spec_overrides(spec: TinySpec) -> dict[str, object]:
     overrides: dict[str, object] = {"vocab_size": spec.vocab}
     if spec.ctx is not None:
         overrides["max_position_embeddings"] = spec.ctx
-    model = tiny_model(spec.seed, spec.model_type, **overrides)
-    return noisy_copy(model, spec.noise, spec.seed + 1000) if spec.noise else model
+    return overrides

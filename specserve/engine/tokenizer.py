@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from specserve.engine.errors import ModelLoadError
+from specserve.engine.tokenizer_identity import check_pair, identity_of_tokenizer
 
 # Tokens that end a turn or a document in the chat models we serve. GGUF
 # generation configs of the Qwen pair list only <|im_end|>, so we add these
@@ -72,31 +73,20 @@ class Tokenizer:
         }
 
 
-def _first_difference(a: dict[str, int], b: dict[str, int]) -> str:
-    """The lowest-id token whose id differs between two vocabularies, in words."""
-    differing = [t for t in set(a) | set(b) if a.get(t) != b.get(t)]
-    token = min(differing, key=lambda t: (min(a.get(t, 1 << 62), b.get(t, 1 << 62)), t))
-    return f"token {token!r} is id {a.get(token)} in the draft, {b.get(token)} in the target"
-
-
 def check_compatible(draft: Tokenizer, target: Tokenizer) -> int:
     """Raise :class:`ModelLoadError` unless draft and target tokenize identically.
 
-    Compares the vocabularies (token -> id) and the special tokens, not the
-    embedding sizes, which are padded differently between model sizes. Returns
-    the shared vocabulary size: draft and target logits may be wider than it
-    (padding rows) and are compared only over ``[:size]``.
+    Compares the tokenizers' identities (vocabulary size, BOS / EOS / pad ids, the token
+    strings by id: :mod:`specserve.engine.tokenizer_identity`), then which added tokens
+    are special, never the embedding sizes, which are padded differently between model
+    sizes. Returns the shared vocabulary size: draft and target logits may be wider
+    than it (padding rows) and are compared only over ``[:size]``.
     """
-    dv, tv = draft.hf.get_vocab(), target.hf.get_vocab()
-    if dv != tv:
-        raise ModelLoadError(
-            f"draft and target tokenizers differ: the draft has {len(dv)} tokens, the target "
-            f"{len(tv)}, and {_first_difference(dv, tv)}"
-        )
+    check_pair(identity_of_tokenizer(draft), identity_of_tokenizer(target))
     ds, ts = draft.special_tokens(), target.special_tokens()
     if ds != ts:
         only = sorted(set(ds.items()) ^ set(ts.items()))[:3]
         raise ModelLoadError(
-            f"draft and target tokenizers have different special tokens, e.g. {only}"
+            f"draft and target tokenizers differ in which tokens are special, e.g. {only}"
         )
     return target.vocab_size

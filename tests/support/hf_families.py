@@ -56,20 +56,22 @@ _NORM_SHIFT = {"gemma3_text": 1.0}
 _PERMUTED = ("granite",)
 
 
-def family_config(model_type: str) -> Any:
-    """transformers' config of the tiny ``model_type`` with its features on."""
+def family_config(model_type: str, **overrides: Any) -> Any:
+    """transformers' config of the tiny ``model_type`` with its features on (and
+    ``overrides``, e.g. ``vocab_size``)."""
     from transformers import AutoConfig  # heavy; tests only
 
-    return AutoConfig.for_model(model_type, **{**_TINY, **FAMILY_SETTINGS[model_type]})
+    settings = {**_TINY, **FAMILY_SETTINGS[model_type], **overrides}
+    return AutoConfig.for_model(model_type, **settings)
 
 
-def family_reference(model_type: str, seed: int = 0) -> nn.Module:
+def family_reference(model_type: str, seed: int = 0, **overrides: Any) -> nn.Module:
     """transformers' tiny ``model_type`` with seeded, float16-exact random weights."""
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        ref = AutoModelForCausalLM.from_config(family_config(model_type))
+        ref = AutoModelForCausalLM.from_config(family_config(model_type, **overrides))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -85,9 +87,17 @@ def family_reference(model_type: str, seed: int = 0) -> nn.Module:
     return ref.eval()
 
 
-def write_family_gguf(path: Path, model_type: str, ref: nn.Module, matrices: str = "F16") -> None:
+def write_family_gguf(
+    path: Path,
+    model_type: str,
+    ref: nn.Module,
+    matrices: str = "F16",
+    tokenizer: dict[str, Any] | None = None,
+) -> None:
     """Write ``ref`` (a :func:`family_reference` model) as a GGUF file with ``matrices``
-    ("F16" or "Q8_0") for every matrix and F32 norms."""
+    ("F16" or "Q8_0") for every matrix and F32 norms; ``tokenizer``: the byte
+    tokenizer's options (:func:`~tests.support.tiny_gguf.add_byte_tokenizer`), its rows
+    the model's vocabulary by default."""
     import gguf
 
     cfg = ref.config
@@ -119,7 +129,7 @@ def write_family_gguf(path: Path, model_type: str, ref: nn.Module, matrices: str
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    add_byte_tokenizer(w)
+    add_byte_tokenizer(w, **{"rows": cfg.vocab_size, **(tokenizer or {})})
     for hf_name, tensor in ref.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the file has no output.weight

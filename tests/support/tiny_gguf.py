@@ -97,18 +97,22 @@ def _permute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, half, -1).swapaxes(1, 2).reshape(rows.shape)
 
 
-def add_byte_tokenizer(w: Any) -> None:
+def add_byte_tokenizer(w: Any, *, merge: str = "a b", eos: int = 255, rows: int = 256) -> None:
     """A 256-token byte-level BPE tokenizer on a ``gguf.GGUFWriter``: 253 byte tokens,
-    one merge ("ab"), then ``<|endoftext|>`` (BOS, 254) and ``<|im_end|>`` (EOS, 255)."""
+    one merge (``merge``: "ab"), then ``<|endoftext|>`` (BOS, 254) and ``<|im_end|>``
+    (EOS: ``eos``), then ``rows - 256`` padding entries as llama.cpp's converter writes
+    them for embedding rows past the tokenizer (``[PAD256]``..., type unused)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     w.add_tokenizer_model("gpt2")
-    tokens = [*list(bytes_to_unicode().values())[:253], "ab", "<|endoftext|>", "<|im_end|>"]
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 254 + [3, 3])  # 3 = control
-    w.add_token_merges(["a b"])
+    merged = merge.replace(" ", "")
+    tokens = [*list(bytes_to_unicode().values())[:253], merged, "<|endoftext|>", "<|im_end|>"]
+    padding = [f"[PAD{i}]" for i in range(256, rows)]
+    w.add_token_list(tokens + padding)
+    w.add_token_types([1] * 254 + [3, 3] + [5] * len(padding))  # 3 = control, 5 = unused
+    w.add_token_merges([merge])
     w.add_bos_token_id(254)
-    w.add_eos_token_id(255)
+    w.add_eos_token_id(eos)
 
 
 def write_tiny_gguf(
