@@ -4,8 +4,9 @@ Every ``import`` in a subpackage's modules (lazy ones inside functions included)
 read with :mod:`ast`; an import of an orchestrator unit not in the subpackage's
 allowed set fails. The order, bottom up: ``types``; ``fleet``; ``errors``; ``store``;
 ``session``; ``snapshots``; ``round``; ``api``; the top-level wiring (``app``,
-``config``, ``flags``, ``metrics``, ``launch``) may import any of them. ``policy`` is
-pure and imports no other unit (``test_policy_purity`` checks its third-party imports).
+``config``, ``flags``, ``metrics``, ``launch``) may import any of them. The scheduling
+policy is its own package below the orchestrator (``specserve.policy``: its imports are
+``tests/test_layering.py``'s and ``tests/policy/test_purity.py``'s to check).
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ ROOT = Path(specserve.orchestrator.__file__).parent
 
 # unit -> the other orchestrator units it may import
 ALLOWED: dict[str, frozenset[str]] = {
-    "policy": frozenset(),
     "types": frozenset(),
     "fleet": frozenset({"types"}),
     "errors": frozenset({"fleet"}),
     "store": frozenset({"types", "errors"}),
     "session": frozenset({"types", "store"}),
     "snapshots": frozenset({"types", "fleet", "errors", "store", "session"}),
-    "round": frozenset({"types", "fleet", "errors", "store", "session", "snapshots", "policy"}),
+    "round": frozenset({"types", "fleet", "errors", "store", "session", "snapshots"}),
     "api": frozenset({"types", "fleet", "errors", "store", "session", "snapshots", "round"}),
 }
 
