@@ -211,6 +211,8 @@ def _up(args: argparse.Namespace) -> int:
     else:
         target, draft = args.target or DEMO_TARGET, args.draft or DEMO_DRAFT
     specs = [ModelSpec.parse(target), ModelSpec.parse(draft)]  # malformed: refused here
+    if not (specs[0].is_tiny and specs[1].is_tiny):  # a few seconds on GGUF tokenizers
+        print("checking the models and their tokenizers ...", flush=True)
     _check_pair(specs[0], specs[1])
     at = pair_placement(args.device, args.draft_device, args.dtype, args.draft_dtype)
     tls_args, tls = _up_tls(args)
