@@ -222,6 +222,21 @@ def report(rows: list[dict], args: argparse.Namespace, bandwidth: float, env: di
     return "\n".join(lines) + "\n"
 
 
+def headline(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """The issue's figures at one session: the target's step against its HBM floor, its
+    verify of 5 (and 9) rows against one row, and the draft's step against its floor."""
+    one = [r for r in rows if r["sessions"] == 1]
+    target = {r["rows"]: r for r in one if r["model"] == args.target}
+    draft = {r["rows"]: r for r in one if r["model"] == args.draft}
+    return {
+        "target": args.target,
+        "target_step_over_floor": target[1]["x_floor"] if 1 in target else None,
+        "verify_rows_over_one": {str(t): r["x_one_row"] for t, r in target.items() if t > 1},
+        "draft": args.draft,
+        "draft_step_over_floor": draft[1]["x_floor"] if 1 in draft else None,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -248,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     markdown = report(rows, args, bandwidth, env)
     print(markdown)
     if not args.no_write:
-        data = {"copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows, "environment": env}
+        data = {
+            "headline": headline(rows, args),
+            "copy_bandwidth_gbs": bandwidth / 1e9,
+            "rows": rows,
+            "environment": env,
+        }
         write_results(f"device_shapes_{device.type}", markdown, data)
     return 0
 

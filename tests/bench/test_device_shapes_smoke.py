@@ -22,6 +22,20 @@ def test_a_tiny_run_reports_every_row_count(capsys: pytest.CaptureFixture[str]) 
     assert "launched from the host" in md  # no CUDA graphs on a CPU
 
 
+def test_the_headline_holds_the_issues_figures_at_one_session() -> None:
+    args = device_shapes.argparse.Namespace(target="big", draft="small")
+    row = {"sessions": 1, "x_floor": 1.2, "x_one_row": 1.0}
+    rows = [
+        {**row, "model": "big", "rows": 1},
+        {**row, "model": "big", "rows": 5, "x_one_row": 1.1},
+        {**row, "model": "big", "rows": 5, "sessions": 8, "x_one_row": 3.0},
+        {**row, "model": "small", "rows": 1, "x_floor": 2.0},
+    ]
+    h = device_shapes.headline(rows, args)
+    assert h["target_step_over_floor"] == 1.2 and h["draft_step_over_floor"] == 2.0
+    assert h["verify_rows_over_one"] == {"5": 1.1}
+
+
 def test_the_real_shapes_are_qwen25s() -> None:
     seven, half = device_shapes.SHAPES["qwen2.5-7b"], device_shapes.SHAPES["qwen2.5-0.5b"]
     assert (seven.hidden_size, seven.num_layers, seven.num_kv_heads) == (3584, 28, 4)
