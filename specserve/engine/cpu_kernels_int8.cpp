@@ -44,6 +44,18 @@ inline __m256i dot_u8i8(__m256i u, __m256i s) {
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
+// Pins an accumulator: the empty asm says v changed here, so the compiler keeps each
+// addition where the source puts it. Integer additions are associative, and GCC
+// otherwise regroups an unrolled run of them into a tree: every product of the run is
+// computed first and spilled to the stack (16 ymm registers on AVX2). Pinned, the adds
+// stay interleaved with the products and fewer accumulators spill (Q6_K's 8-row products
+// 5-10% faster at 5-9 rows on the EPYC). Exact integer sums: no bit changes.
+#if defined(__AVX512F__)
+inline void pin(__m256i& v) { __asm__("" : "+v"(v)); }
+#else
+inline void pin(__m256i& v) { __asm__("" : "+x"(v)); }
+#endif
+
 // Software prefetch of the weight bytes 2 KiB ahead of a block of `bytes` (a weight
 // row's blocks, and the next rows, lie back to back): a few percent at 1-5 rows here,
 // as for the float32 kernels (the hardware streamers restart at every 4 KiB page).
@@ -183,6 +195,7 @@ struct Q4KDot {
           const int8_t* q8 = a.q256.data() + (r0 + r) * K + b * QK + 64 * j;
           sumi[r] = madd_add(sumi[r], sl, _mm256_maddubs_epi16(ql, load256(q8)));
           sumi[r] = madd_add(sumi[r], sh, _mm256_maddubs_epi16(qh, load256(q8 + 32)));
+          pin(sumi[r]);
         }
       }
       // int16 lanes 2 i, 2 i + 1: m_i, against the sums of values 32 i .. 32 i + 31
@@ -240,6 +253,7 @@ struct Q6KDot {
           for (int r = 0; r < R; ++r) {
             const int8_t* q8 = a.q256.data() + (r0 + r) * K + b * QK + 128 * h + 32 * s;
             sumi[r] = madd_add(sumi[r], scv, _mm256_maddubs_epi16(q6, load256(q8)));
+            pin(sumi[r]);
           }
         }
       }
@@ -308,7 +322,7 @@ struct Q4KX8Dot {
       __m256i sumi[R];
       for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
       // sub-block i = 2 j + h: nibble h of the bytes of j; 2 R + 4 registers in the loop
-      for (int i = 0; i < 8; ++i) {
+      const auto sub_block = [&](int i) {
         const int j = i >> 1, h = i & 1;
         __m256i acc16[R];
         for (int r = 0; r < R; ++r) acc16[r] = _mm256_setzero_si256();
@@ -320,11 +334,23 @@ struct Q4KX8Dot {
           for (int r = 0; r < R; ++r) {
             const int8_t* q8 = a.q256.data() + (r0 + r) * K + b * QK + 32 * i + 4 * t;
             acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(q4, bcast32(q8)));
+            pin(acc16[r]);
           }
         }
         const __m256i scv = pairs16(sc + 8 * i);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) sumi[r] = madd_add(sumi[r], scv, acc16[r]);
+        for (int r = 0; r < R; ++r) {
+          sumi[r] = madd_add(sumi[r], scv, acc16[r]);
+          pin(sumi[r]);
+        }
+      };
+      // one or two rows: unrolled (h a constant, no branch per load: one-row products
+      // 1-6% faster on the EPYC); more rows: rolled (unrolled, 4% slower there)
+      if constexpr (R <= 2) {
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) sub_block(i);
+      } else {
+        for (int i = 0; i < 8; ++i) sub_block(i);
       }
       // mins: lane w gets sum_i m[w][i] * (sum of row r's values of sub-block i)
       __m256i mp[4];
@@ -411,6 +437,7 @@ struct Q6KX8Dot {
             const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast32(q8)),
                                                _mm256_maddubs_epi16(q[1], bcast32(q8 + 4)));
             sumi[r] = madd_add(sumi[r], scv, p);
+            pin(sumi[r]);
           }
         }
       }
@@ -492,10 +519,14 @@ struct Q5_0X8Dot {
           for (int r = 0; r < R; ++r) {
             const int8_t* q8 = a.q32.data() + (r0 + r) * K + b * Q0 + 16 * half + 4 * t;
             acc16[r] = _mm256_add_epi16(acc16[r], _mm256_maddubs_epi16(q, bcast32(q8)));
+            pin(acc16[r]);
           }
         }
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) isum[r] = madd_add(isum[r], ones, acc16[r]);
+        for (int r = 0; r < R; ++r) {
+          isum[r] = madd_add(isum[r], ones, acc16[r]);
+          pin(isum[r]);
+        }
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
