@@ -5,7 +5,7 @@ in the benchmark process with a sample ratio of 0 (:func:`traced_environment`), 
 timed requests make no traces; a request that carries a sampled W3C ``traceparent``
 of its own is traced whole (the samplers are parent-based), through the orchestrator
 and both replicas. :func:`round_phases` sends such requests one at a time and splits
-every decode round the way :mod:`bench.round_phases` does, into five parts:
+every decode round the way :mod:`bench.experiments.round_phases` does, into five parts:
 
 * **device**: the model-thread spans of the draft and the target (with emulated
   devices: the device time, plus the tiny models' own CPU time);

@@ -1,4 +1,4 @@
-"""The span arithmetic of :mod:`bench.round_phases`: a request's trace split by phase.
+"""The span arithmetic of :mod:`bench.experiments.round_phases`: a request's trace split by phase.
 
 :class:`Tree` indexes the spans of one trace by id and by parent; :func:`split_round`
 splits one round span into :data:`PHASES` (compute, server and transport of the

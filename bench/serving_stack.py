@@ -12,7 +12,7 @@ copy of the models. :func:`measure` sends one batch of streaming requests to one
 orchestrator and returns what the client saw (:class:`Run`), with the batch rounds by
 k cap the orchestrator's metrics port counted during it.
 
-Used by :mod:`bench.concurrency` and :mod:`bench.policy_ablation`.
+Used by :mod:`bench.concurrency` and :mod:`bench.experiments.policy_ablation`.
 """
 
 from __future__ import annotations

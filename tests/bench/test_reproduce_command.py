@@ -36,7 +36,7 @@ def test_paths_of_the_machine_keep_only_their_last_part() -> None:
 
 def test_an_argument_with_spaces_comes_back_as_one_word() -> None:
     line = reproduce_command(
-        "bench.first_request", ["--prompt", "def fib(n):", "--new-tokens", "96"]
+        "bench.experiments.first_request", ["--prompt", "def fib(n):", "--new-tokens", "96"]
     )
     words = shlex.split(line)
     assert words[words.index("--prompt") + 1] == "def fib(n):"

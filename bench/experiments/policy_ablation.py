@@ -23,7 +23,7 @@ and its variant marked wrong in the headline. Writes
 ``bench/results/NAME.{md,json}`` (``--name``, default ``policy_ablation``) unless
 ``--no-write``:
 
-    .venv/bin/python -m bench.policy_ablation [--sessions 1,2,4,8] [--reps 3] \\
+    .venv/bin/python -m bench.experiments.policy_ablation [--sessions 1,2,4,8] [--reps 3] \\
         [--new-tokens 64] [--fixed-ks 2,4] [--variants plain,default,...] [--tiny]
 """
 
@@ -38,9 +38,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import policy_ablation_report as report
 from bench.common import LoadProbe, environment, parse_range, reproduce_command, write_results
 from bench.concurrency import DRAFT, TARGET, device_ms, int_list, prompts
+from bench.experiments import policy_ablation_report as report
 from bench.serving_stack import (
     OrchestratorSetting,
     Run,
@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else "not declared (the orchestrator has no --devices)"
         ),
         emulate_devices=args.emulate_devices,
-        command=reproduce_command("bench.policy_ablation", argv),
+        command=reproduce_command("bench.experiments.policy_ablation", argv),
     )
     probe = LoadProbe(children=True)  # the servers are ours
     started = time.monotonic()

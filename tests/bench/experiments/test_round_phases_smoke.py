@@ -1,4 +1,4 @@
-"""bench.round_phases' own code on a hand-built trace (no processes, no weights).
+"""bench.experiments.round_phases' own code on a hand-built trace (no processes, no weights).
 
 A full run starts three servers; here the spans they would export are built by hand,
 with the names and attributes the stack gives them, and go through what ``main`` does
@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from bench import round_phases
 from bench.common import environment
-from bench.round_phases_report import markdown, summary
+from bench.experiments import round_phases
+from bench.experiments.round_phases_report import markdown, summary
 from bench.round_phases_spans import PHASES, analyse
 from specserve.telemetry.receiver import ReceivedSpan
 

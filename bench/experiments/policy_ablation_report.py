@@ -1,4 +1,4 @@
-"""The figures, headline and table of :mod:`bench.policy_ablation`.
+"""The figures, headline and table of :mod:`bench.experiments.policy_ablation`.
 
 Per variant and concurrency: the median tokens/s over repetitions; "vs plain" is
 the median of the per-repetition ratios to plain decoding (the variants ran back
@@ -22,7 +22,7 @@ from bench.common import environment_md
 from bench.concurrency_report import variant_row
 
 if TYPE_CHECKING:
-    from bench.policy_ablation import Variant
+    from bench.experiments.policy_ablation import Variant
     from bench.serving_stack import Run
 
 PLAIN = "plain"

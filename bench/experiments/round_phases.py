@@ -23,12 +23,12 @@ reported apart from the decode rounds. Writes ``bench/results/round_phases.{md,j
 and ``bench/results/trace_waterfall.png``: the spans of one request as swimlanes
 (top) and one decode round as a waterfall (bottom).
 
-    .venv/bin/python -m bench.round_phases                       # the Qwen pair
-    .venv/bin/python -m bench.round_phases --target tiny:3 --draft tiny:3:noise=0.3 \\
+    .venv/bin/python -m bench.experiments.round_phases                       # the Qwen pair
+    .venv/bin/python -m bench.experiments.round_phases --target tiny:3 --draft tiny:3:noise=0.3 \\
         --requests 3 --new-tokens 32 --no-write --waterfall /tmp/w.png   # a smoke test
 
 This module starts the stack and sends the requests; :mod:`bench.round_phases_spans`
-splits their traces into phases and :mod:`bench.round_phases_report` reports them.
+splits their traces into phases and :mod:`bench.experiments.round_phases_report` reports them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.common import RESULTS_DIR, environment, parse_range, write_results
-from bench.round_phases_report import markdown, summary, waterfall
+from bench.experiments.round_phases_report import markdown, summary, waterfall
 from bench.round_phases_spans import RequestResult, analyse
 from specserve.client import Client
 from specserve.engine.model_spec import ModelSpec

@@ -9,7 +9,7 @@ request: the same prompt tokens, greedy, ``--new-tokens``, drafter model, adapti
 nothing sent before it. The criterion: the stack's mean acceptance length (1 +
 accepted / rounds, as both report it) within 20% of the local loop's.
 
-    .venv/bin/python -m bench.first_request [--prompt 'def fib(n):'] [--new-tokens 96]
+    .venv/bin/python -m bench.experiments.first_request [--prompt 'def fib(n):'] [--new-tokens 96]
 
 Writes ``bench/results/NAME.{md,json}`` (``--name``, default ``first_request``) with a
 ``headline`` object, unless ``--no-write``.
@@ -32,7 +32,7 @@ from bench.common import (
 )
 from bench.concurrency import DRAFT, TARGET
 from bench.concurrency_report import weight_form
-from bench.policy_ablation import TINY_DRAFT, TINY_TARGET, orchestrator_has_flag
+from bench.experiments.policy_ablation import TINY_DRAFT, TINY_TARGET, orchestrator_has_flag
 from bench.serving_stack import OrchestratorSetting, declared_devices, serving_stack
 from specserve.client import Client
 from specserve.engine.model_spec import ModelSpec
@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     local = in_child(local_run, model_settings(args), prompt, args.new_tokens)
     stack = stack_run(args, prompt)
     env = environment()
-    env["command"] = reproduce_command("bench.first_request", argv)
+    env["command"] = reproduce_command("bench.experiments.first_request", argv)
     env["devices"] = args.devices if orchestrator_has_flag("--devices") else "not declared"
     h = headline(local, stack)
     md = markdown(h, args, env)

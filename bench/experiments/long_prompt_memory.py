@@ -8,7 +8,7 @@ the forward's wall time. The child's address space is capped (``--max-gib``, via
 with an out-of-memory error in that child, reported as such, instead of taking the
 machine's memory.
 
-    python -m bench.long_prompt_memory --model qwen2.5-coder-1.5b-instruct \\
+    python -m bench.experiments.long_prompt_memory --model qwen2.5-coder-1.5b-instruct \\
         --tokens 2048,8192,16384,32768 --chunks 0,512 --max-gib 24
 
 writes ``bench/results/long_prompt_memory.{md,json}`` (``--no-write``: print only).
@@ -63,7 +63,7 @@ def run_one(args: argparse.Namespace, tokens: int, chunk: int) -> dict[str, Any]
     command = [
         sys.executable,
         "-m",
-        "bench.long_prompt_memory",
+        "bench.experiments.long_prompt_memory",
         "--child",
         json.dumps([args.model, args.dtype, tokens, chunk, args.threads]),
     ]
@@ -92,7 +92,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.long_prompt_memory", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.experiments.long_prompt_memory", description=__doc__
+    )
     parser.add_argument("--model", default="tiny:3")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tokens", default="1024,4096,8192", help="prompt lengths")
@@ -111,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c in args.chunks.split(",")
     ]
     env = environment()
-    command = reproduce_command("bench.long_prompt_memory", list(argv or sys.argv[1:]))
+    command = reproduce_command("bench.experiments.long_prompt_memory", list(argv or sys.argv[1:]))
     md = "\n\n".join(
         [
             f"# Long prompt memory: {args.model} ({args.dtype})",

@@ -1,12 +1,12 @@
-"""bench.first_request: its criterion on made-up runs, and one run end to end on tiny
+"""bench.experiments.first_request: its criterion on made-up runs, and one run end to end on tiny
 models (nothing written), so that the benchmark keeps starting."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import first_request
-from bench.first_request import headline, outcome
+from bench.experiments import first_request
+from bench.experiments.first_request import headline, outcome
 
 
 def test_the_criterion_is_the_mean_acceptance_length_within_twenty_percent() -> None:

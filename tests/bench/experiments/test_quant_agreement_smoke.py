@@ -1,4 +1,4 @@
-"""bench.quant_agreement starts and measures on a tiny GGUF file: both forms load, the
+"""bench.experiments.quant_agreement starts and measures on a tiny GGUF file: both forms load, the
 figures are in range and not trivially equal (the 8-bit activations round)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import quant_agreement
+from bench.experiments import quant_agreement
 from tests.support.tiny_gguf import write_tiny_gguf
 
 

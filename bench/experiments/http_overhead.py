@@ -18,7 +18,8 @@ a warm-up. Figures:
 Clients: the gRPC one is ``grpc``'s sync stub, the HTTP one ``http.client`` reading
 SSE lines, one thread per concurrent stream; client-side costs are in the walls.
 
-    .venv/bin/python -m bench.http_overhead [--tokens 128] [--concurrency 1,8] [--reps 5]
+    .venv/bin/python -m bench.experiments.http_overhead [--tokens 128] [--concurrency 1,8] \\
+        [--reps 5]
 
 Writes bench/results/http_overhead.{md,json}.
 """
@@ -173,7 +174,7 @@ def markdown(results: dict[str, Any], args: argparse.Namespace, env: dict[str, A
             f"{r['itl_p50_ms']['grpc']:.3f} / {r['itl_p50_ms']['http']:.3f} |"
         )
     lines += ["", "## Environment", "", environment_md(env), "", "## Reproduce", ""]
-    lines += ["```", reproduce_command("bench.http_overhead"), "```"]
+    lines += ["```", reproduce_command("bench.experiments.http_overhead"), "```"]
     return "\n".join(lines)
 
 
@@ -182,7 +183,9 @@ def int_list(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.http_overhead", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.experiments.http_overhead", description=__doc__
+    )
     add_stack_arguments(p)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int_list, default=[1, 8])

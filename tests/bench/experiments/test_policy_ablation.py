@@ -1,4 +1,4 @@
-"""bench.policy_ablation: its arithmetic on made-up runs, its refusal of variants the
+"""bench.experiments.policy_ablation: its arithmetic on made-up runs, its refusal of variants the
 orchestrator cannot run, and a short run end to end on tiny models (results in a
 temporary folder), so that the benchmark keeps starting."""
 
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import common, policy_ablation
-from bench.policy_ablation import VARIANTS, Variant, fixed_k_variants, unsupported
-from bench.policy_ablation_report import summarize, verdict
+from bench import common
+from bench.experiments import policy_ablation
+from bench.experiments.policy_ablation import VARIANTS, Variant, fixed_k_variants, unsupported
+from bench.experiments.policy_ablation_report import summarize, verdict
 from bench.serving_stack import Run, Stream, declared_devices
 
 

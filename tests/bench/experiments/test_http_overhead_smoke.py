@@ -1,10 +1,11 @@
-"""bench.http_overhead starts its stack, streams through both paths and prints its table."""
+"""bench.experiments.http_overhead starts its stack, streams through both paths and prints
+its table."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import http_overhead
+from bench.experiments import http_overhead
 
 
 def test_a_short_run_measures_both_paths(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,9 +19,10 @@ Gaps are between consecutive deltas of one request (a stream's restart is not a 
 The prompt is random token ids (``--vocab-low`` .. ``--vocab-high``), greedy, 8 new
 tokens, drafter none.
 
-    .venv/bin/python -m bench.long_prompt_fairness --tokens 32768          # tiny models
-    .venv/bin/python -m bench.long_prompt_fairness --target qwen2.5-coder-1.5b-instruct \\
-        --draft qwen2.5-coder-0.5b-instruct --tokens 3000 --name long_prompt_fairness_real
+    .venv/bin/python -m bench.experiments.long_prompt_fairness --tokens 32768          # tiny models
+    .venv/bin/python -m bench.experiments.long_prompt_fairness \\
+        --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \\
+        --tokens 3000 --name long_prompt_fairness_real
 
 Writes bench/results/NAME.{md,json}; the JSON's ``headline`` has the figures.
 """
@@ -218,7 +219,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             stack.orchestrators["chunked"].address, args, stack.metrics_ports["chunked"]
         )
     env = environment()
-    cmd = reproduce_command("bench.long_prompt_fairness", list(argv) if argv is not None else None)
+    cmd = reproduce_command(
+        "bench.experiments.long_prompt_fairness", list(argv) if argv is not None else None
+    )
     md = markdown(args, head, env, cmd)
     print(md)
     data = {

@@ -1,4 +1,4 @@
-"""bench.quant_memory runs end to end on a tiny synthetic model (every stage reported,
+"""bench.experiments.quant_memory runs end to end on a tiny synthetic model (every stage reported,
 and the model holds its blocks, a tied head once, plus float32 vectors) and on the
 servers of the tiny pair (each server's resident set, once serving and after a request)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import quant_memory
+from bench.experiments import quant_memory
 
 
 def test_a_tiny_run_reports_every_stage(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,11 +1,11 @@
-"""bench.long_prompt_memory runs end to end on a tiny model: every length and chunk size
+"""bench.experiments.long_prompt_memory runs end to end on a tiny model: every length and chunk size
 gets its row, and under a memory cap only the chunked prefill of 10k tokens runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import long_prompt_memory
+from bench.experiments import long_prompt_memory
 
 
 def test_every_length_and_chunk_is_reported_and_only_the_chunked_10k_prefill_fits(

@@ -1,4 +1,4 @@
-"""The report of :mod:`bench.round_phases`: per-phase figures, markdown, the waterfall.
+"""The report of :mod:`bench.experiments.round_phases`: per-phase figures, markdown, the waterfall.
 
 :func:`summary` reduces the analysed requests to per-phase medians, means and shares
 (prefill and decode rounds apart) and the requests' totals; :func:`markdown` renders
@@ -106,7 +106,7 @@ def markdown(data: dict[str, Any], env: dict[str, Any], args: argparse.Namespace
         "## Reproduce",
         "",
         "```bash",
-        reproduce_command("bench.round_phases"),
+        reproduce_command("bench.experiments.round_phases"),
         "```",
     ]
     return "\n".join(lines)

@@ -9,7 +9,7 @@ Reported, from ``/proc/self/status``: the resident set after each stage (VmRSS) 
 its peak (VmHWM), beside the bytes the model holds (``held_bytes``: blocks plus float
 tensors), so what the process holds beyond its weights and KV pool shows.
 
-One model per process (the peak is the process's): ``python -m bench.quant_memory
+One model per process (the peak is the process's): ``python -m bench.experiments.quant_memory
 --model 1.5b`` and ``--model 0.5b`` write ``bench/results/quant_memory_<model>.{md,json}``.
 
 ``--servers`` measures the servers themselves instead: the target and draft servers of
@@ -35,7 +35,7 @@ from torch import nn
 
 from bench.common import environment, environment_md, reproduce_command, write_results
 from bench.concurrency import DRAFT, TARGET
-from bench.policy_ablation import TINY_DRAFT, TINY_TARGET
+from bench.experiments.policy_ablation import TINY_DRAFT, TINY_TARGET
 from bench.serving_stack import OrchestratorSetting, serving_stack
 from specserve.client import Client
 from specserve.engine.config import ModelConfig
@@ -186,7 +186,7 @@ def servers_headline(served: dict[str, Any]) -> dict[str, float]:
 
 def markdown_servers(result: dict[str, Any], env: dict[str, Any], command: str) -> str:
     lines = [
-        "# Resident memory of the servers (bench.quant_memory --servers)",
+        "# Resident memory of the servers (bench.experiments.quant_memory --servers)",
         "",
         environment_md(env),
         "",
@@ -210,7 +210,7 @@ def markdown_servers(result: dict[str, Any], env: dict[str, Any], command: str) 
 
 def markdown(result: dict[str, Any], env: dict[str, Any], command: str) -> str:
     lines = [
-        f"# Resident memory, {result['model']} quantized (bench.quant_memory)",
+        f"# Resident memory, {result['model']} quantized (bench.experiments.quant_memory)",
         "",
         environment_md(env),
         "",
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             args.target_dtype = args.draft_dtype = "float32"
         served = run_servers(args)
         env = environment()
-        command = reproduce_command("bench.quant_memory", argv)
+        command = reproduce_command("bench.experiments.quant_memory", argv)
         md = markdown_servers(served, env, command)
         print(md)
         if not args.no_write:
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     result = run(args.model, parse_bytes(args.kv_budget), args.prompt, args.steps)
     env = environment()
-    command = reproduce_command("bench.quant_memory", argv)
+    command = reproduce_command("bench.experiments.quant_memory", argv)
     md = markdown(result, env, command)
     print(md)
     if not args.no_write:

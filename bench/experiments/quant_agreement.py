@@ -12,7 +12,7 @@ next tokens.
 Texts: HumanEval problems with their canonical solutions (code) and the prose prompts
 of ``bench/prompts/prose.json`` (chat-templated), ``--tokens`` tokens each at most.
 
-    .venv/bin/python -m bench.quant_agreement --humaneval 0-3 --prose 3 --tokens 256
+    .venv/bin/python -m bench.experiments.quant_agreement --humaneval 0-3 --prose 3 --tokens 256
 
 Writes bench/results/quant_agreement_<isa>.{md,json} (``--name``); ``--model`` takes any
 GGUF spec (the smoke test: a tiny file).
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         math.exp(float(torch.nn.functional.cross_entropy(d_all, target))),
     )
     env = environment()
-    cmd = reproduce_command("bench.quant_agreement", argv)
+    cmd = reproduce_command("bench.experiments.quant_agreement", argv)
     md = markdown(rows, total, env, cmd)
     print(md)
     if not args.no_write:

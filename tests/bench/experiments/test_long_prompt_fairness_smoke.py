@@ -1,11 +1,11 @@
-"""bench.long_prompt_fairness runs end to end on tiny models (a short prompt, nothing
+"""bench.experiments.long_prompt_fairness runs end to end on tiny models (a short prompt, nothing
 written): both orchestrators, the streams, and every figure of its headline."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import long_prompt_fairness
+from bench.experiments import long_prompt_fairness
 
 
 @pytest.mark.timeout(600)  # three processes start; a minute on a busy machine
