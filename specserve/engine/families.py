@@ -18,9 +18,10 @@ checkpoints lay the weights out:
 * checkpoint names that differ from the decoder's (Mixtral's ``block_sparse_moe`` and
   its experts' ``w1``/``w3``/``w2``), renamed at load (:func:`checkpoint_name`);
 * llama.cpp's names and assumptions: the GGUF ``general.architecture`` (the
-  ``model_type`` but for Gemma 3's ``gemma3``), tensor names that differ from the
-  shared map, whether its converter interleaved the q/k rows (the ``LlamaModel``
-  lineage: llama, granite), and what llama.cpp assumes that the file does not state.
+  ``model_type`` but for Gemma 3's ``gemma3``, Qwen3-MoE's ``qwen3moe`` and Mixtral, a
+  ``llama`` with experts), tensor names that differ from the shared map, whether its
+  converter interleaved the q/k rows (the ``LlamaModel`` lineage: llama, granite,
+  mixtral), and what llama.cpp assumes that the file does not state.
 
 Adding a family: docs/models.md, "Adding a family".
 """
