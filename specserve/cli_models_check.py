@@ -100,12 +100,24 @@ def describe(facts: ModelFacts, dtype: str) -> list[str]:
         f"family {cfg.model_type}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, "
         f"vocabulary {cfg.vocab_size}, context {context}",
-        f"parameters {facts.parameters / 1e6:,.1f} M",
+        f"parameters {facts.parameters / 1e6:,.1f} M{_experts(facts)}",
         f"weights {facts.weight_format}: {types}{where}",
         f"memory: weights {_bytes(facts.resident_bytes)} resident ({held}); KV cache "
         f"{_bytes(per_token)} per token (float32), {_bytes(per_token * context)} for one "
         f"full {context}-token context",
     ]
+
+
+def _experts(facts: ModelFacts) -> str:
+    """What a mixture of experts adds to the parameters line (nothing for a dense model)."""
+    cfg = facts.config
+    if not cfg.num_experts:
+        return ""
+    return (
+        f" (every expert; {facts.active_parameters / 1e6:,.1f} M active per token: "
+        f"{cfg.num_experts_per_tok} of {cfg.num_experts} experts of "
+        f"{cfg.expert_intermediate_size} a layer)"
+    )
 
 
 def _bytes(n: int) -> str:

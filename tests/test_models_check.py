@@ -157,3 +157,33 @@ def test_generate_local_refuses_the_pair(
         "specserve: draft and target tokenizers differ in their special tokens: "
         "EOS id 254 in the draft, 255 in the target"
     )
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_mixture_of_experts_counts_every_expert(
+    tmp_path: Path, model_type: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mixture of experts' parameters and resident bytes hold every expert (what
+    transformers' own model holds), from its directory and from a Q8_0 GGUF file whose
+    experts are stacked; the report names the parameters a token multiplies."""
+    ref = family_reference(model_type)
+    ref.save_pretrained(tmp_path / "hf")
+    write_family_gguf(tmp_path / "q8.gguf", model_type, ref, "Q8_0")
+    everything = sum(p.numel() for p in ref.parameters())
+    cfg = ref.config
+    idle_expert = 3 * cfg.hidden_size * (getattr(cfg, "moe_intermediate_size", None) or 128)
+    active = everything - cfg.num_hidden_layers * (4 - 2) * idle_expert
+    for path in (tmp_path / "hf", tmp_path / "q8.gguf"):
+        facts = inspect_model(ModelSpec.parse(f"{path}:weights=dequantized"), path)
+        model, _ = load_model(path, torch.float32, weights="dequantized", huge_pages=False)
+        assert facts.parameters == everything == sum(p.numel() for p in model.parameters())
+        assert facts.resident_bytes == 4 * everything
+        assert facts.active_parameters == active
+    quantized = inspect_model(ModelSpec.parse(f"{tmp_path / 'q8.gguf'}"), tmp_path / "q8.gguf")
+    assert quantized.resident_bytes < everything * 4 * 0.5  # the experts kept as Q8_0 blocks
+    code, out = check(capsys, str(tmp_path / "q8.gguf"))
+    assert code == 0
+    assert (
+        f"parameters {everything / 1e6:,.1f} M (every expert; {active / 1e6:,.1f} M active "
+        f"per token: 2 of 4 experts of " in out
+    )

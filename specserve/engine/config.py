@@ -28,6 +28,13 @@ class ModelConfig:
     with ``local_rope_theta`` (their RoPE base; None: ``rope_theta``). :meth:`from_hf`
     sets them from the Hugging Face config and the family
     (:mod:`specserve.engine.families`).
+
+    A mixture of experts (Qwen3-MoE, Mixtral; :mod:`specserve.engine.moe`) has
+    ``num_experts`` > 0: every layer's feed-forward is a router over that many SwiGLU
+    experts of ``expert_intermediate_size`` each, ``num_experts_per_tok`` of them per
+    token, their weights the softmax of the router's logits at the chosen experts,
+    renormalized to sum to 1 where ``norm_topk_prob``. 0 experts: the dense MLP of
+    ``intermediate_size``.
     """
 
     model_type: str
@@ -57,6 +64,10 @@ class ModelConfig:
     hidden_act: str = "silu"
     sliding_layers: tuple[int, ...] | None = None
     local_rope_theta: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_ARCHITECTURES:
@@ -83,17 +94,26 @@ class ModelConfig:
                 f"the MLP activation {self.hidden_act!r} is not supported; supported: "
                 f"{', '.join(HIDDEN_ACTS)}"
             )
+        if self.num_experts and not (
+            0 < self.num_experts_per_tok <= self.num_experts and self.expert_intermediate_size > 0
+        ):
+            raise ModelLoadError(
+                f"a mixture of {self.num_experts} experts needs 1 to {self.num_experts} experts "
+                f"per token (got {self.num_experts_per_tok}) and a positive expert "
+                f"intermediate size (got {self.expert_intermediate_size})"
+            )
 
     @property
     def plain_layers(self) -> bool:
         """Whether every layer is a Llama layer (pre-norms, no q/k norm, no residual or
-        attention multiplier): the layer the fused one-op path runs."""
+        attention multiplier, a dense MLP): the layer the fused one-op path runs."""
         return (
             self.qk_norm is None
             and self.norm_layout == "pre"
             and self.residual_multiplier == 1.0
             and self.attention_multiplier is None
             and self.hidden_act == "silu"
+            and not self.num_experts
         )
 
     @property
@@ -144,6 +164,7 @@ class ModelConfig:
         sliding_layers = _sliding_layers(hf, window)
         if sliding_layers == ():
             window = None
+        experts = _experts(hf, fam.topk_renormalized)
         return cls(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -174,6 +195,7 @@ class ModelConfig:
             hidden_act=str(hf.get("hidden_activation") or hf.get("hidden_act") or fam.hidden_act),
             sliding_layers=sliding_layers or None,
             local_rope_theta=None if sliding_layers is None else _float_or_none(local_theta),
+            **experts,
         )
 
 
@@ -193,6 +215,32 @@ def _refuse_unsupported(hf: dict[str, Any]) -> None:
         raise ModelLoadError(
             "attention logit soft-capping (attn_logit_softcapping, Gemma 2) is not supported"
         )
+
+
+def _experts(hf: dict[str, Any], renormalized: bool | None) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Hugging Face config (none for a dense model).
+    ``renormalized``: the family always renormalizes the top-k weights (Mixtral: True),
+    or reads ``norm_topk_prob`` (None). Layers that keep a dense MLP among MoE ones
+    (Qwen3-MoE's ``mlp_only_layers``, ``decoder_sparse_step`` > 1) and shared experts
+    are refused."""
+    count = hf.get("num_experts") or hf.get("num_local_experts")
+    if not count:
+        return {}
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step") or 1) != 1:
+        raise ModelLoadError(
+            "dense MLP layers among the expert layers (mlp_only_layers, decoder_sparse_step) "
+            "are not supported"
+        )
+    if hf.get("shared_expert_intermediate_size") or hf.get("n_shared_experts"):
+        raise ModelLoadError("shared experts are not supported")
+    size = hf.get("moe_intermediate_size") or hf["intermediate_size"]
+    norm = bool(hf.get("norm_topk_prob", False)) if renormalized is None else renormalized
+    return {
+        "num_experts": int(count),
+        "num_experts_per_tok": int(hf.get("num_experts_per_tok") or 0),
+        "expert_intermediate_size": int(size),
+        "norm_topk_prob": norm,
+    }
 
 
 def _float_or_none(value: Any) -> float | None:

@@ -15,16 +15,20 @@ checkpoints lay the weights out:
   ``gate_up_proj``), split into their parts' rows at load (:func:`split_fused`), for a
   safetensors directory and a GGUF file alike, quantized blocks included (a split
   along rows keeps whole blocks);
+* checkpoint names that differ from the decoder's (Mixtral's ``block_sparse_moe`` and
+  its experts' ``w1``/``w3``/``w2``), renamed at load (:func:`checkpoint_name`);
 * llama.cpp's names and assumptions: the GGUF ``general.architecture`` (the
-  ``model_type`` but for Gemma 3's ``gemma3``), tensor names that differ from the
-  shared map, whether its converter interleaved the q/k rows (the ``LlamaModel``
-  lineage: llama, granite), and what llama.cpp assumes that the file does not state.
+  ``model_type`` but for Gemma 3's ``gemma3``, Qwen3-MoE's ``qwen3moe`` and Mixtral, a
+  ``llama`` with experts), tensor names that differ from the shared map, whether its
+  converter interleaved the q/k rows (the ``LlamaModel`` lineage: llama, granite,
+  mixtral), and what llama.cpp assumes that the file does not state.
 
 Adding a family: docs/models.md, "Adding a family".
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -61,6 +65,11 @@ class Family:
     decoder modules its rows split into, in order. ``gguf_layer_names``: llama.cpp
     tensor names (inside ``blk.N``) that map elsewhere than the shared map.
     ``tp_refusal``: why tensor parallelism cannot split the family (None: it can).
+    ``renamed``: ``(pattern, replacement)`` regular expressions from checkpoint names to
+    the decoder's (:func:`checkpoint_name`). ``topk_renormalized``: a mixture of
+    experts' top-k weights always sum to 1 (Mixtral), or as ``norm_topk_prob`` says
+    (None); ``gguf_norm_topk``: what llama.cpp assumes where a file states no
+    ``expert_weights_norm``.
     """
 
     attention_bias: bool = False
@@ -77,6 +86,9 @@ class Family:
     gguf_architecture: str | None = None
     gguf_sliding_pattern: int | None = None
     gguf_local_rope_theta: float | None = None
+    renamed: tuple[tuple[str, str], ...] = ()
+    topk_renormalized: bool | None = None
+    gguf_norm_topk: bool = False
 
 
 _PHI3_FUSED = MappingProxyType(
@@ -84,6 +96,15 @@ _PHI3_FUSED = MappingProxyType(
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     }
+)
+
+# Mixtral's checkpoint names -> the decoder's (Qwen3-MoE's, the names transformers
+# itself converts Mixtral's to).
+_MIXTRAL_RENAMED = (
+    (r"\.block_sparse_moe\.", ".mlp."),
+    (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),
+    (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
+    (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
 )
 
 # Hugging Face `model_type` -> its family. The GGUF architecture has the same name.
@@ -117,17 +138,42 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             gguf_sliding_pattern=6,
             gguf_local_rope_theta=10000.0,
         ),
+        "qwen3_moe": Family(
+            qk_norm="head",
+            window_needs_flag=True,
+            gguf_architecture="qwen3moe",
+            gguf_norm_topk=True,
+        ),
+        "mixtral": Family(
+            gguf_permuted_qk=True,
+            renamed=_MIXTRAL_RENAMED,
+            topk_renormalized=True,
+            gguf_architecture="llama",  # llama.cpp's llama with experts (see GGUF_MODEL_TYPES)
+            gguf_norm_topk=True,
+        ),
     }
 )
-# llama.cpp's `general.architecture` -> the Hugging Face `model_type`.
+# llama.cpp's `general.architecture` -> the Hugging Face `model_type` (of a file without
+# experts; llama.cpp writes Mixtral as a `llama` with experts: GGUF_EXPERT_MODEL_TYPES).
 GGUF_MODEL_TYPES: Mapping[str, str] = MappingProxyType(
-    {fam.gguf_architecture or name: name for name, fam in FAMILIES.items()}
+    {fam.gguf_architecture or name: name for name, fam in FAMILIES.items() if name != "mixtral"}
 )
+# llama.cpp's architecture of a file whose `<arch>.expert_count` is > 0, where that makes
+# it another model type.
+GGUF_EXPERT_MODEL_TYPES: Mapping[str, str] = MappingProxyType({"llama": "mixtral"})
 
 
 def family(model_type: str) -> Family:
     """The family of ``model_type`` (a supported one: the config checked it)."""
     return FAMILIES[model_type]
+
+
+def checkpoint_name(fam: Family, name: str) -> str:
+    """The decoder's name of the checkpoint tensor ``name`` (the family's renames
+    applied; most families: ``name``)."""
+    for pattern, replacement in fam.renamed:
+        name = re.sub(pattern, replacement, name)
+    return name
 
 
 def projection_rows(cfg: ModelConfig) -> dict[str, int]:

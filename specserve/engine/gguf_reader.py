@@ -15,7 +15,10 @@ interleaves the q/k rows for llama.cpp's RoPE kernel (``llama``, ``granite``:
 those rows are put back in Hugging Face order (a row permutation, which a
 block-quantized matrix undergoes on its rows of blocks unchanged); a fused matrix
 (``phi3``'s ``attn_qkv`` and its gate-and-up ``ffn_up``) comes out as its parts' rows
-(:func:`~specserve.engine.families.split_fused`), blocks included. The family's
+(:func:`~specserve.engine.families.split_fused`), blocks included; llama.cpp's stacked
+experts (``ffn_gate_exps`` ``[experts, out, in]``) come out one matrix per expert, a
+slice of whole rows (blocks kept), and a ``llama`` file with ``expert_count`` is a
+Mixtral. The family's
 metadata (Granite's ``embedding_scale``, ``residual_scale``, ``logit_scale`` and
 ``attention.scale``, a ``sliding_window``) goes into the config under the Hugging Face
 names.
@@ -40,7 +43,14 @@ import numpy as np
 
 from specserve.engine.config import ModelConfig
 from specserve.engine.errors import ModelLoadError, NotFound
-from specserve.engine.families import GGUF_MODEL_TYPES, family, projection_rows, split_fused
+from specserve.engine.families import (
+    GGUF_EXPERT_MODEL_TYPES,
+    GGUF_MODEL_TYPES,
+    family,
+    projection_rows,
+    split_fused,
+)
+from specserve.engine.gguf_names import expert_template, hf_name, unpermute_rows
 
 GGUF_MAGIC = b"GGUF"
 # GGUF `general.architecture` values whose tensors map onto our decoder.
@@ -54,23 +64,6 @@ _WHOLE_ARRAYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"}
 _SCALARS = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 
-# llama.cpp tensor name (inside blk.N) -> Hugging Face module path.
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_qkv": "self_attn.qkv_proj",
-}
 # llama.cpp metadata (after "<arch>.") -> the Hugging Face config field it sets.
 _SCALARS_TO_HF = {
     "embedding_scale": "embedding_multiplier",
@@ -78,11 +71,6 @@ _SCALARS_TO_HF = {
     "logit_scale": "logits_scaling",
     "attention.scale": "attention_multiplier",
     "final_logit_softcapping": "final_logit_softcapping",
-}
-_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
 }
 
 
@@ -220,6 +208,8 @@ class GGUFCheckpoint:
             )
         self.architecture = arch
         self.model_type = GGUF_MODEL_TYPES[arch]
+        if self.metadata.get(f"{arch}.expert_count") and arch in GGUF_EXPERT_MODEL_TYPES:
+            self.model_type = GGUF_EXPERT_MODEL_TYPES[arch]  # llama.cpp's Mixtral
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -273,7 +263,10 @@ class GGUFCheckpoint:
             "model_type": self.model_type,
             "vocab_size": int(vocab),
             "hidden_size": int(self._field("embedding_length")),
-            "intermediate_size": int(self._field("feed_forward_length")),
+            "intermediate_size": int(
+                self.metadata.get(f"{self.architecture}.feed_forward_length")
+                or self._field("expert_feed_forward_length")
+            ),
             "num_hidden_layers": int(self._field("block_count")),
             "num_attention_heads": int(self._field("attention.head_count")),
             "num_key_value_heads": self._field("attention.head_count_kv", 0) or None,
@@ -295,6 +288,15 @@ class GGUFCheckpoint:
         if window:
             hf["sliding_window"], hf["use_sliding_window"] = int(window), True
         fam = family(self.model_type)
+        experts = self.metadata.get(f"{self.architecture}.expert_count")
+        if experts:
+            hf["num_experts"] = int(experts)
+            hf["num_experts_per_tok"] = int(self._field("expert_used_count"))
+            size = self.metadata.get(f"{self.architecture}.expert_feed_forward_length")
+            hf["moe_intermediate_size"] = int(size or hf["intermediate_size"])
+            norm = self.metadata.get(f"{self.architecture}.expert_weights_norm")
+            hf["norm_topk_prob"] = fam.gguf_norm_topk if norm is None else bool(norm)
+            hf["n_shared_experts"] = self.metadata.get(f"{self.architecture}.expert_shared_count")
         pattern = self.metadata.get(f"{self.architecture}.attention.sliding_window_pattern")
         if window and (pattern or fam.gguf_sliding_pattern):
             # Per layer (true: sliding), or every n-th layer global: what llama.cpp reads,
@@ -356,9 +358,17 @@ class GGUFCheckpoint:
                 if fam.gguf_permuted_qk and name.endswith(
                     ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
                 ):
-                    values = _unpermute_rows(values, heads if "q_proj" in name else kv_heads)
+                    values = unpermute_rows(values, heads if "q_proj" in name else kv_heads)
             else:
                 values = np.empty((0, row_bytes), np.uint8)
+            experts = expert_template(gguf_name)
+            if experts is not None:  # [experts, out, in]: one tensor per expert
+                n, out = shape[0], shape[1]
+                for e in range(n):
+                    part = experts.format(e)
+                    rows_e = values[e * out : (e + 1) * out]
+                    yield GGUFTensor(part, gguf_name, qtype, shape[1:], rows_e)
+                continue
             parts = split_fused(fam, name, rows_of) if fam.fused else None
             if parts is None:
                 yield GGUFTensor(name, gguf_name, qtype, shape, values)
@@ -366,25 +376,3 @@ class GGUFCheckpoint:
             for part, start, end in parts:
                 part_shape = (min(end, rows) - min(start, rows), *shape[1:])
                 yield GGUFTensor(part, gguf_name, qtype, part_shape, values[start:end])
-
-
-def hf_name(gguf_name: str, architecture: str = "llama") -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (with the
-    names that differ in ``architecture``'s family); a name this decoder does not know
-    comes back unchanged (and is reported as unexpected)."""
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk":
-        names = family(GGUF_MODEL_TYPES[architecture]).gguf_layer_names
-        module = names.get(parts[2]) or _LAYER_NAMES.get(parts[2])
-        if module is not None:
-            return f"model.layers.{parts[1]}.{module}.{parts[3]}"
-    return gguf_name
-
-
-def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row interleaving (as transformers' ``_reverse_permute_weights``):
-    within each head, rows ``[0, 2, 4, ..., 1, 3, 5, ...]`` go back to ``[0, 1, 2, ...]``."""
-    half = rows.shape[0] // heads // 2
-    return rows.reshape(heads, half, 2, -1).swapaxes(2, 1).reshape(rows.shape)

@@ -5,7 +5,8 @@ Two forms (:class:`~specserve.engine.model_spec.WeightForm`):
 ``quantized``
     The matrices of the types the engine reads as blocks
     (:class:`~specserve.engine.quant.GGMLType`: Q8_0, Q5_0, Q4_K, Q6_K) stay blocks: the
-    seven projections of every layer and the LM head as a
+    seven projections of every layer (a mixture of experts: attention's four and every
+    expert's three; its router is dequantized) and the LM head as a
     :class:`~specserve.engine.quant.QuantizedWeight` on their ``nn.Linear``, the
     embedding table as a :class:`~specserve.engine.quantized_layers.QuantizedEmbedding`
     (rows dequantized as they are gathered). Every other tensor (F32 norms and biases,

@@ -14,7 +14,8 @@ whatever those gain.
 Module names follow the Hugging Face checkpoints so weights load by name. The layers
 know nothing of tensor parallelism: :mod:`specserve.engine.tp` shards the
 projections after loading and adds the all-reduce as forward hooks on
-:class:`Attention` and :class:`MLP`; head counts are read from weight shapes.
+:class:`Attention` and :class:`MLP` (or :class:`~specserve.engine.moe.MoE`); head counts
+are read from weight shapes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from specserve.engine.config import ModelConfig
 from specserve.engine.cpu_kernels import Kernels
 from specserve.engine.forward_plan import ForwardPlan
 from specserve.engine.layer_op import PackedLayer, pack_layer, run_layer
+from specserve.engine.moe import MoE
 from specserve.engine.ops import gate_up_silu, linear, linears, rms_norm, rope_cache_attention
 from specserve.engine.rope import RotaryEmbedding
 
@@ -177,6 +179,14 @@ class GeluMLP(MLP):
         return linear(F.gelu(gate, approximate="tanh") * up, self.down_proj.weight)
 
 
+def _feed_forward(cfg: ModelConfig) -> nn.Module:
+    """The layer's feed-forward: the experts where the config has them
+    (:class:`~specserve.engine.moe.MoE`), else the SwiGLU or GeGLU MLP."""
+    if cfg.num_experts:
+        return MoE(cfg)
+    return MLP(cfg) if cfg.hidden_act == "silu" else GeluMLP(cfg)
+
+
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -192,7 +202,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg) if cfg.hidden_act == "silu" else GeluMLP(cfg)
+        self.mlp = _feed_forward(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self._packed: PackedLayer | None = None
@@ -250,7 +260,8 @@ class FamilyDecoderLayer(DecoderLayer):
     and ``post_feedforward_layernorm`` on the sublayers' outputs, no input norm), before
     and after them (``"sandwich"``, Gemma 3: ``input_layernorm`` and
     ``pre_feedforward_layernorm`` on the inputs, the two ``post_`` ones on the outputs),
-    a GeGLU MLP (:class:`GeluMLP`, chosen by the layer at construction) and a
+    a GeGLU MLP (:class:`GeluMLP`) or a mixture of experts
+    (:class:`~specserve.engine.moe.MoE`), chosen by the layer at construction, and a
     ``residual_multiplier`` on each sublayer's output (Granite). Attention's own features
     (q/k norm, scale) live in :class:`Attention`. Always runs its modules one by one
     (the one-op layer is the Llama layer's)."""

@@ -29,7 +29,7 @@ from specserve.engine import cpu_kernels
 from specserve.engine.config import ModelConfig
 from specserve.engine.dtypes import DTYPES, parse_dtype
 from specserve.engine.errors import InvalidArgument, ModelLoadError, NotFound
-from specserve.engine.families import family, projection_rows, split_fused
+from specserve.engine.families import checkpoint_name, family, projection_rows, split_fused
 from specserve.engine.gguf_reader import GGUFCheckpoint, is_gguf
 from specserve.engine.gguf_weights import default_weight_form, fill_from_gguf
 from specserve.engine.hugepages import move_to_huge_pages
@@ -132,7 +132,8 @@ def weight_files(directory: Path) -> list[Path]:
 
 def _fill(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.device) -> None:
     """Replace the meta parameters of ``model`` by the checkpoint's tensors, one at a time;
-    a fused matrix of the family (Phi-3's ``qkv_proj``) is split into its parts' rows."""
+    a fused matrix of the family (Phi-3's ``qkv_proj``) is split into its parts' rows, and
+    names the decoder spells otherwise (Mixtral's experts) are renamed."""
     cfg = model.config
     fam = family(cfg.model_type)
     rows = projection_rows(cfg)
@@ -162,10 +163,11 @@ def _fill(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                for stored in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    key = checkpoint_name(fam, stored) if fam.renamed else stored
                     parts = split_fused(fam, key, rows) if fam.fused else None
                     if parts is not None:
-                        fused = f.get_tensor(key)
+                        fused = f.get_tensor(stored)
                         for name, start, end in parts:
                             # A copy: a part must not keep the whole fused matrix alive.
                             put(name, fused[start:end].clone(), file)
@@ -173,9 +175,9 @@ def _fill(model: CausalLM, files: list[Path], dtype: torch.dtype, device: torch.
                     if key not in expected:
                         tied_head = key == "lm_head.weight" and cfg.tie_word_embeddings
                         if not (tied_head or _IGNORED.match(key)):
-                            unexpected.append(key)
+                            unexpected.append(stored)
                         continue
-                    put(key, f.get_tensor(key), file)
+                    put(key, f.get_tensor(stored), file)
         except SafetensorError as exc:
             raise ModelLoadError(f"{file} is not a valid safetensors file ({exc})") from exc
     if unexpected:

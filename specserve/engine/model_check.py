@@ -8,8 +8,10 @@ header, GGUF's tensor table), and builds the decoder on the ``meta`` device (no 
 to count its parameters. It never reads a weight's values, so a file whose tensors do
 not match its config is only found out at load.
 
-Memory, on a CPU: the **resident weights** in the load dtype, a GGUF file's matrices
-of the block types the kernels read kept as blocks in the quantized form
+Memory, on a CPU: the **resident weights** in the load dtype (a mixture of experts':
+every expert, though a token multiplies only a few,
+:attr:`ModelFacts.active_parameters`), a GGUF file's matrices of the block types the
+kernels read kept as blocks in the quantized form
 (:func:`~specserve.engine.gguf_weights.keeps_blocks`), Q4_K, Q6_K and Q5_0 matrices
 counted twice (the kernels' repacked copy, made at a matrix's first product; a spec
 without ``:weights=`` is taken in the form a CPU with the engine's kernels loads,
@@ -65,6 +67,16 @@ class ModelFacts:
     parameters: int
     resident_bytes: int  # the weights once loaded
     weight_form: WeightForm | None  # a GGUF file's form; None otherwise
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters a token's forward multiplies: all of them, but for a mixture of
+        experts only its ``num_experts_per_tok`` experts of each layer (every expert is
+        resident all the same, and counted in :attr:`parameters` and the memory)."""
+        cfg = self.config
+        idle = cfg.num_experts - cfg.num_experts_per_tok
+        per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size
+        return self.parameters - cfg.num_layers * idle * per_expert
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -7,7 +7,11 @@ for one rank of ``world_size`` (Megatron layout, as gpt-fast's ``tp.py``):
   whole heads, biases included, and ``gate_proj`` / ``up_proj``;
 * row-parallel (input features split): ``o_proj`` and ``down_proj``, whose partial
   sums are added up by an all-reduce in a forward hook on :class:`Attention` and
-  :class:`MLP`.
+  :class:`MLP`;
+* a mixture of experts (:class:`~specserve.engine.moe.MoE`): every expert's
+  ``gate_proj`` / ``up_proj`` column-parallel and ``down_proj`` row-parallel, as the
+  dense MLP; the router stays whole, so every rank routes a token to the same experts
+  and the all-reduce (a hook on the MoE) adds the ranks' weighted partial sums.
 
 Rank ``r`` keeps query heads ``[r * H / N, (r + 1) * H / N)`` and KV heads
 ``[r * KV / N, (r + 1) * KV / N)``, which are exactly the KV heads those query heads
@@ -35,6 +39,7 @@ from torch import nn
 from specserve.engine.errors import InvalidArgument, ModelLoadError
 from specserve.engine.families import family
 from specserve.engine.model import CausalLM
+from specserve.engine.moe import MoE
 from specserve.engine.quant import QuantizedWeight, block_format
 from specserve.engine.quantized_layers import set_quantized_weight
 
@@ -130,8 +135,11 @@ def check_divisible(model: CausalLM, world_size: int) -> None:
     sizes = {
         "attention heads": cfg.num_heads,
         "KV heads": cfg.num_kv_heads,
-        "MLP intermediate size": cfg.intermediate_size,
     }
+    if cfg.num_experts:
+        sizes["expert intermediate size"] = cfg.expert_intermediate_size
+    else:
+        sizes["MLP intermediate size"] = cfg.intermediate_size
     bad = [f"{name} ({n})" for name, n in sizes.items() if n % world_size]
     if bad:
         listed = bad[0] if len(bad) == 1 else f"{', '.join(bad[:-1])} and {bad[-1]}"
@@ -161,10 +169,15 @@ def apply_tp(
         return model
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+        # A mixture of experts: every expert split as the dense MLP, the router whole.
+        mlps = list(mlp.experts) if isinstance(mlp, MoE) else [mlp]
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
             _shard_linear(proj, 0, rank, world_size)
-        for proj in (attn.o_proj, mlp.down_proj):
-            _shard_linear(proj, 1, rank, world_size)
+        for m in mlps:
+            _shard_linear(m.gate_proj, 0, rank, world_size)
+            _shard_linear(m.up_proj, 0, rank, world_size)
+            _shard_linear(m.down_proj, 1, rank, world_size)
+        _shard_linear(attn.o_proj, 1, rank, world_size)
         attn.register_forward_hook(_all_reduce_hook(group))
         mlp.register_forward_hook(_all_reduce_hook(group))
     model._tp_shard = (rank, world_size)

@@ -1,6 +1,7 @@
 """The families beyond Llama, each against transformers' own model of it.
 
-Per family (Qwen3, Granite, OLMo 2, Phi-3, Gemma 3), a tiny random model built from
+Per family (Qwen3, Granite, OLMo 2, Phi-3, Gemma 3, and the mixtures of experts
+Qwen3-MoE and Mixtral: 4 experts, top-2), a tiny random model built from
 transformers' config class with the family's features on
 (tests/support/hf_families.py), loaded three ways: its Hugging Face directory, an F16
 GGUF file and a Q8_0 GGUF file (blocks kept). The engine's logits equal
@@ -34,7 +35,7 @@ from tests.support.hf_families import family_config, family_reference, write_fam
 from tests.support.hf_tiny import PROMPT
 from tests.support.tiny import noisy_copy
 
-FAMILIES = ["qwen3", "granite", "olmo2", "phi3", "gemma3_text"]
+FAMILIES = ["qwen3", "granite", "olmo2", "phi3", "gemma3_text", "qwen3_moe", "mixtral"]
 STEPS = 32
 BUDGET = 8 << 20
 # float32 rounding of the same sums in another order, over logits of size ~10
@@ -145,15 +146,18 @@ def test_speculative_equals_target_only(fam: Family, seeded: bool) -> None:
 
 
 def test_gguf_blocks_keep_blocks_and_speculate_exactly(fam: Family) -> None:
-    """Q8_0 matrices stay blocks (the same integer products as the shipped pair); their
-    logits are those of the dequantized file up to the 8-bit activation rounding, and
-    speculation over them is exact."""
-    quantized, _ = load_model(fam.gguf_q8, weights="quantized", huge_pages=False)
+    """Q8_0 matrices stay blocks (the same integer products as the shipped pair; every
+    expert's three, sliced from llama.cpp's stacked experts); their logits are those of
+    the dequantized file up to the 8-bit activation rounding, and speculation over them
+    is exact."""
+    quantized, cfg = load_model(fam.gguf_q8, weights="quantized", huge_pages=False)
     dequantized, _ = load_model(fam.gguf_q8, weights="dequantized", huge_pages=False)
     layer = quantized.model.layers[0]
-    projections = [*layer.self_attn.children(), *layer.mlp.children()]
-    weights = [m.weight for m in projections if isinstance(m, nn.Linear)]
-    assert len(weights) == 7 and all(isinstance(w, QuantizedWeight) for w in weights)
+    router = getattr(layer.mlp, "gate", None)  # a mixture's router: float, not a projection
+    projections = [m for m in layer.modules() if isinstance(m, nn.Linear) and m is not router]
+    weights = [m.weight for m in projections]
+    assert len(weights) == 4 + 3 * max(cfg.num_experts, 1)
+    assert all(isinstance(w, QuantizedWeight) for w in weights)
     q_logits, _ = greedy_logits(quantized, steps=4)
     d_logits, _ = greedy_logits(dequantized, steps=4)
     assert (q_logits - d_logits).abs().max() < 0.05 * d_logits.abs().max()

@@ -1,6 +1,7 @@
-"""A family beyond Llama through the whole stack: Qwen3 (q/k norm per head) as GGUF files,
-an F16 target and a Q8_0 draft (blocks kept) of the same tiny model, served by the
-target and draft servers behind the orchestrator on a real Redis. Greedy and seeded
+"""Families beyond Llama through the whole stack: Qwen3 (q/k norm per head) and the
+mixture of experts Mixtral as GGUF files, an F16 target and a Q8_0 draft (blocks
+kept) of the same tiny model, served by the target and draft servers behind the
+orchestrator on a real Redis. Greedy and seeded
 (coupled) output through client -> orchestrator -> draft + target equals target-only
 decoding of the target file in this process, with drafts proposed and accepted."""
 
@@ -28,18 +29,22 @@ PROMPTS = [[5, 17, 99, 3, 200, 7, 64, 1], [9, 8, 7, 6, 5] * 3]
 N = 24
 
 
-@pytest.fixture(scope="module")
-def qwen3_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("qwen3")
-    ref = family_reference("qwen3")
-    write_family_gguf(root / "target.gguf", "qwen3", ref, "F16")
-    write_family_gguf(root / "draft.gguf", "qwen3", ref, "Q8_0")
+@pytest.fixture(scope="module", params=["qwen3", "mixtral"])
+def family_files(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path]:
+    """An F16 target and a Q8_0 draft GGUF file of the tiny family."""
+    root = tmp_path_factory.mktemp(request.param)
+    ref = family_reference(request.param)
+    write_family_gguf(root / "target.gguf", request.param, ref, "F16")
+    write_family_gguf(root / "draft.gguf", request.param, ref, "Q8_0")
     return root / "target.gguf", root / "draft.gguf"
 
 
 @pytest.fixture(scope="module")
-def qwen3_stack(redis_url: str, qwen3_files: tuple[Path, Path]) -> Iterator[Stack]:
-    target, draft = qwen3_files
+def family_stack(redis_url: str, family_files: tuple[Path, Path]) -> Iterator[Stack]:
+    """The family's stack; pytest stops one family's before it starts the next's."""
+    target, draft = family_files
     s = Stack(redis_url, target_model=str(target), draft_model=str(draft))
     try:
         yield s.start()
@@ -56,16 +61,18 @@ def target_only(target: Path, prompt: list[int], params: SamplingParams) -> list
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_qwen3_through_the_stack_equals_target_only(
-    qwen3_stack: Stack, qwen3_files: tuple[Path, Path], seeded: bool
+def test_family_through_the_stack_equals_target_only(
+    family_stack: Stack, family_files: tuple[Path, Path], seeded: bool
 ) -> None:
+    """Mixtral: a mixture of experts served on the servers' eager path (no static step,
+    no one-op layer), experts routed per row, drafts verified in batches."""
     drafted = accepted = 0
-    with Client(qwen3_stack.address, timeout_s=120) as c:
+    with Client(family_stack.address, timeout_s=120) as c:
         for i, p in enumerate(PROMPTS):
             sampled = {"temperature": 0.7, "top_k": 40, "seed": 300 + i} if seeded else {}
             got = c.generate(p, max_new_tokens=N, drafter="model", k=4, **sampled)
             params = SamplingParams(0.7, 40, seed=300 + i) if seeded else SamplingParams()
-            assert got.token_ids == target_only(qwen3_files[0], p, params)
+            assert got.token_ids == target_only(family_files[0], p, params)
             drafted += got.usage.drafted_tokens
             accepted += got.usage.accepted_tokens
     assert drafted > 0 and accepted > 0

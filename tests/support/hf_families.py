@@ -7,7 +7,9 @@ holds exactly (so an F16 GGUF file is the same model), and scaled so next-token
 distributions are peaked. :func:`write_family_gguf` writes it as llama.cpp's converter
 would: its architecture, tensor names from the ``gguf`` package's own name map (q/k
 rows interleaved for the Llama lineage, fused matrices kept fused), the family's
-metadata, and F16 or Q8_0 matrices.
+metadata, and F16 or Q8_0 matrices; a mixture of experts as llama.cpp stacks it
+(``ffn_gate_inp``, ``ffn_{gate,up,down}_exps`` ``[experts, out, in]``, the
+``expert_count`` metadata; Mixtral as a ``llama`` with experts).
 """
 
 from __future__ import annotations
@@ -47,13 +49,22 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "pad_token_id": 0,
     },
+    "qwen3_moe": {  # 4 experts of 64, top-2 renormalized; q/k RMSNorm per head
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,  # whole Q8_0 blocks per rank at TP=2
+        "norm_topk_prob": True,
+        "eos_token_id": None,  # this seed's greedy continuation meets id 2 before 33 tokens
+    },
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},  # experts of 128
 }
 # transformers model_type -> llama.cpp's architecture, where they differ.
-_GGUF_ARCH = {"gemma3_text": "gemma3"}
+_GGUF_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 # Families whose norm weights llama.cpp's converter shifts (Gemma's 1 + w).
 _NORM_SHIFT = {"gemma3_text": 1.0}
 # Families whose GGUF q/k rows llama.cpp's converter interleaves (LlamaModel lineage).
-_PERMUTED = ("granite",)
+_PERMUTED = ("granite", "mixtral")
 
 
 def family_config(model_type: str, **overrides: Any) -> Any:
@@ -129,12 +140,18 @@ def write_family_gguf(
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if model_type == "qwen3_moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     add_byte_tokenizer(w, **{"rows": cfg.vocab_size, **(tokenizer or {})})
-    for hf_name, tensor in ref.state_dict().items():
+    for hf_name, tensor in _llama_cpp_tensors(ref.state_dict()):
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the file has no output.weight
         module, _, attr = hf_name.rpartition(".")
-        gguf_name = f"{names.get_name(module)}.{attr}"
+        gguf_name = hf_name if hf_name.startswith("blk.") else f"{names.get_name(module)}.{attr}"
         values = tensor.float().numpy()
         if hf_name.endswith("norm.weight"):
             values = values + _NORM_SHIFT.get(model_type, 0.0)
@@ -154,3 +171,24 @@ def write_family_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _llama_cpp_tensors(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """``state`` with transformers' fused experts (``mlp.experts.gate_up_proj``
+    ``[experts, 2 * inter, hidden]``, ``mlp.experts.down_proj``) and router as llama.cpp
+    names and stacks them (``blk.N.ffn_gate_exps.weight`` ``[experts, inter, hidden]``,
+    ...); other tensors under their own names."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in state.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out += [(f"blk.{layer}.ffn_gate_exps.weight", gate)]
+            out += [(f"blk.{layer}.ffn_up_exps.weight", up)]
+        elif name.endswith("mlp.experts.down_proj"):
+            out.append((f"blk.{layer}.ffn_down_exps.weight", tensor))
+        elif name.endswith("mlp.gate.weight"):
+            out.append((f"blk.{layer}.ffn_gate_inp.weight", tensor))
+        else:
+            out.append((name, tensor))
+    return out

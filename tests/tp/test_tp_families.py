@@ -1,6 +1,8 @@
 """TP=2 on CPU for the families beyond Llama: each rank's shard, all-reduced, gives the
 logits of the whole model (ragged prefills, a verify-sized step, single tokens), from a
-Hugging Face directory and from a GGUF file of Q8_0 blocks, all in one group."""
+Hugging Face directory and from a GGUF file of Q8_0 blocks, all in one group. A
+mixture of experts (Qwen3-MoE, Mixtral) has every expert split as the dense MLP and
+its router whole on every rank."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from tests.tp.ranks import run_ranks
 pytestmark = pytest.mark.tp
 
 # OLMo 2 is refused under TP (tests/engine/test_families.py).
-FAMILIES = ("qwen3", "granite", "phi3", "gemma3_text")
+FAMILIES = ("qwen3", "granite", "phi3", "gemma3_text", "qwen3_moe", "mixtral")
 
 
 def test_tp2_family_logits_match_tp1(tmp_path: Path) -> None:
