@@ -9,10 +9,10 @@ of 64 entries) and a 150k vocabulary. For every RPC the overhead is
 
 i.e. serialisation, transport, deserialisation, validation, conversion and the
 hop to the model thread and back. A round's overhead is that of its Propose plus
-its Verify. The round runs over every transport this code has
-(:mod:`bench.round_transport`: unary calls, one gRPC bidirectional stream per
-replica, one connection to each replica's data-plane socket, where the servers
-offer them); the headline is the transport the orchestrator uses. Batch sizes
+its Verify. The round runs over both transports this code has
+(:mod:`bench.round_transport`: one connection to each replica's data-plane socket,
+the orchestrator's one transport and the headline; unary calls, what other clients
+use). The gRPC bidirectional stream is measured only as a bare floor. Batch sizes
 and transports are interleaved round by round so the noise of a shared machine
 falls on all alike, and so are the references:
 

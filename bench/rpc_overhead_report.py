@@ -219,9 +219,9 @@ round by round.
 
 Setup: draft and target servers as separate processes on loopback, driven by
 `RoundClient` (`bench/round_client.py`: the orchestrator's Propose and Verify
-messages) over each transport: `unary` (one call per Propose / Verify), `stream`
-(one long-lived gRPC bidirectional stream per replica) and `socket` (one connection
-to each replica's data-plane socket, length-prefixed frames of the same messages);
+messages) over each transport: `socket` (one connection to each replica's data-plane
+socket, length-prefixed frames of the same messages: the orchestrator's one transport)
+and `unary` (one call per Propose / Verify: other clients');
 k = {setup["k"]}, sampled drafting, so each draft position carries a sparse q of
 {setup["support"]} ids + probabilities (`SparseQ`, packed little-endian); vocabulary
 {setup["vocab"]:,}; servers with `--batch-window-ms 0 --threads 1` (the coalescing window,

@@ -73,7 +73,7 @@ async def start(
         register,
         [SERVICE_NAME],
     )
-    await running.serve_data_plane(servicers[0].propose_stream, draft_pb2.ProposeStreamRequest)
+    await running.serve_data_plane(servicers[0].propose_stream, draft_pb2.ProposeRequest)
 
     def ahead_counts() -> AheadCounts | None:
         backend = running.executor.loaded_backend

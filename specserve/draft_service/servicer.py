@@ -13,7 +13,7 @@ from opentelemetry import trace
 from specserve.draft_service.backend import DraftBackend, Proposed
 from specserve.draft_service.metrics import DraftCounts
 from specserve.engine.drafter import DraftCall
-from specserve.serving.call_stream import StreamMethod, serve_call_stream
+from specserve.serving.call_stream import StreamMethod
 from specserve.serving.errors import check_strict
 from specserve.serving.server import RunningServer
 from specserve.telemetry import attributes as attr
@@ -38,9 +38,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.running = running
         self.executor = running.executor
         self.counts = DraftCounts()
-        self.propose_stream = StreamMethod(
-            "/specserve.v1.DraftService/Propose", self.propose, draft_pb2.ProposeStreamResponse
-        )
+        # Propose on the data-plane socket (specserve.serving.data_socket)
+        self.propose_stream = StreamMethod("/specserve.v1.DraftService/Propose", self.propose)
 
     async def Propose(
         self, request: draft_pb2.ProposeRequest, context: grpc.aio.ServicerContext
@@ -48,20 +47,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with self.running.holding(request):
             return await self.propose(request)
 
-    async def ProposeStream(
-        self, request_iterator: object, context: grpc.aio.ServicerContext
-    ) -> None:
-        """Propose calls on one stream (:mod:`specserve.serving.call_stream`)."""
-        await serve_call_stream(
-            self.propose_stream,
-            context,
-            self.running.draining,
-            self.running.bytes_in_flight,
-            self.running.in_flight,
-        )
-
     async def propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        """One Propose call, unary or on the stream; errors raise (mapped by the caller)."""
+        """One Propose call, unary or on the data-plane socket; errors raise (mapped by the
+        caller)."""
         backend = self.executor.backend
         calls = draft_wire.draft_calls(request, backend.vocab, backend.limit)
         for c in calls:

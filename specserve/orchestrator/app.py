@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import grpc.aio
 
@@ -22,7 +20,7 @@ from specserve.orchestrator.api.generation import Orchestrator
 from specserve.orchestrator.api.service import GenerationServicer
 from specserve.orchestrator.api.text import Tokenization
 from specserve.orchestrator.config import OrchestratorConfig
-from specserve.orchestrator.fleet.replicas import ReplicaPool, StreamFactory
+from specserve.orchestrator.fleet.replicas import ReplicaPool
 from specserve.orchestrator.fleet.scheduler import Scheduler
 from specserve.orchestrator.metrics import serve_metrics
 from specserve.orchestrator.round.runner import RoundRunner
@@ -31,7 +29,7 @@ from specserve.orchestrator.snapshots.kv_store import ChunkStore
 from specserve.orchestrator.store.redis_settings import embedded_client
 from specserve.orchestrator.store.session_store import SessionStore
 from specserve.policy import Planner
-from specserve.serving.replica_stream import ReplicaStream
+from specserve.serving.replica_connection import ReplicaConnection
 from specserve.serving.server import RunningServer, identity_of, start_server
 from specserve.telemetry.process import setup_telemetry
 from specserve.telemetry.tracing import client_interceptors, instrument_redis
@@ -84,17 +82,6 @@ class App:
         await self.store.close()
 
 
-def stream_factory(
-    open_stream: Callable[..., ReplicaStream[Any, Any]], transport: str
-) -> StreamFactory | None:
-    """How the pool opens a replica's round calls over ``transport`` (None: unary)."""
-    if transport == "unary":
-        return None
-    if transport == "stream":
-        return lambda channel, dial: open_stream(channel)
-    return lambda channel, dial: open_stream(channel, dial)
-
-
 async def start(config: OrchestratorConfig) -> App:
     """Start an orchestrator in this event loop."""
     tracing = config.server.telemetry.tracing
@@ -109,7 +96,6 @@ async def start(config: OrchestratorConfig) -> App:
         )
     instrument_redis(store.redis, tracing)
     interceptors = client_interceptors(tracing)
-    transport = config.round_transport
     drafts = ReplicaPool(
         "draft",
         config.drafts,
@@ -117,7 +103,7 @@ async def start(config: OrchestratorConfig) -> App:
         refresh_s=config.dns_refresh_s,
         interceptors=interceptors,
         tls=config.replica_tls,
-        stream_factory=stream_factory(ReplicaStream.propose, transport),
+        connection_factory=ReplicaConnection.propose,  # rounds over the data-plane sockets
         internal_token=config.internal_token,
     )
     targets = ReplicaPool(
@@ -127,7 +113,7 @@ async def start(config: OrchestratorConfig) -> App:
         refresh_s=config.dns_refresh_s,
         interceptors=interceptors,
         tls=config.replica_tls,
-        stream_factory=stream_factory(ReplicaStream.verify, transport),
+        connection_factory=ReplicaConnection.verify,
         internal_token=config.internal_token,
     )
     await drafts.start()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from specserve.orchestrator.api.admission import AdmissionConfig
 from specserve.orchestrator.api.api_keys import ApiKeys
-from specserve.orchestrator.flags import DEFAULT_PORT, ROUND_TRANSPORTS, add_arguments
+from specserve.orchestrator.flags import DEFAULT_PORT, add_arguments
 from specserve.orchestrator.fleet.replicas import EndpointSpec
 from specserve.orchestrator.fleet.scheduler import SchedulerConfig
 from specserve.orchestrator.round.calls import RoundTimeouts
@@ -51,8 +51,6 @@ class OrchestratorConfig:
     ttls: StoreTtls = field(default_factory=StoreTtls)
     redis_retry_s: float = DEFAULT_REDIS_RETRY_S  # transient Redis errors retried this long
     dns_refresh_s: float = 10.0
-    # "socket": one data-plane connection per replica; "stream": one gRPC stream; "unary"
-    round_transport: str = "socket"
     served_model_name: str | None = None  # gen_ai.request.model; None = the tokenizer's spec
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
     snapshot_redis: RedisSettings | None = None  # None = the session store's Redis
@@ -72,11 +70,6 @@ class OrchestratorConfig:
             raise ValueError("dns_refresh_s must be > 0")
         if self.redis_retry_s < 0:
             raise ValueError("--redis-retry-s must be >= 0")
-        if self.round_transport not in ROUND_TRANSPORTS:
-            raise ValueError(
-                f"--round-transport must be one of {', '.join(ROUND_TRANSPORTS)}, "
-                f"got {self.round_transport!r}"
-            )
 
     @property
     def metrics_port(self) -> int | None:
@@ -186,7 +179,6 @@ def from_args(args: argparse.Namespace) -> OrchestratorConfig:
         ttls=StoreTtls(session_s=args.session_ttl_s, lease_s=args.session_lease_s),
         redis_retry_s=args.redis_retry_s,
         dns_refresh_s=args.dns_refresh_s,
-        round_transport=args.round_transport,
         served_model_name=args.served_model_name or None,
         snapshots=SnapshotConfig(
             enabled=args.kv_snapshots,

@@ -19,7 +19,6 @@ flag                            environment                      default
 ``--session-lease-s``           ``SPECSERVE_SESSION_LEASE_S``    5
 ``--target-stall-s``            ``SPECSERVE_TARGET_STALL_S``     5 (a hung target)
 ``--target-timeout-s``          ``SPECSERVE_TARGET_TIMEOUT_S``   60 (a Verify's least budget)
-``--round-transport``           ``SPECSERVE_ROUND_TRANSPORT``     socket (or stream, unary)
 ``--tokenizer``                 ``SPECSERVE_TOKENIZER``          none (token ids only)
 ``--host`` / ``--port``         ``SPECSERVE_HOST`` / ``_PORT``   127.0.0.1 / 50051
 ``--served-model-name``         ``SPECSERVE_SERVED_MODEL_NAME``  the tokenizer's model
@@ -71,7 +70,6 @@ from specserve.serving.tls import add_tls_arguments
 from specserve.telemetry.config import add_telemetry_arguments
 
 DEFAULT_PORT = 50051
-ROUND_TRANSPORTS = ("socket", "stream", "unary")
 
 
 def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
@@ -94,14 +92,6 @@ def add_arguments(parser: argparse.ArgumentParser, env: Mapping[str, str] | None
         help="target replicas: host:port[,host:port] or dns:///name:port",
     )
     g.add_argument("--dns-refresh-s", type=float, default=float(str(e("DNS_REFRESH_S", 10.0))))
-    g.add_argument(
-        "--round-transport",
-        choices=ROUND_TRANSPORTS,
-        default=str(e("ROUND_TRANSPORT", "socket")),
-        help="how Propose and Verify reach a replica: one connection to its data-plane "
-        "socket (socket; its gRPC stream where it has none), one long-lived gRPC stream "
-        "(stream), or a unary call each (unary, to compare)",
-    )
     g.add_argument(
         "--tokenizer",
         default=e("TOKENIZER"),

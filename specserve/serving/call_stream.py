@@ -1,39 +1,36 @@
-"""Serving a unary method's calls over one long-lived bidirectional stream.
+"""Serving a unary method's calls over one long-lived connection, many at a time.
 
-The data plane (``DraftService.ProposeStream``, ``TargetService.VerifyStream``)
-carries many calls on one stream, so that a call costs one message each way
-instead of a whole unary RPC. Framing (``specserve/v1/*.proto``): a request
-message holds a :class:`StreamCallHeader` (request id, the call's own deadline
-in ms, W3C ``traceparent`` / ``tracestate``) and the unary request; the answer
-holds the request id and either the unary response or a ``StreamCallError``
-(status code and sentence).
+The data plane (the replicas' data-plane sockets, :mod:`specserve.serving.data_socket`)
+carries many calls on one connection, so that a call costs one frame each way
+instead of a whole unary RPC. A call is a :class:`~specserve.v1.common_pb2.CallHeader`
+(request id, the call's own deadline in ms, W3C ``traceparent`` / ``tracestate``) and
+the unary request; the answer is the request id and either the unary response or a
+``CallError`` (status code and sentence); :mod:`specserve.serving.data_frames` lays
+them out as bytes.
 
-:func:`serve_call_stream` reads the stream and runs each call in a task of its
-own, through the very coroutine the unary method runs (``StreamMethod.handle``),
-so calls from several streams and unary callers still coalesce into one batch on
+:func:`serve_calls` reads the connection and runs each call in a task of its own,
+through the very coroutine the unary method runs (``StreamMethod.handle``), so
+calls from several connections and unary callers still coalesce into one batch on
 the model thread. Per call, as for a unary call:
 
 * its error is mapped by :func:`~specserve.serving.errors.status_for` and
-  answered under its request id; the stream stays open;
-* a message without a request, or with a request id already in flight, is
-  answered ``INVALID_ARGUMENT``; more than ``max_in_flight`` calls at once are
-  answered ``RESOURCE_EXHAUSTED``;
+  answered under its request id; the connection stays open;
+* a call with a request id already in flight is answered ``INVALID_ARGUMENT``;
+  more than ``max_in_flight`` calls at once are answered ``RESOURCE_EXHAUSTED``;
 * past its ``timeout_ms`` it is answered ``DEADLINE_EXCEEDED`` (its work is
   abandoned as a cancelled unary call's is);
 * it runs in a SERVER span named after the unary method, child of the
-  message's trace context (the stream itself has no span: the tracing
-  interceptors leave the stream methods out, see
-  :mod:`specserve.telemetry.tracing`); a call whose trace the caller did not
-  sample runs in the caller's context instead, with no span of its own (the
-  parent-based sampler would drop it), so its log lines still name the trace.
+  call's trace context (the connection itself has no span); a call whose trace the
+  caller did not sample runs in the caller's context instead, with no span of its
+  own (the parent-based sampler would drop it), so its log lines still name the
+  trace.
 
-Bytes that do not parse as the request message (or exceed the method's byte
-limit) end the whole stream with ``INVALID_ARGUMENT``: without a request id
-there is no call to answer. Answers go out in the order calls finish. When the
-client half-closes, or the server begins a graceful shutdown, the calls in flight
-are answered and the stream ends OK (the client fails what it sent after that as
-lost, and reopens); when the client cancels (or the stream breaks), the calls in
-flight are cancelled.
+Bytes that do not parse as a call (or exceed the byte limit) end the whole
+connection with ``INVALID_ARGUMENT``: without a request id there is no call to
+answer. Answers go out in the order calls finish. When the client closes its end,
+or the server begins a graceful shutdown, the calls in flight are answered and the
+connection ends (the client fails what it sent after that as lost, and reconnects);
+when it breaks, the calls in flight are cancelled.
 """
 
 from __future__ import annotations
@@ -41,14 +38,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import grpc
-import grpc.aio
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import (
@@ -61,10 +56,9 @@ from opentelemetry.trace import (
     TraceFlags,
 )
 
-from specserve.engine.errors import InvalidArgument
+from specserve.serving.data_frames import Call, answer_frame, error_frame
 from specserve.serving.errors import status_for
-from specserve.serving.malformed import Malformed, Oversized, refuse
-from specserve.serving.stream_frames import answer_bytes
+from specserve.serving.malformed import Malformed, Oversized
 from specserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -73,51 +67,39 @@ tracer = trace.get_tracer(__name__)
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
-# Calls one stream may have in flight; past it a call is answered RESOURCE_EXHAUSTED.
+# Calls one connection may have in flight; past it a call is answered RESOURCE_EXHAUSTED.
 # The orchestrator has at most one round per session in flight, so this is far above
 # what it sends (and bounds what one client can make a replica hold).
 MAX_IN_FLIGHT = 4096
-# And request bytes: one stream's calls in flight hold at most this many maximal
+# And request bytes: one connection's calls in flight hold at most this many maximal
 # messages (``--max-message-bytes``) before it is read no further (InFlightBytes).
 IN_FLIGHT_FRAMES = 4
-# A replica's data-plane streams and sockets together, by default (``--max-in-flight-bytes``).
+# A replica's data-plane connections together, by default (``--max-in-flight-bytes``).
 REPLICA_IN_FLIGHT_FRAMES = 16
 
 
 @dataclass(frozen=True)
 class StreamMethod(Generic[Req, Resp]):
-    """One stream method: what a call runs, and how its answers are built."""
+    """One method served on a data-plane connection: what a call runs, and its span's
+    attributes."""
 
     unary_method: str  # full name of the unary twin, e.g. "/specserve.v1.DraftService/Propose"
     handle: Callable[[Req], Awaitable[Resp]]  # the unary method's own path
-    answer_type: Callable[..., Any]  # the stream's response message class
     max_in_flight: int = MAX_IN_FLIGHT
-    # per transport ("stream": the gRPC stream method; "socket": the data-plane socket)
-    span_attributes: dict[str, dict[str, str]] = field(init=False, repr=False, compare=False)
+    span_attributes: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         service, _, name = self.unary_method.lstrip("/").rpartition("/")
         attributes = {
-            transport: {
-                "rpc.system": "grpc",
-                "rpc.service": service,
-                "rpc.method": name,
-                "specserve.transport": transport,
-            }
-            for transport in ("stream", "socket")
+            "rpc.system": "grpc",
+            "rpc.service": service,
+            "rpc.method": name,
+            "specserve.transport": "socket",
         }
         object.__setattr__(self, "span_attributes", attributes)  # built once, not per call
 
-    def answer(self, request_id: int, response: Resp) -> bytes:
-        """The answer's bytes (no copy of ``response`` into a wrapper message)."""
-        return answer_bytes(request_id, response)  # type: ignore[arg-type]
 
-    def refusal(self, request_id: int, code: grpc.StatusCode, message: str) -> Any:
-        error = common_pb2.StreamCallError(code=code.value[0], message=message)
-        return self.answer_type(request_id=request_id, error=error)
-
-
-def _parent_context(header: common_pb2.StreamCallHeader) -> otel_context.Context:
+def _parent_context(header: common_pb2.CallHeader) -> otel_context.Context:
     """The caller's trace context from the header (an empty context when not traced)."""
     if not header.traceparent:
         return otel_context.Context()
@@ -147,7 +129,7 @@ def _unsampled_caller(traceparent: str) -> SpanContext | None:
 
 
 def _call_span(
-    method: StreamMethod[Req, Resp], header: common_pb2.StreamCallHeader, transport: str
+    method: StreamMethod[Req, Resp], header: common_pb2.CallHeader
 ) -> contextlib.AbstractContextManager[Span]:
     """What a call runs in: its SERVER span, child of the caller's context; or, where the
     caller did not sample its trace, the caller's span made current, no span made (every
@@ -162,28 +144,22 @@ def _call_span(
         method.unary_method,
         context=_parent_context(header),
         kind=SpanKind.SERVER,
-        attributes=method.span_attributes[transport],
+        attributes=method.span_attributes,
         record_exception=False,
         set_status_on_exception=False,
     )
 
 
-async def _run_call(
-    method: StreamMethod[Req, Resp], message: Any, transport: str = "stream"
-) -> Any:
-    """One call of the stream, answered: its response or its error, under its request id."""
-    header = message.header
+async def _run_call(method: StreamMethod[Req, Resp], call: Call) -> bytes:
+    """One call, answered: the frame of its response or its error, under its request id."""
+    header = call.header
     request_id = header.request_id
-    with _call_span(method, header, transport) as span:
+    with _call_span(method, header) as span:
         timeout_s = header.timeout_ms / 1000 if header.timeout_ms else None
         deadline = asyncio.timeout(timeout_s)
         try:
-            if not message.HasField("request"):
-                raise InvalidArgument(
-                    f"stream call {request_id} carries no request: set the message's `request`"
-                )
             async with deadline:
-                response = await method.handle(message.request)
+                response = await method.handle(call.request)
         except TimeoutError as error:
             if deadline.expired():
                 code = grpc.StatusCode.DEADLINE_EXCEEDED
@@ -195,22 +171,22 @@ async def _run_call(
         except Exception as error:
             code, text = status_for(error)
             if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s (stream call %d) failed", method.unary_method, request_id)
+                log.exception("%s (data-plane call %d) failed", method.unary_method, request_id)
         else:
             span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.OK.value[0])
-            return method.answer(request_id, response)
+            return answer_frame(request_id, response)  # type: ignore[arg-type]
         span.set_attribute("rpc.grpc.status_code", code.value[0])
         span.set_status(Status(StatusCode.ERROR, f"{code.name}: {text}"))
-        return method.refusal(request_id, code, text)
+        return error_frame(request_id, code, text)
 
 
 class InFlightBytes:
-    """The request bytes of a stream's calls in flight, and a budget: past it the stream
-    is read no further (the client's writes wait on the transport's flow control) until
+    """The request bytes of a connection's calls in flight, and a budget: past it the
+    connection is read no further (the client's writes wait on the transport's flow control) until
     answers free some; one call always gets in.
 
-    ``replica``: the budget every data-plane stream and socket of the replica shares
-    (``--max-in-flight-bytes``). A stream also waits for room there, so many
+    ``replica``: the budget every data-plane connection of the replica shares
+    (``--max-in-flight-bytes``). A connection also waits for room there, so many
     connections together cannot make a replica hold more than it either; where the
     replica holds nothing, one call gets in."""
 
@@ -257,68 +233,31 @@ class InFlightBytes:
             self.replica.done(message)
 
 
-async def serve_call_stream(
-    method: StreamMethod[Req, Resp],
-    context: grpc.aio.ServicerContext,
-    draining: asyncio.Event | None = None,
-    bytes_in_flight: int | None = None,
-    replica_budget: InFlightBytes | None = None,
-) -> None:
-    """Serve one gRPC stream until the client half-closes it, or ``draining`` is set (the
-    server is shutting down): then read no more, answer the calls in flight and end the
-    stream OK. If it ends otherwise (the client cancels, the stream breaks), cancel the
-    calls in flight. ``bytes_in_flight``: the request bytes its calls in flight may hold
-    before it is read no further (:class:`InFlightBytes`; None: no limit but
-    ``max_in_flight`` calls); ``replica_budget``: the replica's, shared with its other
-    streams and sockets. See the module docstring."""
-    budget = None
-    if bytes_in_flight or replica_budget is not None:
-        budget = InFlightBytes(bytes_in_flight or sys.maxsize, replica_budget)
-
-    async def read() -> Any:
-        if budget is not None:
-            await budget.room()
-        message = await context.read()
-        if message is grpc.aio.EOF:
-            return None
-        if budget is not None and not isinstance(message, Malformed | Oversized):
-            budget.hold(message, message.ByteSize())
-        return message
-
-    async def refuse_stream(bad: Malformed | Oversized) -> None:
-        await refuse(method.unary_method + "Stream", bad, context)  # raises: ends the stream
-
-    done = budget.done if budget is not None else None
-    await serve_calls(method, read, context.write, refuse_stream, draining, "stream", done)
-
-
 async def serve_calls(
     method: StreamMethod[Req, Resp],
-    read: Callable[[], Awaitable[Any]],
-    write: Callable[[Any], Awaitable[None]],
-    refuse_stream: Callable[[Malformed | Oversized], Awaitable[None]],
+    read: Callable[[], Awaitable[Call | Malformed | Oversized | None]],
+    write: Callable[[bytes], Awaitable[None]],
+    refuse_connection: Callable[[Malformed | Oversized], Awaitable[None]],
     draining: asyncio.Event | None = None,
-    transport: str = "stream",
-    done: Callable[[Any], None] | None = None,
+    done: Callable[[Call], None] | None = None,
 ) -> None:
-    """The calls of one stream, whatever carries it: ``read()`` gives the next call
-    message (None at the client's end of the stream, :class:`Malformed` /
-    :class:`Oversized` for bytes that are not one), ``write(answer)`` sends an answer
-    (bytes or message; one write at a time is made), ``refuse_stream(bad)`` ends the
-    stream over bytes that are not a call (it may raise; after it no more is read);
-    ``transport`` names the carrier in the calls' spans (``specserve.transport``);
-    ``done(message)`` hears of each call message once it was answered, refused or
-    cancelled. Returns once the stream ended as :func:`serve_call_stream` describes."""
+    """The calls of one connection: ``read()`` gives the next call (None at the client's
+    end, :class:`Malformed` / :class:`Oversized` for bytes that are not one),
+    ``write(frame)`` sends an answer's frame (one write at a time is made),
+    ``refuse_connection(bad)`` ends the connection over bytes that are not a call (after
+    it no more is read); ``done(call)`` hears of each call once it was answered,
+    refused or cancelled. Returns once the client ended the connection, or ``draining``
+    was set and the calls in flight were answered (see the module docstring)."""
     in_flight: dict[int, asyncio.Task[None]] = {}
-    write_lock = asyncio.Lock()  # one write at a time on the stream
+    write_lock = asyncio.Lock()  # one write at a time on the connection
 
-    async def answer(message: Any) -> None:
+    async def answer(data: bytes) -> None:
         async with write_lock:
-            await write(message)
+            await write(data)
 
-    async def call(message: Any) -> None:
+    async def call(message: Call) -> None:
         try:
-            await answer(await _run_call(method, message, transport))
+            await answer(await _run_call(method, message))
         finally:
             in_flight.pop(message.header.request_id, None)
             if done is not None:
@@ -330,25 +269,25 @@ async def serve_calls(
             if message is None:
                 return
             if isinstance(message, Malformed | Oversized):
-                await refuse_stream(message)
+                await refuse_connection(message)
                 return
             request_id = message.header.request_id
             if request_id in in_flight:
                 await answer(
-                    method.refusal(
+                    error_frame(
                         request_id,
                         grpc.StatusCode.INVALID_ARGUMENT,
-                        f"stream call {request_id} is already in flight on this stream: "
+                        f"call {request_id} is already in flight on this connection: "
                         "give each call in flight its own request id",
                     )
                 )
             elif len(in_flight) >= method.max_in_flight:
                 await answer(
-                    method.refusal(
+                    error_frame(
                         request_id,
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"this stream has {len(in_flight)} calls in flight, the most it takes; "
-                        "wait for answers before sending more",
+                        f"this connection has {len(in_flight)} calls in flight, the most it "
+                        "takes; wait for answers before sending more",
                     )
                 )
             else:
@@ -359,12 +298,12 @@ async def serve_calls(
 
     loop = asyncio.get_running_loop()
     reader = loop.create_task(read_calls())
-    # A graceful shutdown must not wait out its grace for a stream that never ends.
+    # A graceful shutdown must not wait out its grace for a connection that never ends.
     stop = loop.create_task(draining.wait()) if draining is not None else None
     try:
         await asyncio.wait([reader] + ([stop] if stop else []), return_when=FIRST_COMPLETED)
         if reader.done():
-            reader.result()  # the refusal of bytes that do not parse ends the stream here
+            reader.result()  # the refusal of bytes that do not parse ends the connection here
         else:
             reader.cancel()
         if in_flight:

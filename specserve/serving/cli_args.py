@@ -201,7 +201,8 @@ def add_server_arguments(
         type=data_port,
         default=data_port(str(_env(env, "DATA_PORT", "0"))),
         help="port of the data-plane socket (the orchestrator's Propose / Verify calls; "
-        "GetLoad reports it); 0 picks a free one, off serves none (default 0)",
+        "GetLoad reports it); 0 picks a free one, off serves none: the orchestrator then "
+        "cannot send this replica rounds (default 0)",
     )
     add_telemetry_arguments(parser, env)
 

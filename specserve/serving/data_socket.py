@@ -1,29 +1,31 @@
 """The data-plane socket: a replica's round calls as length-prefixed frames over TCP.
 
-A message on a ``grpc.aio`` stream passes through gRPC's poller thread and the event
-loop at each end, several thread hops each way; on a socket the event loop writes
-the bytes itself and wakes on the reply. ``bench.rpc_overhead`` times both. So the
-orchestrator sends ``Propose`` and ``Verify`` to each replica over one TCP
+The orchestrator sends ``Propose`` and ``Verify`` to each replica over one TCP
 connection (TLS when the replica serves TLS, with the same certificates, and the
 same client-certificate check under ``--tls-ca``), and everything else over gRPC.
+A call on a socket is one frame each way, written and read by the event loop
+itself; a unary gRPC call (and a message on a ``grpc.aio`` stream) passes through
+gRPC's poller thread and the event loop at each end. ``bench.rpc_overhead`` times
+both in one run (docs/benchmarks.md): the socket is the one data-plane transport.
+Unary ``Propose`` / ``Verify`` stay on the gRPC port for other clients.
 
 **Protocol** (docs/api.md#the-data-plane-socket). Every frame is a 4-byte
-little-endian length and that many bytes.
+little-endian length and that many bytes; calls and answers are laid out in
+:mod:`specserve.serving.data_frames` (a header message and the unary message, each
+length-delimited, each serialized on its own).
 
 1. The client's first frame names the unary method its calls stand for, in UTF-8
    (``/specserve.v1.DraftService/Propose`` on a draft replica,
    ``/specserve.v1.TargetService/Verify`` on a target), followed, when the
    deployment has an internal token (:mod:`specserve.serving.internal_token`), by
    a newline and the token. The replica answers an empty frame; or, for a method it
-   does not serve, a ``StreamCallError`` (``UNIMPLEMENTED``), and for a replica
-   with a token a hello without it or with another one (``UNAUTHENTICATED``), and
-   closes.
-2. Then each client frame is one call, a ``ProposeStreamRequest`` /
-   ``VerifyStreamRequest`` (header with request id, deadline and trace context,
-   and the unary request), and each replica frame one answer, a
-   ``ProposeStreamResponse`` / ``VerifyStreamResponse``, exactly as on the gRPC
-   stream methods (:mod:`specserve.serving.call_stream`: the same code serves
-   both, so calls coalesce with every other caller's and fail per call).
+   does not serve, an error answer (``UNIMPLEMENTED``), and for a replica with a
+   token a hello without it or with another one (``UNAUTHENTICATED``), and closes.
+2. Then each client frame is one call (``CallHeader`` with request id, deadline
+   and trace context, and the unary request), and each replica frame one answer
+   (``AnswerHeader`` with the request id, and the unary response or an error),
+   served by :func:`specserve.serving.call_stream.serve_calls`: calls coalesce with
+   every other caller's and fail per call, with the unary call's codes.
 3. An answer with request id 0 and an error ends the connection: a frame that
    does not parse (``INVALID_ARGUMENT``), one past the size limit (the server's
    ``--max-message-bytes``, refused before it is read), or a graceful shutdown
@@ -33,12 +35,12 @@ little-endian length and that many bytes.
 A connection is read no further while its calls in flight hold more request bytes
 than its budget, ``IN_FLIGHT_FRAMES`` maximal frames on a replica (one frame always
 gets in), or while the calls in flight of all the replica's data-plane connections
-(sockets and gRPC streams) hold more than the replica's (``--max-in-flight-bytes``):
-the client's writes then wait on TCP, and no number of clients can make a replica
-hold more than that however fast they send. A client that sends no hello within
-``HELLO_TIMEOUT_S`` is disconnected. Both ends
-turn on TCP keepalive, so a peer that vanished without a FIN is noticed in about
-half a minute rather than never.
+hold more than the replica's (``--max-in-flight-bytes``, shared with the unary
+calls): the client's writes then wait on TCP, and no number of clients can make a
+replica hold more than that however fast they send. A client that sends no hello
+within ``HELLO_TIMEOUT_S`` is disconnected. Both ends turn on TCP keepalive, so a
+peer that vanished without a FIN is noticed in about half a minute rather than
+never.
 """
 
 from __future__ import annotations
@@ -48,43 +50,21 @@ import contextlib
 import logging
 import socket
 import ssl
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from specserve.serving.call_stream import InFlightBytes, StreamMethod, serve_calls
+from specserve.serving.data_frames import Call, call_parser, error_frame, frame, read_frame
 from specserve.serving.internal_token import HEADER, refusal
-from specserve.serving.malformed import Malformed, Oversized, RateLimitedWarning, tolerant
+from specserve.serving.malformed import Malformed, Oversized, RateLimitedWarning
 from specserve.serving.tls import ServerTls
-from specserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 _warning = RateLimitedWarning(log)
 
-LENGTH_BYTES = 4
 HELLO_TIMEOUT_S = 10.0
 KEEPALIVE = {"TCP_KEEPIDLE": 15, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
-
-
-def frame(payload: bytes) -> bytes:
-    """``payload`` with its length in front."""
-    return len(payload).to_bytes(LENGTH_BYTES, "little") + payload
-
-
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | Oversized | None:
-    """The next frame's bytes; None at a clean end of the stream (between frames);
-    :class:`Oversized` for a frame longer than ``max_bytes`` (its bytes are not read)."""
-    try:
-        head = await reader.readexactly(LENGTH_BYTES)
-    except asyncio.IncompleteReadError as e:
-        if not e.partial:
-            return None
-        raise ConnectionError("the connection closed inside a frame's length") from None
-    size = int.from_bytes(head, "little")
-    if size > max_bytes:
-        return Oversized(size, max_bytes)
-    return await reader.readexactly(size)
 
 
 def tune(sock: socket.socket | None) -> None:
@@ -109,12 +89,6 @@ def server_context(tls: ServerTls) -> ssl.SSLContext:
     return context
 
 
-def error_frame(answer_type: Callable[..., Any], code: grpc.StatusCode, text: str) -> bytes:
-    """The frame that ends a connection: request id 0, an error."""
-    error = common_pb2.StreamCallError(code=code.value[0], message=text)
-    return frame(answer_type(request_id=0, error=error).SerializeToString())
-
-
 class DataSocketServer:
     """Serves one :class:`StreamMethod` on a TCP port (see the module docstring)."""
 
@@ -129,7 +103,7 @@ class DataSocketServer:
         replica_budget: InFlightBytes | None = None,
     ) -> None:
         self.method = method
-        self.parse = tolerant(request_type.FromString)
+        self.parse = call_parser(request_type)
         self.max_bytes = max_bytes
         # Request bytes one connection may have in flight before it is read no further.
         self.bytes_in_flight = bytes_in_flight
@@ -184,9 +158,7 @@ class DataSocketServer:
         if method == wanted.encode() and self.token is not None:
             why = refusal(self.token, [(HEADER, token)] if token else [])
             if why is not None:
-                writer.write(
-                    error_frame(self.method.answer_type, grpc.StatusCode.UNAUTHENTICATED, why)
-                )
+                writer.write(error_frame(0, grpc.StatusCode.UNAUTHENTICATED, why))
                 return False
         if method == wanted.encode():
             writer.write(frame(b""))
@@ -195,7 +167,7 @@ class DataSocketServer:
             said = repr(method[:200]) if isinstance(hello, bytes) else "a frame too long"
             writer.write(
                 error_frame(
-                    self.method.answer_type,
+                    0,
                     grpc.StatusCode.UNIMPLEMENTED,
                     f"this replica's data-plane socket serves {wanted}; the hello named {said}",
                 )
@@ -205,29 +177,28 @@ class DataSocketServer:
     async def _calls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         budget = InFlightBytes(self.bytes_in_flight, self.replica_budget)
 
-        async def read() -> Any:
+        async def read() -> Call | Malformed | Oversized | None:
             await budget.room()  # past the budget, TCP backpressure
             data = await read_frame(reader, self.max_bytes)
             if data is None or isinstance(data, Oversized):
                 return data
-            message = self.parse(data)  # type: ignore[misc]
-            if not isinstance(message, Malformed):
-                budget.hold(message, len(data))
-            return message
+            call = self.parse(data)
+            if not isinstance(call, Malformed):
+                budget.hold(call, len(data))
+            return call
 
-        async def write(answer: Any) -> None:
-            data = answer if isinstance(answer, bytes) else answer.SerializeToString()
-            writer.write(frame(data))
+        async def write(data: bytes) -> None:
+            writer.write(data)  # a whole frame
             await writer.drain()  # returns at once unless the client stopped reading
 
         async def refuse(bad: Malformed | Oversized) -> None:
-            writer.write(error_frame(self.method.answer_type, *self._refusal(writer, bad)))
+            writer.write(error_frame(0, *self._refusal(writer, bad)))
 
-        await serve_calls(self.method, read, write, refuse, self.draining, "socket", budget.done)
+        await serve_calls(self.method, read, write, refuse, self.draining, budget.done)
         if self.draining.is_set():
             writer.write(
                 error_frame(
-                    self.method.answer_type,
+                    0,
                     grpc.StatusCode.UNAVAILABLE,
                     "the replica is shutting down; the calls sent before this were "
                     "answered, send the rest to another replica",

@@ -21,10 +21,9 @@ are mapped for unary-unary handlers; the health ``Watch`` stream and reflection
 pass through untouched. Every unary-request handler (unary-unary and
 unary-stream, such as ``GenerateStream``) gets a tolerant deserializer: bytes
 that do not parse as its request message are answered ``INVALID_ARGUMENT`` with
-one rate-limited WARNING line (:mod:`specserve.serving.malformed`). A
-stream-stream handler (the data-plane streams, :mod:`specserve.serving.call_stream`)
-gets the same deserializer and maps each call's errors itself; its answers may be
-bytes already framed (:mod:`specserve.serving.stream_frames`), sent as they are.
+one rate-limited WARNING line (:mod:`specserve.serving.malformed`). The
+data-plane socket is not a gRPC method: its calls' errors are mapped with
+:func:`status_for` by :mod:`specserve.serving.call_stream`.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ from specserve.engine.errors import (
     NotFound,
 )
 from specserve.serving.malformed import Malformed, Oversized, refuse, tolerant
-from specserve.serving.stream_frames import bytes_or_message
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +136,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 _wrap_stream(method, handler.unary_stream),
                 request_deserializer=tolerant(handler.request_deserializer, limit),
                 response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:  # the data-plane streams map their own errors
-            return grpc.stream_stream_rpc_method_handler(
-                handler.stream_stream,
-                request_deserializer=tolerant(handler.request_deserializer, limit),
-                response_serializer=bytes_or_message(handler.response_serializer),
             )
         return handler
 

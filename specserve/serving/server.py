@@ -138,11 +138,11 @@ class RunningServer(Generic[B]):
         self.health_port: int | None = None
         self.data_socket: DataSocketServer | None = None  # the data-plane socket, once serving
         self.data_port = 0  # its bound port (0: none), which GetLoad reports
-        # The request bytes the calls in flight hold (every data-plane socket and stream,
-        # and unary Propose / Verify / Prefill / ImportKv), against one budget.
+        # The request bytes the calls in flight hold (every data-plane connection, and
+        # unary Propose / Verify / Prefill / ImportKv), against one budget.
         self.in_flight = InFlightBytes(options.replica_in_flight_bytes)
-        # Set when a graceful shutdown begins: the data-plane streams answer what they
-        # hold and end (specserve.serving.call_stream), so the grace is not waited out.
+        # Set when a graceful shutdown begins: the data-plane connections answer what
+        # they hold and end (specserve.serving.call_stream), so the grace is not waited out.
         self.draining = asyncio.Event()
         self._stop_requested = asyncio.Event()
         self._aborted = asyncio.Event()
@@ -180,8 +180,8 @@ class RunningServer(Generic[B]):
 
     @property
     def bytes_in_flight(self) -> int:
-        """Request bytes the calls in flight on one data-plane connection (socket or
-        gRPC stream) may hold before it is read no further."""
+        """Request bytes the calls in flight on one data-plane connection may hold
+        before it is read no further."""
         return IN_FLIGHT_FRAMES * self.options.max_message_bytes
 
     async def serve_data_plane(self, method: StreamMethod[Any, Any], request_type: Any) -> None:

@@ -1,27 +1,28 @@
-"""The client end of a replica's data-plane socket, shaped as a gRPC stream-stream call.
+"""The client end of one connection to a replica's data-plane socket.
 
-:class:`~specserve.serving.replica_stream.ReplicaStream` multiplexes calls over one
-stream and owns every rule about them (request ids, deadlines, breaks, backoff,
-tracing). :class:`SocketCall` is a stream it can drive in place of a ``grpc.aio``
-stream-stream call, with the methods it uses (``write``, ``read``, ``done``,
-``cancel``, ``code``), over the replica's data-plane socket
-(:mod:`specserve.serving.data_socket`, which documents the protocol):
+:class:`~specserve.serving.replica_connection.ReplicaConnection` multiplexes calls over one
+connection and owns every rule about them (request ids, deadlines, breaks, backoff,
+tracing). :class:`SocketCall` is that connection, with the methods it uses
+(``write``, ``read``, ``done``, ``cancel``, ``code``), over the replica's
+data-plane socket (:mod:`specserve.serving.data_socket`, which documents the
+protocol; :mod:`specserve.serving.data_frames` the bytes):
 
 * On creation it asks the replica, over the gRPC channel, where its socket is
   (``GetLoad``'s ``data_port``), connects to the channel's host at that port (TLS
   with the channel's CA, client certificate and server name when the pool has TLS),
-  and says hello (with the internal token when the pool has one). A replica that
-  reports no data port is served over its gRPC stream method instead, through this
-  same object: an older replica, or one with ``--data-port off``; and one whose
-  socket cannot be reached (refused, or no answer within ``DIAL_TIMEOUT_S``: a
-  firewall or network policy that admits only the gRPC port), with a WARNING a
-  minute at most.
+  and says hello (with the internal token when the pool has one).
+* A replica that reports no data port (``--data-port off``), or whose socket cannot
+  be reached (refused, or no answer within ``DIAL_TIMEOUT_S``: a firewall or network
+  policy that admits only the gRPC port), fails the connection ``UNAVAILABLE`` with
+  a sentence that names the data port (and a WARNING a minute at most): the
+  orchestrator then takes the replica out of its pool as it does a lost one, and
+  its sessions go elsewhere. There is no other transport to fall back to.
 * ``write`` never waits for the connection: calls written before it is up are sent
   once it is, so a call's deadline runs from when it was written, as on gRPC.
 * A connection that cannot be made (within ``CONNECT_TIMEOUT_S``), a replica that
   refuses the hello, a frame that ends the connection (request id 0 with an error)
   or a connection that drops, make ``read`` raise :class:`grpc.aio.AioRpcError`
-  with the code and a sentence: the stream broke, and its calls in flight fail.
+  with the code and a sentence: the connection broke, and its calls in flight fail.
 """
 
 from __future__ import annotations
@@ -29,20 +30,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import grpc.aio
 
-from specserve.serving.data_socket import frame, read_frame, tune
+from specserve.serving.data_frames import Answer, frame, parse_answer, read_frame
+from specserve.serving.data_socket import tune
 from specserve.serving.malformed import Oversized, RateLimitedWarning
 from specserve.serving.tls import ClientTls
 from specserve.v1 import common_pb2
 
 CONNECT_TIMEOUT_S = 10.0  # GetLoad, the connection and the hello, together
-DIAL_TIMEOUT_S = 3.0  # the connection alone; past it the gRPC stream carries the calls
+DIAL_TIMEOUT_S = 3.0  # the connection alone; past it the socket counts as unreachable
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}  # number -> code
 log = logging.getLogger(__name__)
 _unreachable = RateLimitedWarning(log, interval_s=60.0)
@@ -94,23 +95,16 @@ class SocketCall:
     """One connection to a replica's data-plane socket (see the module docstring)."""
 
     def __init__(
-        self,
-        channel: grpc.aio.Channel,
-        dial: SocketDial,
-        unary_method: str,
-        answer_type: Any,
-        grpc_stream: Callable[[], grpc.aio.StreamStreamCall],
+        self, channel: grpc.aio.Channel, dial: SocketDial, unary_method: str, response_type: Any
     ) -> None:
         self.dial = dial
         self.unary_method = unary_method
-        self.answer_type = answer_type
+        self.response_type = response_type
         self._get_load = channel.unary_unary(
             "/" + unary_method.lstrip("/").rpartition("/")[0] + "/GetLoad",
             request_serializer=common_pb2.GetLoadRequest.SerializeToString,
             response_deserializer=common_pb2.LoadReport.FromString,
         )
-        self._grpc_stream = grpc_stream
-        self._inner: grpc.aio.StreamStreamCall | None = None  # the fallback, if chosen
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._queued: list[bytes] = []  # written before the connection was up
@@ -119,8 +113,8 @@ class SocketCall:
         self._ready = asyncio.get_running_loop().create_task(self._connect())
 
     @property
-    def over_socket(self) -> bool:
-        """Connected to the socket (False while connecting, and on the gRPC fallback)."""
+    def connected(self) -> bool:
+        """The connection is up (False while connecting, and once it failed)."""
         return self._writer is not None
 
     async def _connect(self) -> None:
@@ -141,7 +135,13 @@ class SocketCall:
     async def _open(self) -> None:
         report = await self._get_load(common_pb2.GetLoadRequest(), timeout=CONNECT_TIMEOUT_S)
         if not report.data_port:
-            return await self._over_grpc()
+            why = (
+                f"the replica at {self.dial.host} reports no data port (data_port 0: run with "
+                f"--data-port off?); the orchestrator sends {self.unary_method} only over a "
+                "replica's data-plane socket: give the replica a --data-port"
+            )
+            _unreachable.warn(why)
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, why)
         context, tls = self.dial.ssl_context(), self.dial.tls
         name = (tls.server_name or self.dial.server_name or self.dial.host) if tls else None
         try:
@@ -154,13 +154,13 @@ class SocketCall:
         except ssl.SSLError:
             raise  # reached, and refused: the certificates are wrong, say so
         except (OSError, TimeoutError) as e:  # not reached: a firewall, a network policy
-            _unreachable.warn(
+            why = (
                 f"the {self.unary_method} data-plane socket at {self.dial.host}:"
-                f"{report.data_port} cannot be reached ({e or 'timed out'}); using the "
-                "replica's gRPC stream instead: admit the port (the manifests' `data` "
-                "port) or run the replica with --data-port off"
+                f"{report.data_port} (the replica's data port) cannot be reached "
+                f"({e or 'timed out'}): admit the port (the manifests' `data` port)"
             )
-            return await self._over_grpc()
+            _unreachable.warn(why)
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, why) from None
         tune(writer.get_extra_info("socket"))
         writer.write(frame(self.dial.hello(self.unary_method)))
         reply = await read_frame(reader, 1 << 16)
@@ -169,25 +169,27 @@ class SocketCall:
             raise ConnectionError("the replica closed the connection after the hello")
         if reply:
             writer.close()
-            ending = self.answer_type.FromString(reply)
-            code = STATUS_CODES.get(ending.error.code, grpc.StatusCode.UNKNOWN)
-            raise rpc_error(code, ending.error.message)
+            ending = self._answer(reply)
+            error = ending.error
+            if error is None:
+                raise rpc_error(grpc.StatusCode.INTERNAL, "the replica answered the hello oddly")
+            raise rpc_error(STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN), error.message)
         if self._done:  # cancelled while connecting
             writer.close()
             return
         for data in self._queued:
-            writer.write(frame(data))
+            writer.write(data)
         self._queued.clear()
         self._reader, self._writer = reader, writer
 
-    async def _over_grpc(self) -> None:
-        """Carry this connection's calls on the replica's gRPC stream method instead.
-        Calls written while the queue drains join it (a gRPC stream takes one write at a
-        time), so they go out in order; later ones go straight to the stream."""
-        inner = self._grpc_stream()
-        while self._queued:
-            await inner.write(self._queued.pop(0))
-        self._inner = inner
+    def _answer(self, payload: bytes) -> Answer:
+        try:
+            return parse_answer(payload, self.response_type)
+        except Exception as e:  # ValueError, DecodeError: not an answer
+            raise self._broken(
+                grpc.StatusCode.INTERNAL,
+                f"the replica sent a frame of {len(payload)} bytes that is not an answer ({e})",
+            ) from None
 
     def _broken(self, code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
         self._done = True
@@ -197,24 +199,22 @@ class SocketCall:
         return rpc_error(code, details)
 
     async def write(self, data: bytes) -> None:
-        """Send one call (queued while connecting); raises ``UsageError`` once broken."""
+        """Send one call's frame (queued while connecting); raises ``UsageError`` once
+        broken."""
         if self._done:
             raise grpc.aio.UsageError("the data-plane connection is closed")
-        if self._inner is not None:
-            await self._inner.write(data)
-        elif self._writer is None:
+        if self._writer is None:
             self._queued.append(data)
         else:
-            self._writer.write(frame(data))
+            self._writer.write(data)
             if self._writer.transport.get_write_buffer_size() > 1 << 20:
                 await self._writer.drain()  # the replica stopped reading
 
-    async def read(self) -> Any:
-        """The next answer; ``grpc.aio.EOF`` when the replica closed cleanly; raises
-        :class:`grpc.aio.AioRpcError` when the connection broke or was ended."""
+    async def read(self) -> Answer | Any:
+        """The next :class:`~specserve.serving.data_frames.Answer`; ``grpc.aio.EOF`` when
+        the replica closed cleanly; raises :class:`grpc.aio.AioRpcError` when the
+        connection broke or was ended."""
         await self._ready
-        if self._inner is not None:
-            return await self._inner.read()
         assert self._reader is not None
         try:
             data = await read_frame(self._reader, self.dial.max_bytes)
@@ -230,21 +230,17 @@ class SocketCall:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"an answer of {data.size} bytes exceeds the limit of {data.limit}",
             )
-        answer = self.answer_type.FromString(data)
-        if answer.request_id == 0 and answer.WhichOneof("outcome") == "error":
+        answer = self._answer(data)
+        if answer.request_id == 0 and answer.error is not None:
             code = STATUS_CODES.get(answer.error.code, grpc.StatusCode.UNKNOWN)
             raise self._broken(code, answer.error.message)
         return answer
 
     def done(self) -> bool:
-        if self._inner is not None:
-            return self._inner.done()
         return self._done
 
     def cancel(self) -> bool:
-        """Close the connection (or the fallback stream); reads then fail CANCELLED."""
-        if self._inner is not None:
-            return self._inner.cancel()
+        """Close the connection; reads then fail CANCELLED."""
         if self._done:
             return False
         self._done = True
@@ -255,7 +251,5 @@ class SocketCall:
         return True
 
     async def code(self) -> grpc.StatusCode:
-        """The status the stream ended with (UNAVAILABLE for a clean close)."""
-        if self._inner is not None:
-            return await self._inner.code()
+        """The status the connection ended with (UNAVAILABLE for a clean close)."""
         return self._code or grpc.StatusCode.UNAVAILABLE

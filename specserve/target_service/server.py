@@ -82,7 +82,7 @@ async def start(
     if load is None:
         load = watch.load if watch is not None else (lambda: load_backend(config))
     running = await start_server(config.server, "target", load, register, [SERVICE_NAME])
-    await running.serve_data_plane(servicers[0].verify_stream, target_pb2.VerifyStreamRequest)
+    await running.serve_data_plane(servicers[0].verify_stream, target_pb2.VerifyRequest)
     serve_replica_metrics(running, "target", [TargetCollector(servicers[0].counts)])
     if watch is not None:
         running.watch(watch.run(running))

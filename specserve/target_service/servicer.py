@@ -15,7 +15,7 @@ from opentelemetry import trace
 
 from specserve.engine.kv_transfer import ExportInput, ImportInput, KvChunk
 from specserve.engine.verifier import VerifyInput
-from specserve.serving.call_stream import StreamMethod, serve_call_stream
+from specserve.serving.call_stream import StreamMethod
 from specserve.serving.errors import check_strict
 from specserve.serving.server import RunningServer
 from specserve.target_service.backend import TargetBackend, Verified
@@ -51,9 +51,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.running = running
         self.executor = running.executor
         self.counts = TargetCounts()
-        self.verify_stream = StreamMethod(
-            "/specserve.v1.TargetService/Verify", self.verify, target_pb2.VerifyStreamResponse
-        )
+        # Verify on the data-plane socket (specserve.serving.data_socket)
+        self.verify_stream = StreamMethod("/specserve.v1.TargetService/Verify", self.verify)
 
     async def Prefill(
         self, request: target_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -69,20 +68,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         with self.running.holding(request):
             return await self.verify(request)
 
-    async def VerifyStream(
-        self, request_iterator: object, context: grpc.aio.ServicerContext
-    ) -> None:
-        """Verify calls on one stream (:mod:`specserve.serving.call_stream`)."""
-        await serve_call_stream(
-            self.verify_stream,
-            context,
-            self.running.draining,
-            self.running.bytes_in_flight,
-            self.running.in_flight,
-        )
-
     async def verify(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
-        """One Verify call, unary or on the stream; errors raise (mapped by the caller)."""
+        """One Verify call, unary or on the data-plane socket; errors raise (mapped by the
+        caller)."""
         backend = self.executor.backend
         inputs = target_wire.verify_inputs(request, backend.vocab, backend.limit)
         return await self._verify(inputs, strict=request.strict)

@@ -14,9 +14,9 @@ client interceptors (on the orchestrator's channels) inject the W3C
 and model work that runs on an executor thread re-attaches the caller's
 context there (:mod:`specserve.serving.executor`). :func:`instrument_redis`
 wraps one store client, so each Redis command or pipeline is a span as well.
-Health checks and reflection are left out of traces, and so are the data-plane
-streams as such: each call on them is traced on its own, its context carried in
-the message (:mod:`specserve.serving.call_stream`).
+Health checks and reflection are left out of traces. The data-plane sockets are
+not gRPC: each call on them is traced on its own, its context carried in the call's
+header (:mod:`specserve.serving.call_stream`, :mod:`specserve.serving.replica_connection`).
 """
 
 from __future__ import annotations
@@ -39,13 +39,6 @@ log = logging.getLogger(__name__)
 
 # Calls that would only clutter traces: health probes and reflection.
 UNTRACED_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
-# The data-plane streams live as long as the orchestrator: one span for a whole stream
-# would be useless. Each call on them carries its own trace context and gets its own
-# client and server span instead (specserve.serving.call_stream, replica_stream).
-UNTRACED_METHODS = (
-    "/specserve.v1.DraftService/ProposeStream",
-    "/specserve.v1.TargetService/VerifyStream",
-)
 
 
 @dataclass(frozen=True)
@@ -123,12 +116,7 @@ def setup_tracing(config: TracingConfig, identity: ServiceIdentity) -> TracerPro
 def _untraced_filter() -> Any:
     from opentelemetry.instrumentation.grpc import filters
 
-    return filters.negate(
-        filters.any_of(
-            *(filters.service_name(s) for s in UNTRACED_SERVICES),
-            *(filters.full_method_name(m) for m in UNTRACED_METHODS),
-        )
-    )
+    return filters.negate(filters.any_of(*(filters.service_name(s) for s in UNTRACED_SERVICES)))
 
 
 def server_interceptors(config: TracingConfig) -> list[Any]:

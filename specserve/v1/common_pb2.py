@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"{\n\x0eSamplingConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12(\n\x04rule\x18x \x01(\x0e\x32\x1a.specserve.v1.SamplingRule\"i\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\r\n\x05token\x18\x04 \x01(\t\x12\x12\n\ntop_tokens\x18\x05 \x03(\t\"6\n\x07SparseQ\x12\x0f\n\x07support\x18\x01 \x01(\r\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\r\n\x05probs\x18\x03 \x01(\x0c\"%\n\x0eReleaseRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x10\n\x0eGetLoadRequest\"\xf2\x02\n\nLoadReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x10\n\x08sessions\x18\x04 \x01(\r\x12\x15\n\rkv_bytes_used\x18\x05 \x01(\x04\x12\x15\n\rkv_bytes_free\x18\x06 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x16\n\x0ekv_fingerprint\x18\n \x01(\x0c\x12\x1a\n\x12kv_bytes_per_token\x18\x0b \x01(\x04\x12\x11\n\tdata_port\x18\x0c \x01(\r\x12\x17\n\x0eprogress_steps\x18\xb4\x01 \x01(\x04\x12\r\n\x04\x62usy\x18\xb5\x01 \x01(\x08\x12\x15\n\x0cmodel_cpu_ns\x18\xb6\x01 \x01(\x04\x12\x1b\n\x12max_context_tokens\x18\x8c\x01 \x01(\r\x12\x1b\n\x12kv_capacity_tokens\x18\x8d\x01 \x01(\x04\"c\n\x10StreamCallHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\t\"0\n\x0fStreamCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t*e\n\x0cSamplingRule\x12\x1d\n\x19SAMPLING_RULE_UNSPECIFIED\x10\x00\x12\x19\n\x15SAMPLING_RULE_COUPLED\x10\x01\x12\x1b\n\x17SAMPLING_RULE_REJECTION\x10\x02*Z\n\x07\x44rafter\x12\x17\n\x13\x44RAFTER_UNSPECIFIED\x10\x00\x12\x11\n\rDRAFTER_MODEL\x10\x01\x12\x11\n\rDRAFTER_NGRAM\x10\x02\x12\x10\n\x0c\x44RAFTER_NONE\x10\x03*h\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11SESSION_STATUS_OK\x10\x01\x12 \n\x1cSESSION_STATUS_NEEDS_HISTORY\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specserve/v1/common.proto\x12\x0cspecserve.v1\"{\n\x0eSamplingConfig\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12(\n\x04rule\x18x \x01(\x0e\x32\x1a.specserve.v1.SamplingRule\"i\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\r\n\x05token\x18\x04 \x01(\t\x12\x12\n\ntop_tokens\x18\x05 \x03(\t\"6\n\x07SparseQ\x12\x0f\n\x07support\x18\x01 \x01(\r\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\r\n\x05probs\x18\x03 \x01(\x0c\"%\n\x0eReleaseRequest\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x10\n\x0eGetLoadRequest\"\xf2\x02\n\nLoadReport\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x10\n\x08sessions\x18\x04 \x01(\r\x12\x15\n\rkv_bytes_used\x18\x05 \x01(\x04\x12\x15\n\rkv_bytes_free\x18\x06 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x07 \x01(\r\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x16\n\x0ekv_fingerprint\x18\n \x01(\x0c\x12\x1a\n\x12kv_bytes_per_token\x18\x0b \x01(\x04\x12\x11\n\tdata_port\x18\x0c \x01(\r\x12\x17\n\x0eprogress_steps\x18\xb4\x01 \x01(\x04\x12\r\n\x04\x62usy\x18\xb5\x01 \x01(\x08\x12\x15\n\x0cmodel_cpu_ns\x18\xb6\x01 \x01(\x04\x12\x1b\n\x12max_context_tokens\x18\x8c\x01 \x01(\r\x12\x1b\n\x12kv_capacity_tokens\x18\x8d\x01 \x01(\x04\"]\n\nCallHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\t\"J\n\x0c\x41nswerHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.specserve.v1.CallError\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t*e\n\x0cSamplingRule\x12\x1d\n\x19SAMPLING_RULE_UNSPECIFIED\x10\x00\x12\x19\n\x15SAMPLING_RULE_COUPLED\x10\x01\x12\x1b\n\x17SAMPLING_RULE_REJECTION\x10\x02*Z\n\x07\x44rafter\x12\x17\n\x13\x44RAFTER_UNSPECIFIED\x10\x00\x12\x11\n\rDRAFTER_MODEL\x10\x01\x12\x11\n\rDRAFTER_NGRAM\x10\x02\x12\x10\n\x0c\x44RAFTER_NONE\x10\x03*h\n\rSessionStatus\x12\x1e\n\x1aSESSION_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11SESSION_STATUS_OK\x10\x01\x12 \n\x1cSESSION_STATUS_NEEDS_HISTORY\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGRULE']._serialized_start=949
-  _globals['_SAMPLINGRULE']._serialized_end=1050
-  _globals['_DRAFTER']._serialized_start=1052
-  _globals['_DRAFTER']._serialized_end=1142
-  _globals['_SESSIONSTATUS']._serialized_start=1144
-  _globals['_SESSIONSTATUS']._serialized_end=1248
+  _globals['_SAMPLINGRULE']._serialized_start=1013
+  _globals['_SAMPLINGRULE']._serialized_end=1114
+  _globals['_DRAFTER']._serialized_start=1116
+  _globals['_DRAFTER']._serialized_end=1206
+  _globals['_SESSIONSTATUS']._serialized_start=1208
+  _globals['_SESSIONSTATUS']._serialized_end=1312
   _globals['_SAMPLINGCONFIG']._serialized_start=43
   _globals['_SAMPLINGCONFIG']._serialized_end=166
   _globals['_TOKENLOGPROB']._serialized_start=168
@@ -51,8 +51,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADREQUEST']._serialized_end=423
   _globals['_LOADREPORT']._serialized_start=426
   _globals['_LOADREPORT']._serialized_end=796
-  _globals['_STREAMCALLHEADER']._serialized_start=798
-  _globals['_STREAMCALLHEADER']._serialized_end=897
-  _globals['_STREAMCALLERROR']._serialized_start=899
-  _globals['_STREAMCALLERROR']._serialized_end=947
+  _globals['_CALLHEADER']._serialized_start=798
+  _globals['_CALLHEADER']._serialized_end=891
+  _globals['_ANSWERHEADER']._serialized_start=893
+  _globals['_ANSWERHEADER']._serialized_end=967
+  _globals['_CALLERROR']._serialized_start=969
+  _globals['_CALLERROR']._serialized_end=1011
 # @@protoc_insertion_point(module_scope)

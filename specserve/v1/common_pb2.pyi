@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -128,7 +128,7 @@ class LoadReport(_message.Message):
     kv_capacity_tokens: int
     def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., sessions: _Optional[int] = ..., kv_bytes_used: _Optional[int] = ..., kv_bytes_free: _Optional[int] = ..., queue_depth: _Optional[int] = ..., tp_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_fingerprint: _Optional[bytes] = ..., kv_bytes_per_token: _Optional[int] = ..., data_port: _Optional[int] = ..., progress_steps: _Optional[int] = ..., busy: _Optional[bool] = ..., model_cpu_ns: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
 
-class StreamCallHeader(_message.Message):
+class CallHeader(_message.Message):
     __slots__ = ("request_id", "timeout_ms", "traceparent", "tracestate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -140,7 +140,15 @@ class StreamCallHeader(_message.Message):
     tracestate: str
     def __init__(self, request_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
-class StreamCallError(_message.Message):
+class AnswerHeader(_message.Message):
+    __slots__ = ("request_id", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    error: CallError
+    def __init__(self, request_id: _Optional[int] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class CallError(_message.Message):
     __slots__ = ("code", "message")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]

@@ -58,21 +58,3 @@ class ProposeResponse(_message.Message):
     replica_id: str
     batch_size: int
     def __init__(self, results: _Optional[_Iterable[_Union[DraftResult, _Mapping]]] = ..., compute_ns: _Optional[int] = ..., replica_id: _Optional[str] = ..., batch_size: _Optional[int] = ...) -> None: ...
-
-class ProposeStreamRequest(_message.Message):
-    __slots__ = ("header", "request")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_FIELD_NUMBER: _ClassVar[int]
-    header: _common_pb2.StreamCallHeader
-    request: ProposeRequest
-    def __init__(self, header: _Optional[_Union[_common_pb2.StreamCallHeader, _Mapping]] = ..., request: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
-
-class ProposeStreamResponse(_message.Message):
-    __slots__ = ("request_id", "response", "error")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    RESPONSE_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    request_id: int
-    response: ProposeResponse
-    error: _common_pb2.StreamCallError
-    def __init__(self, request_id: _Optional[int] = ..., response: _Optional[_Union[ProposeResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.StreamCallError, _Mapping]] = ...) -> None: ...

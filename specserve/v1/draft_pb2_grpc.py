@@ -40,11 +40,6 @@ class DraftServiceStub:
                 request_serializer=specserve_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
-        self.ProposeStream = channel.stream_stream(
-                '/specserve.v1.DraftService/ProposeStream',
-                request_serializer=specserve_dot_v1_dot_draft__pb2.ProposeStreamRequest.SerializeToString,
-                response_deserializer=specserve_dot_v1_dot_draft__pb2.ProposeStreamResponse.FromString,
-                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specserve.v1.DraftService/Release',
                 request_serializer=specserve_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -62,18 +57,6 @@ class DraftServiceServicer:
 
     def Propose(self, request, context):
         """Propose draft tokens for a batch of sessions (one batched forward per draft position).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ProposeStream(self, request_iterator, context):
-        """Propose over one long-lived stream (the orchestrator's data plane): each
-        message is one Propose call, served exactly as the unary call (same batching,
-        validation and status codes) and answered, in the order calls finish, by a
-        message with its request id. A call that fails answers its error and the
-        stream stays open; a message that does not parse ends the stream with
-        INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -100,11 +83,6 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specserve_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
-            ),
-            'ProposeStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.ProposeStream,
-                    request_deserializer=specserve_dot_v1_dot_draft__pb2.ProposeStreamRequest.FromString,
-                    response_serializer=specserve_dot_v1_dot_draft__pb2.ProposeStreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -144,33 +122,6 @@ class DraftService:
             '/specserve.v1.DraftService/Propose',
             specserve_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             specserve_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ProposeStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/specserve.v1.DraftService/ProposeStream',
-            specserve_dot_v1_dot_draft__pb2.ProposeStreamRequest.SerializeToString,
-            specserve_dot_v1_dot_draft__pb2.ProposeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -91,24 +91,6 @@ class VerifyResponse(_message.Message):
     replica_id: str
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_ns: _Optional[int] = ..., batch_size: _Optional[int] = ..., replica_id: _Optional[str] = ...) -> None: ...
 
-class VerifyStreamRequest(_message.Message):
-    __slots__ = ("header", "request")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_FIELD_NUMBER: _ClassVar[int]
-    header: _common_pb2.StreamCallHeader
-    request: VerifyRequest
-    def __init__(self, header: _Optional[_Union[_common_pb2.StreamCallHeader, _Mapping]] = ..., request: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
-
-class VerifyStreamResponse(_message.Message):
-    __slots__ = ("request_id", "response", "error")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    RESPONSE_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    request_id: int
-    response: VerifyResponse
-    error: _common_pb2.StreamCallError
-    def __init__(self, request_id: _Optional[int] = ..., response: _Optional[_Union[VerifyResponse, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.StreamCallError, _Mapping]] = ...) -> None: ...
-
 class KvLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]

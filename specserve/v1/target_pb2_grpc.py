@@ -45,11 +45,6 @@ class TargetServiceStub:
                 request_serializer=specserve_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
-        self.VerifyStream = channel.stream_stream(
-                '/specserve.v1.TargetService/VerifyStream',
-                request_serializer=specserve_dot_v1_dot_target__pb2.VerifyStreamRequest.SerializeToString,
-                response_deserializer=specserve_dot_v1_dot_target__pb2.VerifyStreamResponse.FromString,
-                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specserve.v1.TargetService/Release',
                 request_serializer=specserve_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -85,15 +80,6 @@ class TargetServiceServicer:
     def Verify(self, request, context):
         """Verify draft tokens for a batch of sessions in one forward, apply the
         acceptance rule, roll the KV back to the accepted prefix.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def VerifyStream(self, request_iterator, context):
-        """Verify over one long-lived stream (the orchestrator's data plane), framed and
-        served as DraftService.ProposeStream is: one message per Verify call, tagged
-        with a request id, answered as it finishes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -147,11 +133,6 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specserve_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
-            ),
-            'VerifyStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.VerifyStream,
-                    request_deserializer=specserve_dot_v1_dot_target__pb2.VerifyStreamRequest.FromString,
-                    response_serializer=specserve_dot_v1_dot_target__pb2.VerifyStreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -228,33 +209,6 @@ class TargetService:
             '/specserve.v1.TargetService/Verify',
             specserve_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             specserve_dot_v1_dot_target__pb2.VerifyResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def VerifyStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/specserve.v1.TargetService/VerifyStream',
-            specserve_dot_v1_dot_target__pb2.VerifyStreamRequest.SerializeToString,
-            specserve_dot_v1_dot_target__pb2.VerifyStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,19 +50,18 @@ def test_unary_greedy_equals_target_only(
     assert got.text == "".join(f" {t}" for t in expected)  # no tokenizer: ids as text
 
 
-@pytest.fixture(params=["stream", "unary"])
-def fresh(stack: Stack, request: pytest.FixtureRequest) -> Iterator[Stack]:
+@pytest.fixture
+def fresh(stack: Stack) -> Iterator[Stack]:
     """An orchestrator of its own over the session's replicas, as a new deployment's
-    first request meets the default policy, with its rounds over the data-plane streams
-    (the default) or unary calls.
+    first request meets the default policy (its rounds over the data-plane sockets, its
+    one transport).
 
     The session's shared orchestrator has learnt every earlier test's rounds, and on two
     shared cores with a draft as large as its target its planner rightly stops drafting,
     so only a fresh orchestrator (the planner's state is the orchestrator's alone) can
     be asked to draft at adaptive k.
     """
-    args = ["--round-transport", request.param]
-    s = Stack(stack.redis_url, orchestrator_args=args, replicas=stack)
+    s = Stack(stack.redis_url, replicas=stack)
     try:
         yield s.start()
     finally:

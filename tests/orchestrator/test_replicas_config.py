@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 
+import grpc
+import grpc.aio
 import pytest
 
 from specserve.engine.errors import InvalidArgument
 from specserve.orchestrator import config
 from specserve.orchestrator.fleet.replicas import EndpointSpec, ReplicaPool
 from specserve.orchestrator.fleet.scheduler import SchedulerConfig
+from specserve.orchestrator.round import calls
 from specserve.orchestrator.round.calls import RoundTimeouts
-from specserve.serving.replica_stream import ReplicaStream
-from specserve.v1 import draft_pb2_grpc
+from specserve.serving.replica_connection import ReplicaConnection
+from specserve.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
+from tests.orchestrator.test_slow_replicas import live
 
 
 def test_endpoint_lists() -> None:
@@ -130,19 +135,13 @@ def test_round_timeouts_come_from_their_own_flags() -> None:
     assert t.draft_warm_s == RoundTimeouts().draft_warm_s  # no flag: the default
 
 
-def test_round_transport_flag() -> None:
-    def parse(env: dict[str, str], argv: list[str]) -> str:
-        parser = argparse.ArgumentParser()
-        config.add_arguments(parser, {"SPECSERVE_TARGET_ENDPOINTS": "t:1", **env})
-        return config.from_args(parser.parse_args(argv)).round_transport
-
-    assert parse({}, []) == "socket"  # the data-plane sockets are the default
-    assert parse({"SPECSERVE_ROUND_TRANSPORT": "unary"}, []) == "unary"
-    assert parse({"SPECSERVE_ROUND_TRANSPORT": "unary"}, ["--round-transport", "stream"]) == (
-        "stream"
-    )
-    with pytest.raises(InvalidArgument, match="must be one of socket, stream, unary"):
-        parse({"SPECSERVE_ROUND_TRANSPORT": "grpc"}, [])
+def test_the_round_transport_is_not_a_choice() -> None:
+    """Rounds always go over the replicas' data-plane sockets: the old flag is refused,
+    not ignored, so a deployment that still passes it hears of it."""
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser, {"SPECSERVE_TARGET_ENDPOINTS": "t:1"})
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--round-transport", "stream"])
 
 
 def test_a_stream_pool_opens_one_stream_per_replica_lazily() -> None:
@@ -151,18 +150,60 @@ def test_a_stream_pool_opens_one_stream_per_replica_lazily() -> None:
             "draft",
             EndpointSpec.parse("127.0.0.1:1,127.0.0.1:2", "draft"),
             draft_pb2_grpc.DraftServiceStub,
-            stream_factory=ReplicaStream.propose,
+            connection_factory=ReplicaConnection.propose,
         )
         await pool.start()
-        streams = [pool.replicas[ep].stream for ep in pool.endpoints()]
-        assert all(isinstance(s, ReplicaStream) for s in streams)
+        streams = [pool.replicas[ep].connection for ep in pool.endpoints()]
+        assert all(isinstance(s, ReplicaConnection) for s in streams)
         assert [s.opened for s in streams if s is not None] == [0, 0]  # none opened yet
         await pool.close()
         unary = ReplicaPool(
             "draft", EndpointSpec.parse("127.0.0.1:1", "draft"), draft_pb2_grpc.DraftServiceStub
         )
         await unary.start()
-        assert unary.replicas["127.0.0.1:1"].stream is None
+        assert unary.replicas["127.0.0.1:1"].connection is None
         await unary.close()
 
     asyncio.run(body())
+
+
+class NoDataPort(target_pb2_grpc.TargetServiceServicer):
+    """A target that serves gRPC but reports no data port (``--data-port off``)."""
+
+    async def GetLoad(self, request: Any, context: Any) -> common_pb2.LoadReport:
+        return common_pb2.LoadReport(role="target", data_port=0)
+
+
+def test_a_target_without_a_data_port_is_lost_for_its_rounds_naming_the_port(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The orchestrator's pools send rounds over the data-plane socket only: a replica
+    that has none fails the Verify UNAVAILABLE at once (no hang, no other transport), is
+    taken out of the pool, and both the error and the log say why."""
+
+    async def body() -> calls.VerifyOutcome:
+        server = grpc.aio.server()
+        target_pb2_grpc.add_TargetServiceServicer_to_server(NoDataPort(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        endpoint = f"127.0.0.1:{port}"
+        pool = ReplicaPool(
+            "target",
+            EndpointSpec.parse(endpoint, "target"),
+            target_pb2_grpc.TargetServiceStub,
+            connection_factory=ReplicaConnection.verify,
+        )
+        await pool.start()
+        try:
+            items = [(live("no-port", [1, 2, 3]), calls.Plan())]
+            out = await asyncio.wait_for(calls.verify(pool, endpoint, items, 30.0), 10)
+            assert pool.usable() == []  # down for its backoff
+            return out
+        finally:
+            await pool.close()
+            await server.stop(0)
+
+    out = asyncio.run(body())
+    assert out.lost and not out.verdicts
+    assert "UNAVAILABLE" in out.why and "reports no data port" in out.why
+    assert "--data-port" in caplog.text and "is down for" in caplog.text

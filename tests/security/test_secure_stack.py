@@ -27,9 +27,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specserve.client import Client, ClientTls
 from specserve.orchestrator.launch import OrchestratorProcess
-from specserve.serving.data_socket import frame, read_frame
+from specserve.serving.data_frames import frame, read_frame
 from specserve.serving.malformed import Oversized
-from specserve.serving.replica_stream import ReplicaStream
+from specserve.serving.replica_connection import ReplicaConnection
 from specserve.serving.socket_call import SocketCall, SocketDial
 from specserve.serving.tls import aio_channel, sync_channel
 from specserve.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -88,24 +88,21 @@ def test_a_replica_accepts_only_client_certificates_from_its_ca(secure: SecureSt
         assert code_of(lambda tls=tls: get_load(address, tls)) == grpc.StatusCode.UNAVAILABLE
 
 
-def stream_verify_code(
-    address: str, tls: ClientTls | None, *, socket: bool = False
-) -> grpc.StatusCode:
-    """The code a Verify on the target's data-plane stream (or socket) ends with (the
-    request names a token outside the vocabulary: INVALID_ARGUMENT once it reaches the
-    servicer)."""
+def socket_verify_code(address: str, tls: ClientTls | None) -> grpc.StatusCode:
+    """The code a Verify on the target's data-plane socket ends with (the request names
+    a token outside the vocabulary: INVALID_ARGUMENT once it reaches the servicer)."""
     bad = target_pb2.VerifyRequest(
         sessions=[target_pb2.VerifySession(session_id="tls-probe", new_tokens=[1, 1 << 30])]
     )
 
     async def main() -> grpc.StatusCode:
         async with aio_channel(address, tls) as channel:
-            stream = ReplicaStream.verify(channel, SocketDial.of(address, tls) if socket else None)
+            stream = ReplicaConnection.verify(channel, SocketDial.of(address, tls))
             try:
                 await stream.call(bad, 10)
             except grpc.aio.AioRpcError as e:
-                over = isinstance(stream._stream, SocketCall) and stream._stream.over_socket
-                assert not socket or e.code() != INVALID_ARGUMENT or over, "not over the socket"
+                over = isinstance(stream._connection, SocketCall) and stream._connection.connected
+                assert e.code() != INVALID_ARGUMENT or over, "not over the socket"
                 return e.code()
             finally:
                 await stream.close()
@@ -114,24 +111,14 @@ def stream_verify_code(
     return asyncio.run(main())
 
 
-def test_the_data_plane_stream_needs_a_client_certificate_from_the_ca(
-    secure: SecureStack,
-) -> None:
-    ca, rogue, mine = secure.ca_file, secure.rogue_cert, secure.orchestrator_cert
-    address = secure.target.address
-    assert stream_verify_code(address, ClientTls(ca, mine.cert, mine.key)) == INVALID_ARGUMENT
-    for tls in (None, ClientTls(ca), ClientTls(ca, rogue.cert, rogue.key)):
-        assert stream_verify_code(address, tls) == grpc.StatusCode.UNAVAILABLE
-
-
 def test_the_data_plane_socket_serves_tls_and_needs_a_client_certificate_from_the_ca(
     secure: SecureStack,
 ) -> None:
     ca, rogue, mine = secure.ca_file, secure.rogue_cert, secure.orchestrator_cert
     address = secure.target.address
-    assert stream_verify_code(address, ClientTls(ca, mine.cert, mine.key), socket=True) == (
-        INVALID_ARGUMENT
-    )
+    assert socket_verify_code(address, ClientTls(ca, mine.cert, mine.key)) == INVALID_ARGUMENT
+    for tls in (None, ClientTls(ca), ClientTls(ca, rogue.cert, rogue.key)):
+        assert socket_verify_code(address, tls) == grpc.StatusCode.UNAVAILABLE
     with sync_channel(address, ClientTls(ca, mine.cert, mine.key)) as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
         port = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10).data_port

@@ -1,9 +1,9 @@
-"""The data-plane streams (ProposeStream, VerifyStream) against real servers.
+"""Calls on the replicas' data-plane sockets against real servers.
 
-Each call on a stream is served as the unary call is (same answer, same batching,
-same status code and sentence), a bad call gets its own error while the stream goes
-on serving, a call past its own deadline is answered DEADLINE_EXCEEDED, and bytes
-that do not parse end the stream with INVALID_ARGUMENT.
+Each call on a connection is served as the unary call is (same answer, same
+batching, same status code and sentence), a bad call gets its own error while the
+connection goes on serving, a call past its own deadline is answered
+DEADLINE_EXCEEDED, and a graceful shutdown ends the connections at once.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -18,8 +19,9 @@ import pytest
 
 from specserve.draft_service.config import DraftServerConfig
 from specserve.draft_service.server import start as start_draft
+from specserve.serving.data_frames import call_frame, frame, parse_answer, read_frame
 from specserve.serving.launch import ServerProcess
-from specserve.serving.replica_stream import ReplicaStream
+from specserve.serving.replica_connection import ReplicaConnection
 from specserve.serving.server import ServerOptions
 from specserve.serving.socket_call import SocketCall, SocketDial
 from specserve.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -57,16 +59,15 @@ def propose_request(session_id: str, tokens: list[int], k: int = 3) -> draft_pb2
     )
 
 
-@pytest.mark.parametrize("over", ["grpc stream", "data-plane socket"])
-def test_stream_calls_share_forwards_and_answer_as_unary(
-    servers: tuple[ServerProcess, ServerProcess], over: str
+def test_socket_calls_share_forwards_and_answer_as_unary(
+    servers: tuple[ServerProcess, ServerProcess],
 ) -> None:
     target, _ = servers
-    dial = SocketDial.of(target.address) if over == "data-plane socket" else None
+    dial = SocketDial.of(target.address)
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(target.address) as channel:
-            stream = ReplicaStream.verify(channel, dial)
+            stream = ReplicaConnection.verify(channel, dial)
             ids = [sid() for _ in range(4)]
             answers = await asyncio.gather(
                 *(stream.call(verify_request(i, PROMPT), 30) for i in ids)
@@ -74,9 +75,9 @@ def test_stream_calls_share_forwards_and_answer_as_unary(
             unary = await target_pb2_grpc.TargetServiceStub(channel).Verify(
                 verify_request(sid(), PROMPT), timeout=30
             )
-            socket = isinstance(stream._stream, SocketCall) and stream._stream.over_socket
+            socket = isinstance(stream._connection, SocketCall) and stream._connection.connected
             await stream.close()
-        assert stream.opened == 1 and socket == (dial is not None)
+        assert stream.opened == 1 and socket
         assert max(a.batch_size for a in answers) > 1, [a.batch_size for a in answers]
         for session_id, answer in zip(ids, answers, strict=True):
             (result,) = answer.results
@@ -86,7 +87,7 @@ def test_stream_calls_share_forwards_and_answer_as_unary(
     run(main())
 
 
-def test_a_bad_call_gets_its_error_and_the_stream_keeps_serving(
+def test_a_bad_call_gets_its_error_and_the_connection_keeps_serving(
     servers: tuple[ServerProcess, ServerProcess],
 ) -> None:
     _, draft = servers
@@ -96,7 +97,7 @@ def test_a_bad_call_gets_its_error_and_the_stream_keeps_serving(
         async with grpc.aio.insecure_channel(draft.address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as unary:
                 await draft_pb2_grpc.DraftServiceStub(channel).Propose(bad, timeout=30)
-            stream = ReplicaStream.propose(channel)
+            stream = ReplicaConnection.propose(channel, SocketDial.of(draft.address))
             with pytest.raises(grpc.aio.AioRpcError) as streamed:
                 await stream.call(bad, 30)
             good = await stream.call(propose_request(sid(), PROMPT), 30)
@@ -104,38 +105,9 @@ def test_a_bad_call_gets_its_error_and_the_stream_keeps_serving(
         assert streamed.value.code() == unary.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert streamed.value.details() == unary.value.details()
         assert len(good.results[0].tokens) == 3
-        assert stream.opened == 1  # the same stream served the good call
+        assert stream.opened == 1  # the same connection served the good call
 
     run(main())
-
-
-def test_a_message_without_request_is_refused_by_id_and_the_stream_goes_on(
-    servers: tuple[ServerProcess, ServerProcess],
-) -> None:
-    _, draft = servers
-
-    async def main() -> list[draft_pb2.ProposeStreamResponse]:
-        async with grpc.aio.insecure_channel(draft.address) as channel:
-            call = draft_pb2_grpc.DraftServiceStub(channel).ProposeStream()
-            header = common_pb2.StreamCallHeader
-            await call.write(draft_pb2.ProposeStreamRequest(header=header(request_id=7)))
-            first = await call.read()
-            await call.write(
-                draft_pb2.ProposeStreamRequest(
-                    header=header(request_id=8), request=propose_request(sid(), PROMPT)
-                )
-            )
-            second = await call.read()
-            await call.done_writing()
-            assert await call.read() is grpc.aio.EOF
-            assert await call.code() == grpc.StatusCode.OK
-            return [first, second]
-
-    first, second = run(main())
-    assert first.request_id == 7 and first.WhichOneof("outcome") == "error"
-    assert first.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert "carries no request" in first.error.message
-    assert second.request_id == 8 and second.WhichOneof("outcome") == "response"
 
 
 def test_a_call_past_its_own_deadline_is_answered_deadline_exceeded(
@@ -144,63 +116,40 @@ def test_a_call_past_its_own_deadline_is_answered_deadline_exceeded(
     target, _ = servers
     long_prompt = [(3 * i) % 256 for i in range(3000)]
 
-    async def main() -> list[target_pb2.VerifyStreamResponse]:
+    async def main() -> dict[int, Any]:
         async with grpc.aio.insecure_channel(target.address) as channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
-            call = stub.VerifyStream()
+            port = (await stub.GetLoad(common_pb2.GetLoadRequest(), timeout=30)).data_port
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(frame(b"/specserve.v1.TargetService/Verify"))
+            assert await read_frame(reader, 1 << 16) == b""  # accepted
             slow, quick = sid(), sid()
             for request_id, session_id, tokens, timeout_ms in (
                 (1, slow, long_prompt, 1),
                 (2, quick, PROMPT, 30_000),
             ):
-                await call.write(
-                    target_pb2.VerifyStreamRequest(
-                        header=common_pb2.StreamCallHeader(
-                            request_id=request_id, timeout_ms=timeout_ms
-                        ),
-                        request=verify_request(session_id, tokens),
-                    )
-                )
-            answers = [await call.read(), await call.read()]
-            call.cancel()
+                header = common_pb2.CallHeader(request_id=request_id, timeout_ms=timeout_ms)
+                writer.write(call_frame(header, verify_request(session_id, tokens)))
+            answers = {}
+            for _ in range(2):
+                data = await asyncio.wait_for(read_frame(reader, 1 << 24), 60)
+                assert isinstance(data, bytes)
+                answer = parse_answer(data, target_pb2.VerifyResponse)
+                answers[answer.request_id] = answer
+            writer.close()
             await stub.Release(common_pb2.ReleaseRequest(session_ids=[slow, quick]))
             return answers
 
-    answers = {a.request_id: a for a in run(main())}
+    answers = run(main())
+    assert answers[1].error is not None
     assert answers[1].error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     assert "deadline of 1 ms" in answers[1].error.message
-    assert answers[2].WhichOneof("outcome") == "response"
+    assert answers[2].error is None and answers[2].response.results
 
 
-def test_bytes_that_do_not_parse_end_the_stream_invalid_argument(
-    servers: tuple[ServerProcess, ServerProcess],
-) -> None:
-    _, draft = servers
-
-    async def main() -> grpc.aio.AioRpcError:
-        async with grpc.aio.insecure_channel(draft.address) as channel:
-            raw = channel.stream_stream(
-                "/specserve.v1.DraftService/ProposeStream",
-                request_serializer=lambda b: b,
-                response_deserializer=draft_pb2.ProposeStreamResponse.FromString,
-            )
-            call = raw()
-            await call.write(b"\xff\xff\xff\xff")
-            with pytest.raises(grpc.aio.AioRpcError) as ended:
-                await call.read()
-            return ended.value
-
-    error = run(main())
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "does not parse as a specserve.v1.ProposeStreamRequest" in (error.details() or "")
-
-
-@pytest.mark.parametrize("over", ["grpc stream", "data-plane socket"])
-def test_a_graceful_shutdown_ends_the_streams_instead_of_waiting_out_its_grace(
-    over: str,
-) -> None:
+def test_a_graceful_shutdown_ends_the_connections_instead_of_waiting_out_its_grace() -> None:
     """In process, an n-gram draft server (no model): SIGTERM's stop with a 60 s grace
-    returns at once although a stream (or socket) is open, and its next call is lost."""
+    returns at once although a data-plane connection is open, and its next call is lost."""
 
     async def main() -> tuple[float, grpc.aio.AioRpcError]:
         options = ServerOptions(grace_s=60)
@@ -208,13 +157,10 @@ def test_a_graceful_shutdown_ends_the_streams_instead_of_waiting_out_its_grace(
         await asyncio.to_thread(running.executor.ready.wait)
         ngram = propose_request(sid(), PROMPT)
         ngram.sessions[0].drafter = common_pb2.DRAFTER_NGRAM
-        dial = SocketDial.of(running.address) if over == "data-plane socket" else None
         async with grpc.aio.insecure_channel(running.address) as channel:
-            stream = ReplicaStream.propose(channel, dial)
-            await stream.call(ngram, 30)  # the stream is open
-            assert (dial is not None) == (
-                isinstance(stream._stream, SocketCall) and stream._stream.over_socket
-            )
+            stream = ReplicaConnection.propose(channel, SocketDial.of(running.address))
+            await stream.call(ngram, 30)  # the connection is open
+            assert isinstance(stream._connection, SocketCall) and stream._connection.connected
             began = time.monotonic()
             await running.stop()
             elapsed = time.monotonic() - began
@@ -224,5 +170,5 @@ def test_a_graceful_shutdown_ends_the_streams_instead_of_waiting_out_its_grace(
         return elapsed, gone.value
 
     elapsed, gone = run(main())
-    assert elapsed < 10, f"shutdown took {elapsed:.1f} s: it waited for the open stream"
+    assert elapsed < 10, f"shutdown took {elapsed:.1f} s: it waited for the open connection"
     assert gone.code() == grpc.StatusCode.UNAVAILABLE  # lost, as a unary call would be

@@ -15,7 +15,7 @@ from specserve.draft_service import config as draft_config
 from specserve.draft_service.server import start as start_draft
 from specserve.engine.errors import InvalidArgument
 from specserve.serving.cli_args import parse_bytes
-from specserve.serving.replica_stream import ReplicaStream
+from specserve.serving.replica_connection import ReplicaConnection
 from specserve.serving.server import ServerOptions
 from specserve.serving.socket_call import SocketDial
 from specserve.target_service import config as target_config
@@ -173,9 +173,9 @@ def test_the_replicas_bytes_in_flight_flag() -> None:
             options({f"SPECSERVE_{name}": "lots"}, [])
 
 
-def test_a_replicas_sockets_and_streams_hold_their_calls_against_one_budget() -> None:
-    """The real draft server: a call over its data-plane socket and one over its gRPC
-    stream are both held against the replica's budget while in flight."""
+def test_a_replicas_socket_and_unary_calls_hold_against_one_budget() -> None:
+    """The real draft server: a call over its data-plane socket and a unary Propose are
+    both held against the replica's budget while in flight."""
 
     async def go() -> None:
         options = ServerOptions(max_in_flight_bytes=5 << 20)
@@ -191,11 +191,12 @@ def test_a_replicas_sockets_and_streams_hold_their_calls_against_one_budget() ->
             )
             request = draft_pb2.ProposeRequest(sessions=[session])
             async with grpc.aio.insecure_channel(running.address) as channel:
-                for dial in (SocketDial.of(running.address), None):  # socket, then stream
-                    stream = ReplicaStream.propose(channel, dial)
-                    response = await stream.call(request, 10.0)
-                    assert list(response.results[0].tokens) == [3, 1]
-                    await stream.close()
+                stream = ReplicaConnection.propose(channel, SocketDial.of(running.address))
+                response = await stream.call(request, 10.0)
+                await stream.close()
+                unary = await draft_pb2_grpc.DraftServiceStub(channel).Propose(request, timeout=10)
+                for answer in (response, unary):
+                    assert list(answer.results[0].tokens) == [3, 1]
             assert len(held) == 2 and all(size > 0 for size in held)
             assert running.in_flight.total == 0  # both answered: nothing held
         finally:

@@ -18,12 +18,16 @@ certificate is checked against the DNS name (or ``ClientTls.server_name``). With
 internal token (:mod:`specserve.serving.internal_token`) every call on the channels
 carries it, and so does the data-plane socket's hello.
 
-Round calls (Propose, Verify) go over one long-lived connection per replica when the
-pool has a ``stream_factory`` (:class:`~specserve.serving.replica_stream.ReplicaStream`,
-opened on the first call, shared by every session's calls, reopened after a break):
-to the replica's data-plane socket (found at the replica's IP, checked against the
-same TLS as the channel) or its gRPC stream method; over unary calls otherwise;
-control calls (Release, GetLoad, ExportKv, ImportKv) are always unary.
+Round calls (Propose, Verify) go over one long-lived connection per replica to its
+data-plane socket (:class:`~specserve.serving.replica_connection.ReplicaConnection`, made by
+the pool's ``connection_factory``: found at the replica's IP through ``GetLoad``'s
+``data_port``, checked against the same TLS as the channel, opened on the first call,
+shared by every session's calls, reopened after a break). A replica that reports no
+data port, or whose socket cannot be reached, fails its round calls ``UNAVAILABLE``
+with a sentence naming the port, so it is taken out of the pool as a lost replica is.
+A pool without a ``connection_factory`` (tests, tools) sends them as unary calls; the
+orchestrator always has one. Control calls (Release, GetLoad, ExportKv, ImportKv)
+are unary.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.engine.errors import InvalidArgument
 from specserve.serving.internal_token import client_interceptors
-from specserve.serving.replica_stream import ReplicaStream
+from specserve.serving.replica_connection import ReplicaConnection
 from specserve.serving.server import MAX_MESSAGE_BYTES
 from specserve.serving.socket_call import SocketDial
 from specserve.serving.tls import ClientTls, aio_channel
@@ -85,26 +89,26 @@ class EndpointSpec:
         return bool(self.static or self.dns)
 
 
-# Opens the data plane of one replica (ReplicaStream.propose / .verify): its channel, and
+# Opens the data plane of one replica (ReplicaConnection.propose / .verify): its channel, and
 # how to reach its data-plane socket.
-StreamFactory = Callable[[grpc.aio.Channel, SocketDial], ReplicaStream[Any, Any]]
+ConnectionFactory = Callable[[grpc.aio.Channel, SocketDial], ReplicaConnection[Any, Any]]
 
 
 class Replica:
-    """One replica: its channel and stub, its data-plane connection (when rounds go over
-    streams), and whether it is up."""
+    """One replica: its channel and stub, its data-plane connection, and whether it is
+    up."""
 
     def __init__(
         self,
         endpoint: str,
         channel: grpc.aio.Channel,
         stub: Any,
-        stream: ReplicaStream[Any, Any] | None = None,
+        connection: ReplicaConnection[Any, Any] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.channel = channel
         self.stub = stub
-        self.stream = stream  # None: round calls go unary
+        self.connection = connection  # None: round calls go unary
         self.replica_id = ""  # learnt from its responses
         self.failures = 0
         self.down_until = 0.0
@@ -128,12 +132,12 @@ class ReplicaPool:
         clock: Callable[[], float] = time.monotonic,
         interceptors: Sequence[Any] = (),
         tls: ClientTls | None = None,
-        stream_factory: StreamFactory | None = None,
+        connection_factory: ConnectionFactory | None = None,
         internal_token: str | None = None,
     ) -> None:
         self.role = role
         self.internal_token = internal_token
-        self.stream_factory = stream_factory  # None: round calls go unary
+        self.connection_factory = connection_factory  # None: round calls go unary
         self.tls = tls
         # tracing's client interceptors, and those that send the internal token
         self.interceptors = [*interceptors, *client_interceptors(internal_token)]
@@ -159,8 +163,8 @@ class ReplicaPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
         for r in self.replicas.values():
-            if r.stream is not None:
-                await r.stream.close()
+            if r.connection is not None:
+                await r.connection.close()
             await r.channel.close(grace=None)
         self.replicas.clear()
 
@@ -193,13 +197,14 @@ class ReplicaPool:
                     server_name=names.get(ep),
                 )
                 dial = SocketDial.of(ep, self.tls, names.get(ep), self.internal_token)
-                stream = self.stream_factory(channel, dial) if self.stream_factory else None
-                self.replicas[ep] = Replica(ep, channel, self.stub_factory(channel), stream)
+                factory = self.connection_factory
+                connection = factory(channel, dial) if factory is not None else None
+                self.replicas[ep] = Replica(ep, channel, self.stub_factory(channel), connection)
                 changed = True
         for ep in [ep for ep in self.replicas if ep not in wanted]:
             gone = self.replicas.pop(ep)
-            if gone.stream is not None:
-                await gone.stream.close()
+            if gone.connection is not None:
+                await gone.connection.close()
             await gone.channel.close(grace=5.0)
             changed = True
         if changed and self.on_change is not None:

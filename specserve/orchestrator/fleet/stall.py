@@ -71,7 +71,7 @@ async def call_watched(
     """``await call``, cancelling it and raising :class:`Stalled` if ``replica`` hangs.
 
     ``stall_s <= 0``: no watch (just ``await call``). ``call`` is awaited in the
-    caller's own task, so a call that sends at once (a data-plane stream's) has sent
+    caller's own task, so a call that sends at once (a data-plane connection's) has sent
     before the caller first yields, with no task or loop pass in between. The watch
     starts at the first poll, a fifth of ``stall_s`` in: a call answered before then
     (every round's Verify at accelerator speed) costs a timer, nothing more. On a

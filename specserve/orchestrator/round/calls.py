@@ -29,10 +29,11 @@
   says where its news starts, and the random draws depend only on (seed, round,
   position).
 
-Over the data plane (:class:`~specserve.serving.replica_stream.ReplicaStream` on the
-replicas' sockets or gRPC streams, the default) a call fails with the same codes as the
-unary call, and a broken connection fails every call in flight on it as a lost unary
-call: the rules above apply unchanged.
+Over the data plane (:class:`~specserve.serving.replica_connection.ReplicaConnection` on the
+replicas' data-plane sockets) a call fails with the same codes as the unary call, and
+a broken connection (or one that cannot be made: no data port, an unreachable
+socket) fails every call in flight on it ``UNAVAILABLE``, as a lost unary call: the
+rules above apply unchanged.
 
 Converters are the services' own (:mod:`specserve.draft_service.convert`,
 :mod:`specserve.target_service.convert`), so both ends of a field agree.
@@ -207,8 +208,8 @@ async def propose(
     sessions = [s for s, _ in items]
 
     async def call(which: list[LiveSession], full: bool) -> draft_pb2.ProposeResponse:
-        if replica.stream is not None:
-            return await replica.stream.call(request(which, full), timeout_s)
+        if replica.connection is not None:
+            return await replica.connection.call(request(which, full), timeout_s)
         return await replica.stub.Propose(request(which, full), timeout=timeout_s)
 
     def short(s: LiveSession) -> bool:
@@ -311,8 +312,8 @@ async def verify(
 
     async def call(which: list[LiveSession], full: bool) -> target_pb2.VerifyResponse:
         rpc = (
-            replica.stream.call(request(which, full), timeout_s)
-            if replica.stream is not None
+            replica.connection.call(request(which, full), timeout_s)
+            if replica.connection is not None
             else replica.stub.Verify(request(which, full), timeout=timeout_s)
         )
         return await call_watched(
