@@ -12,6 +12,7 @@ address nothing listens on: the server binds its port and answers 503 on
 
 from __future__ import annotations
 
+import signal
 import time
 
 from specserve.devtools.ports import free_port
@@ -21,6 +22,9 @@ LAUNCHED = "launched"
 
 
 def main() -> None:
+    # No handler, and not ignored either: a suite started under nohup hands its
+    # children SIGHUP ignored, which would keep this launcher alive past the signal.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     HttpServerProcess(f"127.0.0.1:{free_port()}").start()
     print(LAUNCHED, flush=True)
     while True:
