@@ -24,7 +24,10 @@ from __future__ import annotations
 import collections
 import logging
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from specserve.engine.model import CausalLM
 from specserve.engine.tokenizer import Tokenizer
@@ -82,3 +85,26 @@ def reduce_draft_head(model: CausalLM, tokenizer: Tokenizer | None, size: int, v
     model.restrict_head(ids)
     log.info("draft head scores %d of %d tokens (--draft-vocab)", len(ids), vocab)
     return len(ids)
+
+
+@dataclass(frozen=True)
+class KeptIds:
+    """A restricted head's ids as a greedy draft step reads them (the head's scores of
+    just these, :meth:`CausalLM.forward <specserve.engine.model.CausalLM.forward>`'s
+    ``kept_only``): ``ids`` below the drafter's vocabulary limit, ascending, so the first
+    of tied maxima is the full row's argmax; ``columns``, their columns in the scores
+    (None: all)."""
+
+    ids: torch.Tensor
+    columns: torch.Tensor | None
+
+
+def kept_ids(head_ids: torch.Tensor | None, vocab_limit: int | None) -> KeptIds | None:
+    """``head_ids`` (ascending; None: no restricted head, and None back) as a drafter
+    limited to ids below ``vocab_limit`` reads them."""
+    if head_ids is None:
+        return None
+    columns = None
+    if vocab_limit is not None and int(head_ids[-1]) >= vocab_limit:
+        columns = (head_ids < vocab_limit).nonzero().view(-1)
+    return KeptIds(head_ids if columns is None else head_ids[columns], columns)

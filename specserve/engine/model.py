@@ -175,19 +175,30 @@ class CausalLM(nn.Module):
             block_size=block_size,
         )
 
+    @property
+    def head_ids(self) -> torch.Tensor | None:
+        """The ids a restricted head scores (:meth:`restrict_head`), ascending; None:
+        every id."""
+        return self._head_ids
+
     @torch.inference_mode()
-    def forward(self, seqs: Sequence[SeqInput], kv: KVPool) -> torch.Tensor:
+    def forward(
+        self, seqs: Sequence[SeqInput], kv: KVPool, *, kept_only: bool = False
+    ) -> torch.Tensor:
         """Run the new tokens of every session in ``seqs`` and append their K/V.
 
         Space must be reserved beforehand (:meth:`KVPool.reserve`). Returns float32
-        logits ``[sum(num_logits), vocab]`` in the order of ``seqs``.
+        logits ``[sum(num_logits), vocab]`` in the order of ``seqs``; with ``kept_only``
+        and a restricted head, only the kept ids' logits ``[sum(num_logits),
+        len(head_ids)]`` (column j is id ``head_ids[j]``; every other logit is ``-inf``),
+        without the full rows a caller that needs no other id would fill and scan.
 
         A session with more than :attr:`prefill_chunk_tokens` new tokens first runs
         its leading tokens alone, a chunk at a time, writing their K/V; the batch's
         forward then holds at most a chunk of it (and at least its ``num_logits``).
         """
         seqs = [self._prefill_head(s, kv) for s in seqs]
-        return self._forward(seqs, kv)
+        return self._forward(seqs, kv, kept_only)
 
     def _prefill_head(self, seq: SeqInput, kv: KVPool) -> SeqInput:
         """Run the rows of ``seq`` that no logits are asked of alone (in chunks of
@@ -216,7 +227,9 @@ class CausalLM(nn.Module):
             self._forward([SeqInput(seq.session_id, part, 0)], kv)
         return seq if keep == 0 else SeqInput(seq.session_id, tokens[keep:], seq.num_logits)
 
-    def _forward(self, seqs: Sequence[SeqInput], kv: KVPool) -> torch.Tensor:
+    def _forward(
+        self, seqs: Sequence[SeqInput], kv: KVPool, kept_only: bool = False
+    ) -> torch.Tensor:
         window = self.config.sliding_window if self._sliding is None else None
         plan = plan_forward(seqs, kv, window)
         h = self.model.embed_tokens(plan.token_ids).to(self.activation_dtype)  # [tokens, hidden]
@@ -242,6 +255,8 @@ class CausalLM(nn.Module):
                 return scores
             return self._scaled(scores)
         scores = self._scaled(linear(h, self._head_rows).float())  # [rows, kept ids]
+        if kept_only:
+            return scores
         logits = h.new_full(
             (h.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32
         )

@@ -24,7 +24,6 @@ which the next call uses when the guess was right.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -39,14 +38,13 @@ from specserve.engine.draft_ahead import (
     Predrafted,
 )
 from specserve.engine.draft_sampling import DrawRow, draw_rows
+from specserve.engine.draft_vocab import kept_ids
 from specserve.engine.drafter import DrafterKind, DraftInput, DraftOutcome
 from specserve.engine.kv_cache import KVStats
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.rejection import Proposal
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.step_runner import StepOptions, StepRow, StepRunner
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -111,23 +109,12 @@ class ModelDrafter:
         self.vocab_limit = vocab_limit
         self.draft_ahead = draft_ahead
         self.ahead_counts = AheadCounts()
-        self.steps = self._step_runner(steps) if steps is not None else None
+        self.steps = None
+        if steps is not None:  # one new token a session and step, coupled among max_support
+            options = replace(steps, k_max=0, support=self.max_support, batch_invariant=False)
+            vocab = self.vocab_limit or model.config.vocab_size
+            self.steps = StepRunner.build_or_none(model, self.kv, options, vocab, "draft steps")
         self._sessions: dict[str, _Session] = {}
-
-    def _step_runner(self, options: StepOptions) -> StepRunner | None:
-        """The draft's runner (one new token per session and step, the coupled choice
-        among ``max_support`` ids), or None (logged) where it cannot be built."""
-        why = StepRunner.unsupported(self.model)
-        if why is not None:
-            log.info("static draft steps off: %s", why)
-            return None
-        options = replace(options, k_max=0, support=self.max_support, batch_invariant=False)
-        vocab = self.vocab_limit or self.model.config.vocab_size
-        try:
-            return StepRunner(self.model, self.kv, options, vocab_limit=vocab)
-        except Exception:
-            log.exception("static draft steps failed to build; drafting on the eager forward")
-            return None
 
     def sessions(self) -> int:
         return len(self._sessions)
@@ -248,9 +235,16 @@ class ModelDrafter:
     def _eager_step(self, running: list[_Active]) -> tuple[list[int], list[int], list[float]]:
         """One draft step on the eager forward: the tokens drawn, the rows (of
         ``running``) that drew them, and each row's top probability where a floor needs it."""
+        # Greedy rows need only a restricted head's kept ids' logits: their argmax and top
+        # probability are the full rows' (every other logit is -inf).
+        greedy_only = all(a.params.greedy for a in running)
+        kept = kept_ids(self.model.head_ids, self.vocab_limit) if greedy_only else None
         with ops.bfloat16_products(self.bfloat16_prefill):  # only a prefill's many rows
-            logits = self.model([SeqInput(a.sid, a.feed) for a in running], self.kv)
-        if self.vocab_limit is not None:
+            seqs = [SeqInput(a.sid, a.feed) for a in running]
+            logits = self.model(seqs, self.kv, kept_only=kept is not None)
+        if kept is not None:
+            logits = logits if kept.columns is None else logits[:, kept.columns]
+        elif self.vocab_limit is not None:
             logits = logits[:, : self.vocab_limit]
         for a in running:
             s = self._sessions[a.sid]
@@ -258,7 +252,8 @@ class ModelDrafter:
         # Read back once per step what every row needs, not a value per row.
         greedy: list[int] = []
         if any(a.params.greedy for a in running):
-            greedy = logits.argmax(dim=-1).tolist()
+            best = logits.argmax(dim=-1)
+            greedy = (best if kept is None else kept.ids[best]).tolist()
         # The replica's floor drops a draft below it and stops; a session's depth
         # floor stops drafting after the draft whose product falls below it.
         top: list[float] = []

@@ -152,6 +152,23 @@ class StepRunner:
         """Why ``model`` cannot take static steps, or None when it can."""
         return StaticStep.supports(model)
 
+    @classmethod
+    def build_or_none(
+        cls, model: CausalLM, kv: KVPool, options: StepOptions, vocab_limit: int, what: str
+    ) -> StepRunner | None:
+        """The runner, or None (logged, ``what`` naming the steps) where ``model`` cannot
+        take static steps or building them failed: a server then runs its steps on the
+        eager forward rather than not at all."""
+        why = cls.unsupported(model)
+        if why is not None:
+            log.info("static %s off: %s", what, why)
+            return None
+        try:
+            return cls(model, kv, options, vocab_limit=vocab_limit)
+        except Exception:
+            log.exception("static %s failed to build; they run on the eager forward", what)
+            return None
+
     # -- which batches ---------------------------------------------------------------
 
     def takes(self, inputs: Sequence[VerifyInput]) -> bool:

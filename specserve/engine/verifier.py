@@ -10,7 +10,6 @@ with no drafts.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -26,8 +25,6 @@ from specserve.engine.rejection import Proposal, Verdict, verify
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.step_runner import StepOptions, StepRunner
 from specserve.policy.plain_steps import MAX_STEPS
-
-log = logging.getLogger(__name__)
 
 # TargetVerifier's default step options: static steps (CUDA graphs) on CUDA, eager elsewhere.
 AUTO = "auto"
@@ -132,20 +129,9 @@ class TargetVerifier:
         self.vocab_limit = vocab_limit or model.config.vocab_size
         if steps == AUTO:
             steps = StepOptions() if model.device.type == "cuda" else None
-        self.steps = self._step_runner(steps) if isinstance(steps, StepOptions) else None
-
-    def _step_runner(self, options: StepOptions) -> StepRunner | None:
-        """The runner, or None (logged) where the model cannot take static steps or building
-        them failed: a server then serves on the eager forward rather than not at all."""
-        why = StepRunner.unsupported(self.model)
-        if why is not None:
-            log.info("static steps off: %s", why)
-            return None
-        try:
-            return StepRunner(self.model, self.kv, options, vocab_limit=self.vocab_limit)
-        except Exception:
-            log.exception("static steps failed to build; every step runs on the eager forward")
-            return None
+        self.steps = None
+        if isinstance(steps, StepOptions):
+            self.steps = StepRunner.build_or_none(model, self.kv, steps, self.vocab_limit, "steps")
 
     @property
     def config(self) -> ModelConfig:

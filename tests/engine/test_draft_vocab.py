@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+from specserve.engine import model_drafter
 from specserve.engine.decode_state import DecodeState, StopCriteria
-from specserve.engine.draft_vocab import draft_vocabulary, reduce_draft_head
+from specserve.engine.draft_vocab import draft_vocabulary, kept_ids, reduce_draft_head
+from specserve.engine.drafter import DraftInput
 from specserve.engine.loader import load_tokenizer
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.model_drafter import ModelDrafter
@@ -49,6 +51,11 @@ def test_a_restricted_head_keeps_the_bits_of_its_rows(head: str) -> None:
     dropped[kept] = False
     assert torch.equal(cut[:, kept], full[:, kept])
     assert torch.isneginf(cut[:, dropped]).all()
+    kv = model.new_kv_pool(1 << 20)
+    kv.reserve({"s": len(ids)})
+    only = model([SeqInput("s", ids, num_logits=3)], kv, kept_only=True)
+    assert model.head_ids is not None and torch.equal(model.head_ids, kept)
+    assert torch.equal(only, full[:, kept])  # the kept ids' columns, nothing else
     model.restrict_head(None)
     assert torch.equal(_logits(model, ids), full)
     with pytest.raises(ValueError, match="head token ids"):
@@ -108,3 +115,33 @@ def test_speculation_with_a_restricted_draft_head_equals_target_only(
     assert spec.completion == plain.completion
     assert spec.stats.drafted > 0 and spec.stats.accepted > 0
     assert proposed and set(proposed) <= set(KEPT)
+
+
+@pytest.mark.parametrize("vocab_limit", [None, 200])
+def test_greedy_drafts_from_the_kept_ids_equal_drafts_from_the_full_rows(
+    vocab_limit: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A greedy draft step reads only the kept ids' logits (argmax mapped back through
+    the ascending ids; the confidence floor's top probability from them): the same drafts,
+    stopped at the same floor, as the full rows give (``kept_ids`` forced to None)."""
+    model = tiny_model(3, "qwen2")
+    model.restrict_head(KEPT)
+    limited = kept_ids(model.head_ids, vocab_limit)
+    assert limited is not None and (vocab_limit is None) == (limited.columns is None)
+    prompt = [7, 8, 9, 10, 11, 12] * 3
+
+    def drafts(full: bool) -> list[list[int]]:
+        if full:
+            monkeypatch.setattr(model_drafter, "kept_ids", lambda *_: None)
+        drafter = ModelDrafter(model, 8 << 20, vocab_limit=vocab_limit)
+        out = []
+        for floor in (0.0, 0.05, 0.3):
+            x = DraftInput(f"s{floor}", 0, prompt, 6, SamplingParams(), 0, min_confidence=floor)
+            out.append(drafter.propose([x])[0].proposal.tokens)
+        monkeypatch.undo()
+        return out
+
+    kept, full = drafts(False), drafts(True)
+    assert kept == full
+    assert kept[0] and len(kept[0]) == 6 and any(len(d) < 6 for d in kept[1:]), kept
+    assert all(t in KEPT and (vocab_limit is None or t < vocab_limit) for d in kept for t in d)
