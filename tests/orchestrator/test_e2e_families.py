@@ -6,8 +6,8 @@ target file in this process, with drafts proposed and accepted.
 
 Qwen3 (q/k norm per head) and the mixture of experts Mixtral run with the suite; the
 other families (Granite, OLMo 2, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE) are marked
-``slow`` (``make slow``, ``-m slow``): a stack's start costs ~40 s on two busy cores,
-one stack at a time."""
+``slow`` (``make slow``, ``-m slow``) so that ``make test``'s time does not grow; one
+stack at a time."""
 
 from __future__ import annotations
 
