@@ -10,6 +10,12 @@ It computes the same function as SDPA; the float32 sums run in another order
 (per block, then merged), so results differ from SDPA by float32 rounding (the
 equality tests measure it). The model uses it only where the cache is longer than
 :data:`BLOCKED_ABOVE_KEYS`, so ordinary prompts keep SDPA's exact bits.
+
+Attention logit soft-capping (Gemma 2: each score ``s -> c * tanh(s / c)`` before the
+mask and the softmax) is something SDPA cannot do: :func:`capped_attention` computes
+the scores, caps, masks, normalizes and weights the values as explicit ops, for a
+model with a cap below :data:`BLOCKED_ABOVE_KEYS` keys, and :func:`blocked_attention`
+caps each block's scores above it.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ def blocked_attention(
     values: torch.Tensor,  # [batch, kv_heads, keys, head_dim]
     mask: torch.Tensor | None,  # [batch, 1, queries, keys] bool, True = attend
     block: int = KEY_BLOCK,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [batch, heads, queries, head_dim]
-    """Softmax attention (GQA: heads a multiple of kv_heads) over keys in blocks.
+    """Softmax attention (GQA: heads a multiple of kv_heads) over keys in blocks, each
+    score soft-capped to ``softcap * tanh(score / softcap)`` first where ``softcap`` is set.
 
     Every query row must be allowed at least one key (the model's masks guarantee it).
     """
@@ -49,6 +57,8 @@ def blocked_attention(
     for start in range(0, keys.shape[2], block):
         end = min(start + block, keys.shape[2])
         scores = (qg @ keys[:, :, start:end].transpose(-1, -2)).to(dtype)  # [b, kvh, g*n, blk]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if mask is not None:
             allowed = mask[:, :, :, start:end]  # [b, 1, n, blk] -> [b, 1, g*n, blk]
             allowed = allowed.expand(b, group, n, end - start).reshape(b, 1, group * n, -1)
@@ -64,3 +74,26 @@ def blocked_attention(
         run_max = new_max
     out = acc / run_sum
     return out.reshape(b, heads, n, d).to(q.dtype)
+
+
+def capped_attention(
+    q: torch.Tensor,  # [batch, heads, queries, head_dim]
+    keys: torch.Tensor,  # [batch, kv_heads, keys, head_dim]
+    values: torch.Tensor,  # [batch, kv_heads, keys, head_dim]
+    mask: torch.Tensor | None,  # [batch, 1, queries, keys] bool, True = attend
+    softcap: float,
+) -> torch.Tensor:  # [batch, heads, queries, head_dim]
+    """``softmax(cap(q k^T / sqrt(head_dim)) masked) v`` with ``cap(s) = softcap *
+    tanh(s / softcap)`` (GQA: heads a multiple of kv_heads), as Gemma 2's eager attention
+    computes it; the scores and the softmax in float32. Materializes the scores
+    ``[batch, heads, queries, keys]``: for caches up to :data:`BLOCKED_ABOVE_KEYS` keys
+    (above, :func:`blocked_attention` with ``softcap``)."""
+    group = q.shape[1] // keys.shape[1]
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+    scores = (q @ keys.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    return (torch.softmax(scores, dim=-1).to(values.dtype) @ values).to(q.dtype)

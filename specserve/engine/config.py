@@ -23,11 +23,12 @@ class ModelConfig:
     tokens), ``residual_multiplier`` (on each sublayer's output before the residual
     add), ``attention_multiplier`` (the softmax scale; None: 1 / sqrt(head_dim)),
     ``logits_scaling`` (the logits are divided by it), ``final_logit_softcapping``
-    (logits -> tanh(logits / c) * c), ``hidden_act`` (the MLP's gate activation),
-    ``sliding_layers`` (the layers ``sliding_window`` applies to; None: all of them)
-    with ``local_rope_theta`` (their RoPE base; None: ``rope_theta``). :meth:`from_hf`
-    sets them from the Hugging Face config and the family
-    (:mod:`specserve.engine.families`).
+    (logits -> tanh(logits / c) * c), ``attn_logit_softcapping`` (each attention score
+    s -> tanh(s / c) * c before the mask and the softmax, Gemma 2), ``hidden_act`` (the
+    MLP's gate activation), ``sliding_layers`` (the layers ``sliding_window`` applies
+    to; None: all of them) with ``local_rope_theta`` (their RoPE base; None:
+    ``rope_theta``). :meth:`from_hf` sets them from the Hugging Face config and the
+    family (:mod:`specserve.engine.families`).
 
     A mixture of experts (Qwen3-MoE, Mixtral; :mod:`specserve.engine.moe`) has
     ``num_experts`` > 0: every layer's feed-forward is a router over that many SwiGLU
@@ -61,6 +62,7 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
     hidden_act: str = "silu"
     sliding_layers: tuple[int, ...] | None = None
     local_rope_theta: float | None = None
@@ -87,6 +89,10 @@ class ModelConfig:
             raise ModelLoadError(f"qk_norm must be one of {QK_NORMS} or None, got {self.qk_norm!r}")
         if self.norm_layout not in NORM_LAYOUTS:
             raise ModelLoadError(f"norm_layout must be one of {NORM_LAYOUTS}")
+        if self.attn_logit_softcapping is not None and self.attn_logit_softcapping <= 0:
+            raise ModelLoadError(
+                f"attn_logit_softcapping must be positive, got {self.attn_logit_softcapping}"
+            )
         if not self.logits_scaling:
             raise ModelLoadError("logits_scaling must not be 0")
         if self.hidden_act not in HIDDEN_ACTS:
@@ -106,12 +112,14 @@ class ModelConfig:
     @property
     def plain_layers(self) -> bool:
         """Whether every layer is a Llama layer (pre-norms, no q/k norm, no residual or
-        attention multiplier, a dense MLP): the layer the fused one-op path runs."""
+        attention multiplier, no attention soft-cap, a dense MLP): the layer the fused
+        one-op path runs."""
         return (
             self.qk_norm is None
             and self.norm_layout == "pre"
             and self.residual_multiplier == 1.0
             and self.attention_multiplier is None
+            and self.attn_logit_softcapping is None
             and self.hidden_act == "silu"
             and not self.num_experts
         )
@@ -192,6 +200,7 @@ class ModelConfig:
             attention_multiplier=None if multiplier is None else float(multiplier),
             logits_scaling=float(hf.get("logits_scaling") or 1.0),
             final_logit_softcapping=_float_or_none(hf.get("final_logit_softcapping")),
+            attn_logit_softcapping=_float_or_none(hf.get("attn_logit_softcapping") or None),
             hidden_act=str(hf.get("hidden_activation") or hf.get("hidden_act") or fam.hidden_act),
             sliding_layers=sliding_layers or None,
             local_rope_theta=None if sliding_layers is None else _float_or_none(local_theta),
@@ -211,10 +220,6 @@ def _refuse_unsupported(hf: dict[str, Any]) -> None:
         )
     if hf.get("mlp_bias"):
         raise ModelLoadError("MLP biases (mlp_bias) are not supported")
-    if hf.get("attn_logit_softcapping"):
-        raise ModelLoadError(
-            "attention logit soft-capping (attn_logit_softcapping, Gemma 2) is not supported"
-        )
 
 
 def _experts(hf: dict[str, Any], renormalized: bool | None) -> dict[str, Any]:

@@ -490,7 +490,8 @@ at::Tensor rope_cache_attention(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& positions_in, const at::Tensor& inv_freq_in,
                                 double rope_scale, at::Tensor& k_cache, at::Tensor& v_cache,
                                 const at::Tensor& write_slots_in, const at::Tensor& read_slots_in,
-                                const at::Tensor& token_session_in, int64_t window);
+                                const at::Tensor& token_session_in, int64_t window,
+                                double softcap);
 
 // Coupled sampling (specserve/engine/coupling.py): per row, argmax_v p[v] / E[v] with
 // E[v] = -log(u[v]) and u[v] from the SplitMix64 word mix(key + (v / 2 + 1) * GAMMA),
@@ -564,7 +565,7 @@ TORCH_LIBRARY(LIBNAME, m) {
   m.def(
       "rope_cache_attention(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor inv_freq, "
       "float rope_scale, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_slots, "
-      "Tensor read_slots, Tensor token_session, int window) -> Tensor");
+      "Tensor read_slots, Tensor token_session, int window, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(LIBNAME, CPU, m) {

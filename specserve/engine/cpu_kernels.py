@@ -65,10 +65,12 @@ cache misses instead of ~10 us. The kernels here answer both:
     ``w * (x * rsqrt(mean(x^2) + eps))`` per row, one op instead of seven.
 ``rope_cache_attention(q, k, v, ...)``
     RoPE, the paged KV-cache write and causal GQA attention (optional sliding
-    window) for a few packed new tokens of a ragged batch: one op instead of ~35.
+    window, optional score soft-cap ``softcap``, 0 for none) for a few packed new tokens
+    of a ragged batch: one op instead of ~35.
 ``decoder_layer(h, ws, types, outs, bs, norms, eps, head_dim, <attention's arguments>)``
     A whole decoder layer of quantized weights (``cpu_kernels_layer.cpp``): the norms,
-    ``q8_linears`` for q/k/v, ``rope_cache_attention``, the output projection and the
+    ``q8_linears`` for q/k/v, ``rope_cache_attention`` (no soft-cap: a Llama layer has
+    none), the output projection and the
     SwiGLU MLP with the residual adds, the same functions in the same order as the
     separate ops (the same bits), called from C++: a step of a 28-layer model makes 28
     calls from Python instead of ~400.

@@ -7,7 +7,8 @@
 // the cache rows it reads, computed by the same operations in the same order however
 // many tokens share the call, so a verify row has the bits of a one-token step. Keys are
 // scored 8 at a time (lane j of a vector is key j0 + j); each lane's dot product and its
-// reduction run the same operations whatever the other lanes hold.
+// reduction run the same operations whatever the other lanes hold, and so does a score's
+// soft-cap (Gemma 2: tanh256, lane by lane, before the max and the softmax).
 namespace {
 
 // out = x * cos + rotate_half(x) * sin for one head of D = 2 * half values.
@@ -40,6 +41,27 @@ inline __m256 exp256(__m256 x) {
   const __m256i pow2n =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(too_small, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)));
+}
+
+// tanh(x) in 8 lanes, each lane by the same operations whatever the others hold: for
+// |x| < 0.25 the odd Taylor polynomial to x^9 (the next term is below 1e-8 of |x| there),
+// else sign(x) (1 - e) / (1 + e) with e = e^(-2|x|) (exp256: 0 past |x| = 43.5, giving
+// +-1; 1 - e keeps at least 0.39 there, so no cancellation). Within a few ulp of tanh.
+// Attention's score soft-cap calls it.
+inline __m256 tanh256(__m256 x) {
+  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
+  const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256 e = exp256(_mm256_mul_ps(ax, _mm256_set1_ps(-2.0f)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  const __m256 x2 = _mm256_mul_ps(ax, ax);
+  __m256 p = _mm256_set1_ps(62.0f / 2835.0f);
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-17.0f / 315.0f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(2.0f / 15.0f));
+  p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(-1.0f / 3.0f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, x2), ax, ax);
+  const __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.25f), _CMP_LT_OQ);
+  return _mm256_or_ps(sign, _mm256_blendv_ps(big, small, is_small));
 }
 
 // Lane j: the sum of the 8 lanes of a[j], each as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) +
@@ -98,11 +120,12 @@ inline void head_values_n(int64_t nh, const float* w, int64_t n8, const float* v
 
 // Attention of one token's G query heads q [G, D] (after RoPE) over its n cache rows
 // (slots: their cache slots; row stride KH * D, this kv head's offset already applied to
-// kc, vc): out [G, D] = softmax(q k^T * scale) v, w a scratch of G * n8 floats. D is a
+// kc, vc): out [G, D] = softmax(cap(q k^T * scale)) v, w a scratch of G * n8 floats,
+// cap(s) = softcap * tanh(s / softcap) where softcap > 0 (Gemma 2), else s. D is a
 // multiple of 8.
 void attend(const float* q, int64_t G, int64_t D, const float* kc, const float* vc,
-            int64_t stride, const int64_t* slots, int64_t n, float scale, float* w,
-            float* out) {
+            int64_t stride, const int64_t* slots, int64_t n, float scale, float softcap,
+            float* w, float* out) {
   const int64_t n8 = (n + KEYS - 1) / KEYS * KEYS;
   // Scores, 8 keys at a time (a short last group repeats its first key; those lanes are
   // never read).
@@ -119,7 +142,12 @@ void attend(const float* q, int64_t G, int64_t D, const float* kc, const float* 
         for (int j = 0; j < KEYS; ++j)
           acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(krow[j] + d), acc[j]);
       }
-      _mm256_storeu_ps(w + h * n8 + j0, _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale)));
+      __m256 score = _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(scale));
+      if (softcap > 0.0f) {  // per lane, before the max and the softmax
+        const __m256 cap = _mm256_set1_ps(softcap);
+        score = _mm256_mul_ps(tanh256(_mm256_div_ps(score, cap)), cap);
+      }
+      _mm256_storeu_ps(w + h * n8 + j0, score);
     }
   }
   // Softmax per head: max and exp in 8 lanes, the lanes summed in a fixed order.
@@ -161,7 +189,8 @@ void attend(const float* q, int64_t G, int64_t D, const float* kc, const float* 
 }
 
 // One attention step for a few new tokens over a paged KV cache, as the decoder's
-// torch path computes it (RoPE, cache write, causal SDPA with GQA, optional window):
+// torch path computes it (RoPE, cache write, causal SDPA with GQA, optional window, each
+// score soft-capped to softcap * tanh(score / softcap) where softcap > 0, 0: no cap):
 //   q [T, H, D], k and v [T, KH, D] (views with unit last stride; D a multiple of 8) are
 //   the projections of the T packed new tokens; positions [T] their absolute positions;
 //   token_session [T] the row of read_slots [B, L] (each session's slots by position)
@@ -172,7 +201,9 @@ at::Tensor rope_cache_attention(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& positions_in, const at::Tensor& inv_freq_in,
                                 double rope_scale, at::Tensor& k_cache, at::Tensor& v_cache,
                                 const at::Tensor& write_slots_in, const at::Tensor& read_slots_in,
-                                const at::Tensor& token_session_in, int64_t window) {
+                                const at::Tensor& token_session_in, int64_t window,
+                                double softcap) {
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: no cap)");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KH = k.size(1), half = D / 2;
   for (const at::Tensor* t : {&q, &k, &v})
@@ -237,7 +268,8 @@ at::Tensor rope_cache_attention(const at::Tensor& q, const at::Tensor& k, const 
       const int64_t lo = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0, n = p - lo + 1;
       w.resize(G * ((n + KEYS - 1) / KEYS * KEYS));
       attend(qrp + (t * H + g * G) * D, G, D, kc + g * D, vc + g * D, KH * D,
-             rslot + sess[t] * L + lo, n, sm_scale, w.data(), op + t * H * D + g * G * D);
+             rslot + sess[t] * L + lo, n, sm_scale, (float)softcap, w.data(),
+             op + t * H * D + g * G * D);
     }
   });
   return out;

@@ -17,7 +17,8 @@ inline at::Tensor first_columns(const at::Tensor& y, int64_t out) {
 // kernels: ws = [q, k, v, o, gate, up, down] blocks as the integer kernels read them,
 // types their type codes, outs their output widths before any row padding, bs the q, k
 // and v biases (padded alike, or None), norms the input and post-attention norm weights.
-// The attention arguments are rope_cache_attention's; head_dim splits q, k, v into heads.
+// The attention arguments are rope_cache_attention's but its soft-cap (none: a Llama
+// layer has no cap); head_dim splits q, k, v into heads.
 at::Tensor decoder_layer(const at::Tensor& h, at::TensorList ws, at::IntArrayRef types,
                          at::IntArrayRef outs, const c10::List<std::optional<at::Tensor>>& bs,
                          at::TensorList norms, double eps, int64_t head_dim,
@@ -38,7 +39,7 @@ at::Tensor decoder_layer(const at::Tensor& h, at::TensorList ws, at::IntArrayRef
   const at::Tensor v = first_columns(qkv[2], outs[2]).view({T, -1, head_dim});
   const at::Tensor attn = rope_cache_attention(q, k, v, positions, inv_freq, rope_scale, k_cache,
                                                v_cache, write_slots, read_slots, token_session,
-                                               window);
+                                               window, /*softcap=*/0.0);
   const c10::List<std::optional<at::Tensor>> none({std::nullopt});
   const at::Tensor o = q8_linears(attn, ws.slice(3, 1), types.slice(3, 1), none)[0];
   const at::Tensor h1 = at::add(h, first_columns(o, outs[3]));

@@ -59,7 +59,7 @@ class Family:
     sqrt(hidden). ``gguf_architecture``: llama.cpp's name where it differs from the
     ``model_type``; ``gguf_sliding_pattern`` / ``gguf_local_rope_theta``: what llama.cpp
     assumes for the family and its files do not state (every n-th layer global, the
-    sliding layers' RoPE base).
+    sliding layers' RoPE base; None: the global layers' base, Gemma 2's).
     ``window_needs_flag``: a ``sliding_window`` in the config applies only with
     ``use_sliding_window`` (Qwen). ``fused``: a checkpoint module (suffix) -> the
     decoder modules its rows split into, in order. ``gguf_layer_names``: llama.cpp
@@ -126,6 +126,14 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
         "phi3": Family(
             fused=_PHI3_FUSED,
             gguf_layer_names=MappingProxyType({"ffn_up": "mlp.gate_up_proj"}),
+        ),
+        "gemma2": Family(  # Gemma 3's layer without the q/k norm, one RoPE base
+            norm_layout="sandwich",
+            hidden_act="gelu_pytorch_tanh",
+            norm_offset=1.0,
+            scale_embedding=True,
+            gguf_layer_names=MappingProxyType({"ffn_norm": "pre_feedforward_layernorm"}),
+            gguf_sliding_pattern=2,
         ),
         "gemma3_text": Family(
             qk_norm="head",

@@ -20,7 +20,8 @@ experts (``ffn_gate_exps`` ``[experts, out, in]``) come out one matrix per exper
 slice of whole rows (blocks kept), and a ``llama`` file with ``expert_count`` is a
 Mixtral. The family's
 metadata (Granite's ``embedding_scale``, ``residual_scale``, ``logit_scale`` and
-``attention.scale``, a ``sliding_window``) goes into the config under the Hugging Face
+``attention.scale``, Gemma's ``final_logit_softcapping`` and ``attn_logit_softcapping``,
+a ``sliding_window``) goes into the config under the Hugging Face
 names.
 
 Every problem with the file (not GGUF, truncated, a tensor past the end, an
@@ -71,6 +72,7 @@ _SCALARS_TO_HF = {
     "logit_scale": "logits_scaling",
     "attention.scale": "attention_multiplier",
     "final_logit_softcapping": "final_logit_softcapping",
+    "attn_logit_softcapping": "attn_logit_softcapping",
 }
 
 
@@ -317,7 +319,9 @@ class GGUFCheckpoint:
                 "sliding_attention" if slide else "full_attention" for slide in slides
             ]
             base = self.metadata.get(f"{self.architecture}.rope.freq_base_swa")
-            hf["rope_local_base_freq"] = float(base or fam.gguf_local_rope_theta or 10000.0)
+            local = base or fam.gguf_local_rope_theta  # none (Gemma 2): the global base
+            if local:
+                hf["rope_local_base_freq"] = float(local)
         rope_dims = self.metadata.get(f"{self.architecture}.rope.dimension_count")
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         if rope_dims and int(rope_dims) != head_dim:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.engine.attention import BLOCKED_ABOVE_KEYS, blocked_attention
+from specserve.engine.attention import BLOCKED_ABOVE_KEYS, blocked_attention, capped_attention
 from specserve.engine.config import ModelConfig
 from specserve.engine.cpu_kernels import Kernels
 from specserve.engine.forward_plan import ForwardPlan
@@ -86,6 +86,8 @@ class Attention(nn.Module):
         # Whether q and k need more than the projection: False for a Llama layer, whose
         # forward pays one attribute read for the families that do.
         self._qk_extra = cfg.qk_norm is not None or self._q_scale is not None
+        # Each score s -> c * tanh(s / c) before the softmax (Gemma 2); None: no cap.
+        self._softcap = cfg.attn_logit_softcapping
 
     def forward(
         self,
@@ -105,7 +107,9 @@ class Attention(nn.Module):
         if self._qk_extra:
             q, k = self._prepare_qk(q, k)
         q, k, v = q.view(t, -1, hd), k.view(t, -1, hd), v.view(t, -1, hd)
-        out = rope_cache_attention(q, k, v, *_cache_attention_args(plan, rope, k_cache, v_cache))
+        out = rope_cache_attention(
+            q, k, v, *_cache_attention_args(plan, rope, k_cache, v_cache), softcap=self._softcap
+        )
         if out is not None:  # the CPU kernel did all of the below in one op
             return linear(out, self.o_proj.weight)
         q, k = rope(q, k, plan.positions, plan.max_position)
@@ -125,7 +129,9 @@ class Attention(nn.Module):
         keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2).to(q.dtype)
         values = v_cache.index_select(0, slots).view(shape).transpose(1, 2).to(q.dtype)
         if n > 1 and keys.shape[2] > BLOCKED_ABOVE_KEYS:  # a chunk over a long cache
-            out = blocked_attention(q, keys, values, plan.mask)
+            out = blocked_attention(q, keys, values, plan.mask, softcap=self._softcap)
+        elif self._softcap is not None:  # SDPA cannot cap the scores
+            out = capped_attention(q, keys, values, plan.mask, self._softcap)
         else:
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=plan.mask, enable_gqa=heads != keys.shape[1]
@@ -263,8 +269,8 @@ class FamilyDecoderLayer(DecoderLayer):
     a GeGLU MLP (:class:`GeluMLP`) or a mixture of experts
     (:class:`~specserve.engine.moe.MoE`), chosen by the layer at construction, and a
     ``residual_multiplier`` on each sublayer's output (Granite). Attention's own features
-    (q/k norm, scale) live in :class:`Attention`. Always runs its modules one by one
-    (the one-op layer is the Llama layer's)."""
+    (q/k norm, scale, Gemma 2's score soft-cap) live in :class:`Attention`. Always runs
+    its modules one by one (the one-op layer is the Llama layer's)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)

@@ -296,14 +296,22 @@ def prepare(model: CausalLM, *, huge_pages: bool = True) -> CausalLM:
 
 def load_tokenizer(source: str | Path) -> Tokenizer:
     """The tokenizer of the model directory or GGUF file ``source`` (for GGUF, built by
-    transformers from the file's metadata)."""
+    transformers from the file's metadata).
+
+    transformers' ``AutoTokenizer`` reads a GGUF file's model config first and refuses
+    an architecture its GGUF loader does not know (``granite``, ``olmo2``), though the
+    tokenizer's metadata does not depend on it: there the fast tokenizer is built from
+    the metadata alone (the same token ids; the class is transformers' generic one)."""
     path = _model_path(source)
     cfg = read_config(path)
-    from transformers import AutoTokenizer  # heavy; only needed here
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # heavy; only here
 
     try:
         if path.is_file():
-            hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            try:
+                hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            except ValueError:  # an architecture transformers' GGUF config loader refuses
+                hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
         else:
             hf = AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:

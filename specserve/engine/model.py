@@ -1,6 +1,6 @@
 """The decoder of every supported family (Llama, Qwen2/3, Mistral, Granite, OLMo 2,
-Phi-3, Gemma 3, Qwen3-MoE, Mixtral; :mod:`specserve.engine.families`) over a paged KV
-pool.
+Phi-3, Gemma 2 and 3, Qwen3-MoE, Mixtral; :mod:`specserve.engine.families`) over a
+paged KV pool.
 
 One :meth:`CausalLM.forward` call serves a batch of sessions with ragged cache
 lengths and a ragged number of new tokens each (a prefill, one token, or k + 1

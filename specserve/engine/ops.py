@@ -288,6 +288,7 @@ def rope_cache_attention(
     read_slots: torch.Tensor,  # [batch, max_len] each session's slots by position
     token_session: torch.Tensor,  # [tokens] row of read_slots each token belongs to
     sliding_window: int | None,
+    softcap: float | None = None,  # each score s -> softcap * tanh(s / softcap); None: none
 ) -> torch.Tensor | None:  # [tokens, heads * head_dim], or None: use the torch path
     """RoPE, the KV-cache write and causal (GQA) attention of a decode/verify step, one op.
 
@@ -329,4 +330,5 @@ def rope_cache_attention(
         read_slots,
         token_session,
         sliding_window or 0,
+        softcap or 0.0,
     )

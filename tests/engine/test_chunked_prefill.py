@@ -6,7 +6,8 @@ What holds, measured on the tiny models (float32, CPU):
   chunking on or off (the same code runs);
 * a longer prompt run in chunks gives logits within 1e-5 of the one-forward run and
   the same greedy tokens (the chunks' products and attention sum in another order);
-* :func:`blocked_attention` equals SDPA within 1e-5 (online softmax over blocks);
+* :func:`blocked_attention` equals SDPA within 1e-5 (online softmax over blocks), and
+  the explicit capped attention with a score soft-cap;
 * the lossless property: speculative decoding equals target-only decoding, token for
   token, with chunking on (the same configuration on both sides), drafts accepted;
 * a prompt sent over several verifies (the orchestrator's chunked prefill, chunks of
@@ -21,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.engine.attention import blocked_attention
+from specserve.engine.attention import blocked_attention, capped_attention
 from specserve.engine.decode_state import DecodeState, StopCriteria
 from specserve.engine.model import CausalLM, SeqInput
 from specserve.engine.model_drafter import ModelDrafter
@@ -91,6 +92,15 @@ def test_blocked_attention_equals_sdpa(block: int) -> None:
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     got = blocked_attention(q, k, v, mask, block=block)
     assert (want - got).abs().max().item() < 1e-5
+    # With a score soft-cap (Gemma 2): the explicit capped attention's function, and
+    # the cap (scores here reach ~4 times it) changes the output. capped_attention with
+    # no binding cap is SDPA.
+    capped = capped_attention(3 * q, k, v, mask, 2.0)
+    assert (
+        capped - blocked_attention(3 * q, k, v, mask, block=block, softcap=2.0)
+    ).abs().max() < 1e-5
+    assert (capped - blocked_attention(3 * q, k, v, mask, block=block)).abs().max() > 1e-2
+    assert (want - capped_attention(q, k, v, mask, 1e6)).abs().max().item() < 1e-5
 
 
 def test_speculative_equals_target_only_with_chunked_prefill() -> None:

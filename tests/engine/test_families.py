@@ -1,6 +1,6 @@
 """The families beyond Llama, each against transformers' own model of it.
 
-Per family (Qwen3, Granite, OLMo 2, Phi-3, Gemma 3, and the mixtures of experts
+Per family (Qwen3, Granite, OLMo 2, Phi-3, Gemma 2, Gemma 3, and the mixtures of experts
 Qwen3-MoE and Mixtral: 4 experts, top-2), a tiny random model built from
 transformers' config class with the family's features on
 (tests/support/hf_families.py), loaded three ways: its Hugging Face directory, an F16
@@ -14,6 +14,7 @@ and the quantized-block paths.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ from tests.support.hf_families import family_config, family_reference, write_fam
 from tests.support.hf_tiny import PROMPT
 from tests.support.tiny import noisy_copy
 
-FAMILIES = ["qwen3", "granite", "olmo2", "phi3", "gemma3_text", "qwen3_moe", "mixtral"]
+FAMILIES = ["qwen3", "granite", "olmo2", "phi3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral"]
 STEPS = 32
 BUDGET = 8 << 20
 # float32 rounding of the same sums in another order, over logits of size ~10
@@ -172,11 +173,63 @@ def test_settings_the_decoder_does_not_run_are_refused() -> None:
     granite = {**family_config("granite").to_dict(), "mlp_bias": True}
     with pytest.raises(ModelLoadError, match=r"MLP biases"):
         ModelConfig.from_hf(granite)
-    gemma = {**family_config("gemma3_text").to_dict(), "attn_logit_softcapping": 50.0}
-    with pytest.raises(ModelLoadError, match=r"attention logit soft-capping .* Gemma 2"):
+    gemma = {**family_config("gemma2").to_dict(), "attn_logit_softcapping": -1.0}
+    with pytest.raises(ModelLoadError, match=r"attn_logit_softcapping must be positive"):
         ModelConfig.from_hf(gemma)
-    with pytest.raises(ModelLoadError, match=r"model type 'gemma2' is not supported"):
-        ModelConfig.from_hf({**gemma, "model_type": "gemma2"})
+
+
+def test_gemma2_attention_scores_pass_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny Gemma 2's causal attention scores go well past its soft-cap, so the
+    parity tests above exercise the cap (transformers' eager attention, recorded)."""
+    import transformers.models.gemma2.modeling_gemma2 as g2
+
+    peaks: list[float] = []
+    original = g2.eager_attention_forward
+
+    def recording(
+        module: nn.Module, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        keys = g2.repeat_kv(key, module.num_key_value_groups)
+        scores = (query @ keys.transpose(2, 3)) * kwargs["scaling"]
+        peaks.append(float(scores.tril().abs().max()))  # the keys a query may see
+        return original(module, query, key, *args, **kwargs)
+
+    monkeypatch.setattr(g2, "eager_attention_forward", recording)
+    ref = family_reference("gemma2")
+    with torch.no_grad():
+        ref(torch.tensor([PROMPT]))
+    cap = ref.config.attn_logit_softcapping
+    assert len(peaks) == ref.config.num_hidden_layers
+    assert max(peaks) > 2 * cap, (peaks, cap)
+    assert ModelConfig.from_hf(ref.config.to_dict()).attn_logit_softcapping == cap
+
+
+def test_gemma2_capped_rows_have_the_bits_of_one_token_steps(tmp_path: Path) -> None:
+    """Batch invariance with the cap: a session's 5 verify rows, among another session's
+    rows, have the bits of its 5 one-token steps (the CPU kernel's capped scores), and
+    are within float32 rounding of the torch path's (explicit capped attention)."""
+    from specserve.engine import cpu_kernels, ops
+
+    if cpu_kernels.kernels() is None:
+        pytest.skip("the CPU kernels do not build here")
+    family_reference("gemma2").save_pretrained(tmp_path)
+    model, cfg = load_model(tmp_path, torch.float32, huge_pages=False)
+    assert cfg.attn_logit_softcapping == 2.0 and not cfg.plain_layers
+    new = [40, 41, 42, 43, 44]
+
+    def run(kernels: bool, one_by_one: bool) -> torch.Tensor:
+        kv = model.new_kv_pool(BUDGET)
+        kv.reserve({"a": len(PROMPT) + 5, "b": len(PROMPT) + 5})
+        with ops.kernels_enabled(kernels):
+            model([SeqInput("a", PROMPT, 0), SeqInput("b", PROMPT[::-1], 0)], kv)
+            if one_by_one:
+                return torch.cat([model([SeqInput("a", [t])], kv) for t in new])
+            both = [SeqInput("b", [7, 8, 9], 3), SeqInput("a", new, len(new))]
+            return model(both, kv)[3:]
+
+    verify, steps, torch_path = run(True, False), run(True, True), run(False, False)
+    assert torch.equal(verify, steps)
+    assert (verify - torch_path).abs().max() <= 1e-4 * torch_path.abs().max()
 
 
 def test_olmo2_refuses_tensor_parallelism() -> None:

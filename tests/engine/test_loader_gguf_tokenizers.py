@@ -154,6 +154,27 @@ WORDS = ["hello", "world", "def", "return"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+@pytest.mark.parametrize("model_type", ["granite", "olmo2"])
+def test_gguf_tokenizer_of_an_architecture_transformers_does_not_load(
+    tmp_path: Path, model_type: str
+) -> None:
+    """transformers' AutoTokenizer refuses a granite or olmo2 GGUF file (it reads the
+    model config first); the loader builds the tokenizer from the metadata alone, with
+    the token ids of the same byte tokenizer in a qwen3 file (which AutoTokenizer loads)."""
+    from tests.support.hf_families import family_reference, write_family_gguf
+
+    for fam in (model_type, "qwen3"):
+        write_family_gguf(tmp_path / f"{fam}.gguf", fam, family_reference(fam), "F16")
+    tok, ref = (
+        load_tokenizer(tmp_path / f"{model_type}.gguf"),
+        load_tokenizer(tmp_path / "qwen3.gguf"),
+    )
+    text = "def f(x):\n    return x + 1  # é"
+    assert tok.encode(text) == ref.encode(text)
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.vocab_size == ref.vocab_size and tok.eos_token_ids == ref.eos_token_ids
+
+
 def test_eos_ids_include_config_tokenizer_and_chat_end() -> None:
     tok = tiny_tokenizer(WORDS, SPECIALS, eos="<|im_start|>")
     vocab = tok.hf.get_vocab()

@@ -350,3 +350,47 @@ def test_move_to_huge_pages_keeps_weights_and_ties() -> None:
     kv.truncate("s", 0)
     kv.reserve({"s": 12})
     assert torch.equal(model([SeqInput("s", list(range(1, 12)))], kv), want)
+
+
+@needs_kernel
+def test_fused_attention_soft_cap_matches_torch_and_is_batch_invariant() -> None:
+    """With a score soft-cap (Gemma 2) the kernel is within float32 rounding of the torch
+    path's explicit capped attention (its vectorized tanh against torch's), the cap
+    changes the output, and each of 5 tokens sharing a call has the bits of its own
+    one-token call. RoPE is the identity here (inverse frequencies 0), so the reference
+    reads the cache as written."""
+    from specserve.engine.attention import capped_attention
+
+    gen = torch.Generator().manual_seed(3)
+    t, h, kh, d, past, cap = 5, 4, 2, 16, 37, 5.0
+    length = past + t
+    q = 3 * torch.randn(t, h, d, generator=gen)  # scores ~ N(0, 9^2): most pass the cap
+    k, v = 3 * torch.randn(t, kh, d, generator=gen), torch.randn(t, kh, d, generator=gen)
+    cache_k, cache_v = torch.zeros(length, kh, d), torch.zeros(length, kh, d)
+    cache_k[:past] = 3 * torch.randn(past, kh, d, generator=gen)
+    cache_v[:past] = torch.randn(past, kh, d, generator=gen)
+    positions = torch.arange(past, length)
+    read = torch.arange(length).view(1, length)
+
+    def call(rows: slice, kc: torch.Tensor, vc: torch.Tensor, sc: float | None) -> torch.Tensor:
+        n = rows.stop - rows.start
+        out = ops.rope_cache_attention(
+            q[rows], k[rows], v[rows], positions[rows], torch.zeros(d // 2), 1.0, kc, vc,
+            positions[rows], read, torch.zeros(n, dtype=torch.long), None, sc,
+        )  # fmt: skip
+        assert out is not None
+        return out
+
+    kc, vc = cache_k.clone(), cache_v.clone()
+    together = call(slice(0, t), kc, vc, cap)
+    kc1, vc1 = cache_k.clone(), cache_v.clone()
+    alone = torch.cat([call(slice(i, i + 1), kc1, vc1, cap) for i in range(t)])
+    assert torch.equal(together, alone)
+
+    mask = (torch.arange(length)[None, :] <= positions[:, None]).view(1, 1, t, length)
+    keys, values = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]  # [1, kh, L, d]
+    ref = capped_attention(q.transpose(0, 1)[None], keys, values, mask, cap)  # [1, h, t, d]
+    ref = ref[0].transpose(0, 1).reshape(t, h * d)
+    assert (together - ref).abs().max() <= 1e-5 * ref.abs().max()
+    uncapped = call(slice(0, t), cache_k.clone(), cache_v.clone(), None)
+    assert (uncapped - ref).abs().max() > 1e-2 * ref.abs().max()

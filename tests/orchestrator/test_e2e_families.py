@@ -1,9 +1,13 @@
-"""Families beyond Llama through the whole stack: Qwen3 (q/k norm per head) and the
-mixture of experts Mixtral as GGUF files, an F16 target and a Q8_0 draft (blocks
-kept) of the same tiny model, served by the target and draft servers behind the
-orchestrator on a real Redis. Greedy and seeded
-(coupled) output through client -> orchestrator -> draft + target equals target-only
-decoding of the target file in this process, with drafts proposed and accepted."""
+"""Families beyond Llama through the whole stack: each as GGUF files, an F16 target and
+a Q8_0 draft (blocks kept) of the same tiny model, served by the target and draft
+servers behind the orchestrator on a real Redis. Greedy and seeded (coupled) output
+through client -> orchestrator -> draft + target equals target-only decoding of the
+target file in this process, with drafts proposed and accepted.
+
+Qwen3 (q/k norm per head) and the mixture of experts Mixtral run with the suite; the
+other families (Granite, OLMo 2, Phi-3, Gemma 2, Gemma 3, Qwen3-MoE) are marked
+``slow`` (``make slow``, ``-m slow``) so that ``make test``'s time does not grow; one
+stack at a time."""
 
 from __future__ import annotations
 
@@ -29,7 +33,13 @@ PROMPTS = [[5, 17, 99, 3, 200, 7, 64, 1], [9, 8, 7, 6, 5] * 3]
 N = 24
 
 
-@pytest.fixture(scope="module", params=["qwen3", "mixtral"])
+SLOW_FAMILIES = ("granite", "olmo2", "phi3", "gemma2", "gemma3_text", "qwen3_moe")
+
+
+@pytest.fixture(
+    scope="module",
+    params=["qwen3", "mixtral", *(pytest.param(f, marks=pytest.mark.slow) for f in SLOW_FAMILIES)],
+)
 def family_files(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Path]:

@@ -7,7 +7,8 @@ holds exactly (so an F16 GGUF file is the same model), and scaled so next-token
 distributions are peaked. :func:`write_family_gguf` writes it as llama.cpp's converter
 would: its architecture, tensor names from the ``gguf`` package's own name map (q/k
 rows interleaved for the Llama lineage, fused matrices kept fused), the family's
-metadata, and F16 or Q8_0 matrices; a mixture of experts as llama.cpp stacks it
+metadata (Gemma 2's soft-caps and window as its converter writes them), and F16 or
+Q8_0 matrices; a mixture of experts as llama.cpp stacks it
 (``ffn_gate_inp``, ``ffn_{gate,up,down}_exps`` ``[experts, out, in]``, the
 ``expert_count`` metadata; Mixtral as a ``llama`` with experts).
 """
@@ -36,6 +37,16 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     },
     "olmo2": {"pad_token_id": None},  # post-norms, q/k norm over the whole projection
     "phi3": {"sliding_window": 16, "pad_token_id": None},  # fused qkv and gate_up
+    "gemma2": {  # Gemma 3's layer without q/k norm; attention scores soft-capped
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,  # llama.cpp's scale for every Gemma 2 but the 27B
+        "sliding_window": 4,  # a sliding and a global layer, as llama.cpp assumes
+        "layer_types": ["sliding_attention", "full_attention"],
+        "attn_logit_softcapping": 2.0,  # small: scores of ~N(0, 1) often pass it
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+    },
     "gemma3_text": {  # sandwich norms, GeGLU, (1 + w) norms, q/k norm, scaled embedding
         "head_dim": 16,
         "query_pre_attn_scalar": 16,  # llama.cpp's scale for every Gemma 3 but the 27B
@@ -62,7 +73,7 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
 # transformers model_type -> llama.cpp's architecture, where they differ.
 _GGUF_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 # Families whose norm weights llama.cpp's converter shifts (Gemma's 1 + w).
-_NORM_SHIFT = {"gemma3_text": 1.0}
+_NORM_SHIFT = {"gemma2": 1.0, "gemma3_text": 1.0}
 # Families whose GGUF q/k rows llama.cpp's converter interleaves (LlamaModel lineage).
 _PERMUTED = ("granite", "mixtral")
 
@@ -136,6 +147,10 @@ def write_family_gguf(
         w.add_logit_scale(cfg.logits_scaling)
     if model_type == "phi3":
         w.add_sliding_window(cfg.sliding_window or 0)
+    if model_type == "gemma2":  # as the converter: no layer pattern (llama.cpp assumes 2)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if model_type == "gemma3_text":
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])

@@ -18,7 +18,7 @@ from tests.tp.ranks import run_ranks
 pytestmark = pytest.mark.tp
 
 # OLMo 2 is refused under TP (tests/engine/test_families.py).
-FAMILIES = ("qwen3", "granite", "phi3", "gemma3_text", "qwen3_moe", "mixtral")
+FAMILIES = ("qwen3", "granite", "phi3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
 
 
 def test_tp2_family_logits_match_tp1(tmp_path: Path) -> None:
